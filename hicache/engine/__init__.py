@@ -1,0 +1,1 @@
+"""hicache.engine"""

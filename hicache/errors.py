@@ -1,0 +1,38 @@
+"""The error tree. Scarcity (no free slots, cache miss) is a return value on
+hot paths, never an exception; these are for misuse and broken state."""
+
+
+class HiCacheError(Exception):
+    """Root of every error hicache raises on purpose."""
+
+
+class LayoutError(HiCacheError):
+    """A KV layout is malformed or does not match the one registered."""
+
+
+class ConfigError(HiCacheError):
+    """A configuration value (flag, TOML key, HICACHE_* variable) is invalid."""
+
+
+class ProtocolError(HiCacheError):
+    """A frame or a message does not follow the wire protocol."""
+
+
+class DiskTierError(HiCacheError):
+    """The LMDB environment is foreign, damaged or unusable."""
+
+
+class ClientError(HiCacheError):
+    """Raised by the engine client when the daemon answered with an error."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class DaemonUnavailable(ClientError):
+    """The daemon cannot be reached; engines treat this as a miss."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("UNAVAILABLE", message)
