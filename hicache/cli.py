@@ -1,0 +1,193 @@
+"""`hicache` command line: serve, admin commands, benchmarks, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+from hicache.config import default_socket_path, format_size, load_config
+from hicache.errors import ClientError, ConfigError, DaemonUnavailable, HiCacheError
+
+
+def _add_socket(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--socket", dest="socket_path", help="daemon socket (default: as `hicache serve`)")
+
+
+def _add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hicache", description="Tiered KV-cache daemon for LLM inference engines.")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the daemon")
+    _add_socket(s)
+    s.add_argument("--state-dir")
+    s.add_argument("--host-capacity", help="host arena size, e.g. 512MiB, 4GiB")
+    s.add_argument("--disk-capacity", help="disk tier byte budget, e.g. 20GiB")
+    s.add_argument("--no-disk", dest="disk_enabled", action="store_const", const=False, default=None,
+                   help="run without the disk tier")
+    s.add_argument("--reset-disk", action="store_const", const=True, default=None,
+                   help="delete the disk tier's environment and start fresh")
+    s.add_argument("--write-policy", choices=["write_through", "write_through_selective", "write_back"])
+    s.add_argument("--load-policy", choices=["best_effort", "wait_complete", "timeout"])
+    s.add_argument("--metrics-port", type=int)
+    s.add_argument("--config", dest="config_file", help="TOML file ([hicache] table or top-level keys)")
+
+    for name, helptext in (("stats", "tier and engine statistics"), ("ls", "the prefix tree per namespace")):
+        p = sub.add_parser(name, help=helptext)
+        _add_socket(p)
+        _add_json(p)
+        if name == "stats":
+            p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS")
+        else:
+            p.add_argument("--depth", type=int, default=2)
+
+    p = sub.add_parser("evict", help="evict bytes from a tier")
+    _add_socket(p)
+    _add_json(p)
+    p.add_argument("--tier", choices=["host", "disk"], required=True)
+    p.add_argument("--bytes", required=True, help="how much, e.g. 1GiB")
+
+    p = sub.add_parser("flush", help="drop a tier entirely (pinned pages stay)")
+    _add_socket(p)
+    _add_json(p)
+    p.add_argument("--tier", choices=["host", "disk"], required=True)
+
+    p = sub.add_parser("demo", help="start a daemon with embedded defaults and run a demo workload through it")
+    p.add_argument("--requests", type=int, default=48)
+    p.add_argument("--host-capacity", default="256MiB")
+    p.add_argument("--disk-capacity", default="1GiB")
+    return parser
+
+
+def _admin_call(args: argparse.Namespace, method: str, params: dict[str, Any] | None = None) -> Any:
+    from hicache.client.connection import RpcConnection
+
+    path = args.socket_path or os.environ.get("HICACHE_SOCKET_PATH") or str(default_socket_path())
+    conn = RpcConnection.connect(path, timeout_s=10.0)
+    try:
+        conn.hello(want_arena=False)
+        return conn.call(method, params or {})
+    finally:
+        conn.close()
+
+
+def _print_stats(st: dict) -> None:
+    print(f"hicache {st['version']}  pid {st['pid']}  up {st['uptime_s']:.0f}s  "
+          f"policy {st['write_policy']}  connections {st['connections']}")
+    print(f"{'tier':<8}{'capacity':>12}{'used':>12}{'pages':>10}{'hit rate':>10}{'evicted':>10}")
+    for name in ("device", "host", "disk"):
+        t = st["tiers"].get(name)
+        if t is None:
+            continue
+        cap = format_size(t["capacity_bytes"]) if "capacity_bytes" in t else "-"
+        used = format_size(t["used_bytes"]) if "used_bytes" in t else "-"
+        print(f"{name:<8}{cap:>12}{used:>12}{t.get('pages', 0):>10}{t.get('hit_rate', 0.0):>10.1%}"
+              f"{t.get('evicted_pages', 0):>10}")
+    r = st["requests"]
+    print(f"matches {r['matches']}  inserts {r['inserts']}  loaded pages {r['loaded_pages']}  "
+          f"backups {r['backups']} ({r['backup_pages']} pages)  pins {st['pins']}")
+    if st["engines"]:
+        print(f"{'engine':<8}{'model':<24}{'tp':>4}{'pid':>8}{'resident':>10}{'pool':>8}")
+        for e in st["engines"]:
+            print(f"{e['engine']:<8}{e['model'][:23]:<24}{e['tp_rank']:>4}{e['pid'] or '-':>8}"
+                  f"{e['resident_pages']:>10}{e['device_pages']:>8}")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from hicache.daemon.app import serve
+
+    overrides = {k: getattr(args, k) for k in ("socket_path", "state_dir", "host_capacity", "disk_capacity",
+                                               "disk_enabled", "reset_disk", "write_policy", "load_policy",
+                                               "metrics_port")}
+    config = load_config(args.config_file, overrides)
+    return serve(config)
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    import time
+
+    while True:
+        st = _admin_call(args, "stats")
+        if args.json:
+            print(json.dumps(st))
+        else:
+            _print_stats(st)
+        if not args.watch:
+            return 0
+        sys.stdout.flush()
+        time.sleep(args.watch)
+        if not args.json:
+            print()
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    tree = _admin_call(args, "ls", {"depth": args.depth})
+    if args.json:
+        print(json.dumps(tree))
+        return 0
+    for ns in tree["namespaces"]:
+        pages = ns["pages"]
+        print(f"{ns['namespace'][:16]}  {ns['model']}  tp{ns['tp_rank']}  page {format_size(ns['page_bytes'])}  "
+              f"device {pages['device']}  host {pages['host']}  disk {pages['disk']} pages")
+
+        def show(nodes: list[dict], indent: int) -> None:
+            for n in nodes:
+                tiers = "".join(t for t, on in (("D", n["engines"]), ("H", n["host"]), ("S", n["disk"])) if on)
+                print(f"{'  ' * indent}- {n['pages']} pages [{tiers or '-'}] hits {n['hits']} "
+                      f"subtree {n['subtree_nodes']} nodes")
+                show(n["children"], indent + 1)
+
+        show(ns["tree"], 1)
+    return 0
+
+
+def cmd_evict(args: argparse.Namespace) -> int:
+    from hicache.config import parse_size
+
+    r = _admin_call(args, "evict_tier", {"tier": args.tier, "bytes": parse_size(args.bytes)})
+    print(json.dumps(r) if args.json else f"evicted {format_size(r['bytes'])} from {args.tier}")
+    return 0
+
+
+def cmd_flush(args: argparse.Namespace) -> int:
+    r = _admin_call(args, "flush", {"tier": args.tier})
+    print(json.dumps(r) if args.json else f"flushed {r['pages']} pages from {args.tier}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from hicache.demo import run_demo
+
+    return run_demo(args)
+
+
+COMMANDS = {"serve": cmd_serve, "stats": cmd_stats, "ls": cmd_ls, "evict": cmd_evict, "flush": cmd_flush,
+            "demo": cmd_demo}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return COMMANDS[args.command](args)
+    except DaemonUnavailable as e:
+        print(f"hicache: the daemon is not running or not reachable ({e.message})", file=sys.stderr)
+        return 2
+    except (ConfigError, ClientError, HiCacheError) as e:
+        print(f"hicache: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""HiCacheClient: the engine's synchronous view of the daemon.
+
+An engine must never crash or hang because the daemon is gone: every call
+goes through `_call`, which reconnects with exponential backoff and, while
+the daemon is away, answers lookups with a miss and skips stores. Each
+successful (re)connect bumps `epoch`; the daemon forgets an engine's device
+residency when its connection drops, so the engine-side cache layer treats a
+new epoch as "the daemon no longer tracks any of my device pages".
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hicache.config import default_socket_path
+from hicache.errors import ClientError, DaemonUnavailable
+from hicache.index.keys import KEY_BYTES, Namespace, as_tokens, page_keys
+from hicache.layout import KVLayout
+from hicache.rpc.framing import bytes_to_ids, ids_to_bytes
+from hicache.client.connection import RpcConnection
+
+log = logging.getLogger(__name__)
+
+EMPTY = np.empty(0, dtype=np.int64)
+
+
+@dataclass(slots=True)
+class BackupPlan:
+    backup_id: int
+    host_pages: np.ndarray
+    device_pages: np.ndarray
+    epoch: int
+
+
+@dataclass(slots=True)
+class Match:
+    """What the daemon holds for a prefix. Lengths are in pages."""
+
+    pin: int | None  # None: a miss answered locally (daemon away)
+    keys: list[bytes]
+    device_pages: np.ndarray  # this engine's pages that already hold the prefix
+    host_pages: np.ndarray  # host pages holding the next part
+    disk_len: int
+    epoch: int
+
+    @property
+    def device_len(self) -> int:
+        return len(self.device_pages)
+
+    @property
+    def host_len(self) -> int:
+        return len(self.host_pages)
+
+
+@dataclass(slots=True)
+class InsertReply:
+    present_pages: int
+    free_pages: np.ndarray  # duplicates: the engine frees these device pages now
+    backup: BackupPlan | None
+
+
+class HiCacheClient:
+    def __init__(self, layout: KVLayout, device_pages: int, *, model: str, socket_path: str | None = None,
+                 tp_rank: int = 0, tp_size: int = 1, extra_key: str = "", timeout_s: float = 5.0,
+                 backoff_s: tuple[float, float] = (0.05, 2.0)) -> None:
+        self.layout = layout
+        self.device_pages = device_pages
+        self.namespace = Namespace(model, layout, tp_rank, tp_size, extra_key)
+        self.salt = self.namespace.salt()
+        self.socket_path = str(socket_path or os.environ.get("HICACHE_SOCKET_PATH") or default_socket_path())
+        self.timeout_s = timeout_s
+        self.backoff_min_s, self.backoff_max_s = backoff_s
+        self._backoff_s = self.backoff_min_s
+        self._next_try = 0.0
+        self.conn: RpcConnection | None = None
+        self.engine_id: int | None = None
+        self.epoch = 0
+        self.arena_fd: int | None = None
+        self.arena_bytes = 0
+        self.on_reconnect: list[Any] = []  # callbacks(epoch) run after each (re)connect
+        self.misses_while_away = 0
+
+    # -- connection management -------------------------------------------------
+    @property
+    def connected(self) -> bool:
+        return self.conn is not None and not self.conn.closed
+
+    def connect(self) -> bool:
+        """Try now (ignoring backoff). True when connected and registered."""
+        self._next_try = 0.0
+        return self._ensure()
+
+    def _ensure(self) -> bool:
+        if self.connected:
+            return True
+        now = time.monotonic()
+        if now < self._next_try:
+            return False
+        try:
+            conn = RpcConnection.connect(self.socket_path, self.timeout_s)
+            hello, fds = conn.hello(want_arena=True)
+            if not fds:
+                conn.close()
+                raise DaemonUnavailable("the daemon sent no arena descriptor")
+            reply = conn.call("register", {"model": self.namespace.model, "layout": self.layout.to_dict(),
+                                           "tp_rank": self.namespace.tp_rank, "tp_size": self.namespace.tp_size,
+                                           "extra_key": self.namespace.extra_key,
+                                           "device_pages": self.device_pages})
+        except DaemonUnavailable as e:
+            self._schedule_retry(now, str(e))
+            return False
+        if reply["salt"] != self.salt:
+            conn.close()
+            raise ClientError("BAD_NAMESPACE", "the daemon computed a different namespace salt")
+        self._adopt_arena(fds[0], int(hello["arena_bytes"]))
+        for fd in fds[1:]:
+            os.close(fd)
+        self.conn = conn
+        self.engine_id = int(reply["engine"])
+        self.epoch += 1
+        self._backoff_s = self.backoff_min_s
+        log.info("connected to hicache daemon %s (engine %d, epoch %d)", hello.get("server"), self.engine_id,
+                 self.epoch)
+        for cb in list(self.on_reconnect):
+            cb(self.epoch)
+        return True
+
+    def _adopt_arena(self, fd: int, nbytes: int) -> None:
+        """Keep the first arena fd; a restarted daemon has a new arena, which replaces it."""
+        if self.arena_fd is not None:
+            os.close(self.arena_fd)
+        self.arena_fd, self.arena_bytes = fd, nbytes
+
+    def _schedule_retry(self, now: float, why: str) -> None:
+        self._next_try = now + self._backoff_s
+        log.debug("hicache daemon unavailable (%s); retry in %.2fs", why, self._backoff_s)
+        self._backoff_s = min(self._backoff_s * 2, self.backoff_max_s)
+
+    def _call(self, method: str, params: dict) -> Any:
+        """One RPC; raises DaemonUnavailable (connection dropped) or ClientError (daemon said no)."""
+        if not self._ensure():
+            raise DaemonUnavailable("daemon unavailable")
+        assert self.conn is not None
+        try:
+            return self.conn.call(method, params)
+        except DaemonUnavailable as e:
+            self.conn = None
+            self._schedule_retry(time.monotonic(), str(e))
+            raise
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+        if self.arena_fd is not None:
+            os.close(self.arena_fd)
+            self.arena_fd = None
+
+    # -- keys ------------------------------------------------------------------
+    def page_keys(self, tokens: Any) -> list[bytes]:
+        return page_keys(self.salt, as_tokens(tokens), self.layout.page_size)
+
+    # -- the engine cycle ----------------------------------------------------------
+    def match(self, tokens: Any = None, *, keys: list[bytes] | None = None) -> Match:
+        """Longest cached prefix of `tokens`, per tier. A miss when the daemon is away."""
+        if keys is None:
+            keys = self.page_keys(tokens)
+        try:
+            r = self._call("match", {"engine": self.engine_id, "keys": b"".join(keys)}) if keys else None
+        except DaemonUnavailable:
+            self.misses_while_away += 1
+            r = None
+        if r is None:
+            return Match(None, keys, EMPTY, EMPTY, 0, self.epoch)
+        return Match(int(r["pin"]), keys, bytes_to_ids(r["device_pages"]), bytes_to_ids(r["host_pages"]),
+                     int(r["disk_len"]), self.epoch)
+
+    def load_done(self, match: Match, device_pages: np.ndarray) -> np.ndarray | None:
+        """Report the host part copied into `device_pages`. Returns pages to free, or
+        None when the daemon no longer tracks this match (the caller keeps the pages private)."""
+        if match.pin is None or match.epoch != self.epoch:
+            return None
+        try:
+            r = self._call("load_done", {"pin": match.pin, "device_pages": ids_to_bytes(device_pages)})
+        except DaemonUnavailable:
+            return None
+        return bytes_to_ids(r["free_pages"])
+
+    def release(self, match: Match) -> None:
+        if match.pin is None or match.epoch != self.epoch:
+            return
+        try:
+            self._call("release", {"pin": match.pin})
+        except DaemonUnavailable:
+            pass
+
+    def insert(self, tokens: Any, device_pages: np.ndarray, *, keys: list[bytes] | None = None,
+               pin: Match | None = None) -> InsertReply | None:
+        """Offer the full pages of `tokens` (held in `device_pages`) to the cache.
+        None: skipped (daemon away) and the pages stay the engine's own."""
+        toks = as_tokens(tokens)
+        n = len(device_pages)
+        if keys is None:
+            keys = page_keys(self.salt, toks[:n * self.layout.page_size], self.layout.page_size)
+        if len(keys) != n:
+            raise ValueError(f"{n} device pages for {len(keys)} full pages of tokens")
+        params = {"engine": self.engine_id, "keys": b"".join(keys),
+                  "tokens": toks[:n * self.layout.page_size].tobytes(), "device_pages": ids_to_bytes(device_pages)}
+        if pin is not None and pin.pin is not None and pin.epoch == self.epoch:
+            params["pin"] = pin.pin
+        try:
+            r = self._call("insert", params)
+        except DaemonUnavailable:
+            return None
+        return InsertReply(int(r["present_pages"]), bytes_to_ids(r["free_pages"]), self._plan(r["backup"]))
+
+    def _plan(self, b: dict | None) -> BackupPlan | None:
+        if b is None:
+            return None
+        return BackupPlan(int(b["id"]), bytes_to_ids(b["host_pages"]), bytes_to_ids(b["device_pages"]), self.epoch)
+
+    def backup_done(self, plan: BackupPlan, ok: bool = True) -> np.ndarray | None:
+        if plan.epoch != self.epoch:
+            return None
+        try:
+            r = self._call("backup_done", {"backup": plan.backup_id, "ok": ok})
+        except DaemonUnavailable:
+            return None
+        return bytes_to_ids(r["free_pages"])
+
+    def evict(self, num_pages: int) -> tuple[np.ndarray, BackupPlan | None]:
+        """Ask for about num_pages of this engine's cached device pages back."""
+        try:
+            r = self._call("evict", {"engine": self.engine_id, "num_pages": int(num_pages)})
+        except DaemonUnavailable:
+            return EMPTY, None
+        return bytes_to_ids(r["free_pages"]), self._plan(r["backup"])
+
+    def stats(self) -> dict:
+        return self._call("stats", {})
+
+
+def map_arena(fd: int, nbytes: int) -> mmap.mmap:
+    return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+__all__ = ["HiCacheClient", "Match", "InsertReply", "BackupPlan", "KEY_BYTES", "map_arena"]

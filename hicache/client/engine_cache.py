@@ -1,0 +1,253 @@
+"""EngineCache: what an engine's scheduler calls. It owns the bookkeeping of
+which device pages belong to the cache and which to a request.
+
+A device page is, at any moment, one of:
+  free     - in the engine's allocator;
+  private  - held by one request only (freshly computed, or a duplicate);
+  cached   - the daemon records it as this engine's residency ("owned");
+             requests using it hold a ref, and the daemon keeps it locked
+             through their pins, so eviction never takes a page in use.
+Pages move private -> cached at `store` (insert) and `finish_load`, cached
+-> free when the daemon evicts them, and cached -> private for every page at
+once when the daemon is lost (a reconnect means it forgot our residency).
+
+The per-layer pipeline: `lookup` starts the host->device copy of the host
+part on the transfer executor and returns a Prefix whose `wait_layer(l)` the
+model calls right before layer l reads the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from hicache.client.client import EMPTY, BackupPlan, HiCacheClient, Match
+from hicache.tiers.device import DevicePool
+from hicache.tiers.host import HostArena, HostKVCache
+from hicache.transfer.executor import LoadHandle, TransferExecutor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class Prefix:
+    """A request's cached prefix: its device pages, some possibly still loading."""
+
+    match: Match
+    device_pages: np.ndarray  # resident pages, then the pages being loaded from host
+    load: LoadHandle | None
+    loaded_pages: np.ndarray  # the part of device_pages being loaded
+    epoch: int
+    private: list[np.ndarray] = field(default_factory=list)  # pages only this request holds
+    cached: list[np.ndarray] = field(default_factory=list)  # cached pages it holds a ref on
+    finished: bool = False
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.device_pages)
+
+    def wait_layer(self, layer_id: int) -> None:
+        if self.load is not None:
+            self.load.wait_layer(layer_id)
+
+
+class EngineCache:
+    def __init__(self, client: HiCacheClient, device_pool: DevicePool, allocator: Any) -> None:
+        self.client = client
+        self.pool = device_pool
+        self.allocator = allocator
+        self.page_size = device_pool.page_size
+        n = device_pool.num_pages + 1
+        self.cached = np.zeros(n, dtype=bool)  # the daemon tracks this page as our residency
+        self.refs = np.zeros(n, dtype=np.int32)  # live requests holding the page
+        self.backups: list[tuple[BackupPlan, Any, TransferExecutor]] = []
+        self.host: HostKVCache | None = None
+        self.executor: TransferExecutor | None = None
+        self._arena: HostArena | None = None
+        self._epoch = 0
+        client.on_reconnect.append(self._on_reconnect)
+        client.connect()
+
+    # -- epochs ------------------------------------------------------------------
+    def _on_reconnect(self, epoch: int) -> None:
+        """A (new) daemon: map its arena, and forget what an old one tracked."""
+        self._drain_backups(report=False)
+        if self.executor is not None:
+            self.executor.close()
+        if self._arena is not None:
+            self._arena.close()
+        assert self.client.arena_fd is not None
+        self._arena = HostArena.from_fd(self.client.arena_fd, self.client.arena_bytes)
+        self.host = HostKVCache(self.pool.layout, self._arena)
+        self.executor = TransferExecutor(self.host, self.pool)
+        if self._epoch:
+            lost = np.flatnonzero(self.cached)
+            self.cached[:] = False
+            idle = lost[self.refs[lost] == 0]
+            self._free(idle)
+            log.warning("hicache daemon reconnected: %d cached pages released, %d stay with live requests",
+                        len(idle), len(lost) - len(idle))
+        self._epoch = epoch
+
+    # -- allocation helpers --------------------------------------------------------
+    def _slots(self, pages: np.ndarray) -> torch.Tensor:
+        base = torch.from_numpy(np.asarray(pages, dtype=np.int64)) * self.page_size
+        return (base[:, None] + torch.arange(self.page_size)).reshape(-1).to(self.pool.device)
+
+    def _free(self, pages: np.ndarray) -> None:
+        if len(pages):
+            self.allocator.free(self._slots(pages))
+
+    def alloc_pages(self, n: int) -> np.ndarray | None:
+        """n device pages, asking the daemon to give back cached pages if the pool is short."""
+        if n == 0:
+            return EMPTY
+        slots = self.allocator.alloc(n * self.page_size)
+        if slots is None:
+            self.evict(n - self.allocator.available_size() // self.page_size)
+            slots = self.allocator.alloc(n * self.page_size)
+            if slots is None:
+                return None
+        return (slots[::self.page_size] // self.page_size).cpu().numpy().astype(np.int64)
+
+    # -- lookup and load -----------------------------------------------------------
+    def lookup(self, tokens: Any) -> Prefix:
+        """The cached prefix of `tokens`: device pages already resident, plus a host part
+        whose per-layer copy starts now. Call `finish_load` after the forward pass."""
+        self.poll()
+        m = self.client.match(tokens)
+        resident = m.device_pages
+        self.refs[resident] += 1
+        prefix = Prefix(m, resident, None, EMPTY, m.epoch, cached=[resident])
+        if m.host_len and self.executor is not None:
+            pages = self.alloc_pages(m.host_len)
+            if pages is not None:
+                prefix.load = self.executor.load(m.host_pages, pages)
+                prefix.loaded_pages = pages
+                prefix.device_pages = np.concatenate([resident, pages])
+                self.refs[pages] += 1
+        return prefix
+
+    def finish_load(self, prefix: Prefix) -> None:
+        """The loaded pages are in place: record them with the daemon as cached."""
+        if prefix.load is None:
+            return
+        prefix.load.wait()
+        pages = prefix.loaded_pages
+        dups = self.client.load_done(prefix.match, pages) if prefix.epoch == self.client.epoch else None
+        if dups is None:  # daemon lost: the copies are valid, but only this request knows them
+            prefix.private.append(pages)
+        else:
+            mine = pages[~np.isin(pages, dups)]
+            self.cached[mine] = True
+            prefix.cached.append(mine)
+            prefix.private.append(dups)
+        prefix.load = None
+
+    # -- store -------------------------------------------------------------------------
+    def store(self, prefix: Prefix, tokens: Any, new_pages: np.ndarray) -> None:
+        """Offer the request's full pages (prefix pages, then `new_pages`) to the cache."""
+        all_pages = np.concatenate([prefix.device_pages, new_pages])
+        n_full = len(np.asarray(tokens)) // self.page_size
+        all_pages = all_pages[:n_full]
+        self.refs[new_pages] += 1
+        reply = None
+        if prefix.epoch == self.client.epoch:
+            reply = self.client.insert(tokens, all_pages, keys=prefix.match.keys[:n_full] if
+                                       len(prefix.match.keys) >= n_full else None, pin=prefix.match)
+        if reply is None:
+            prefix.private.append(new_pages)
+            return
+        dups = reply.free_pages[~self.cached[reply.free_pages]]  # our own cached pages are no duplicates
+        fresh = new_pages[~np.isin(new_pages, dups)]
+        fresh = fresh[np.isin(fresh, all_pages)]
+        self.cached[fresh] = True
+        prefix.cached.append(fresh)
+        prefix.private.append(new_pages[~np.isin(new_pages, fresh)])
+        if reply.backup is not None and self.executor is not None:
+            handle = self.executor.backup(reply.backup.host_pages, reply.backup.device_pages)
+            self.backups.append((reply.backup, handle, self.executor))
+
+    def release(self, prefix: Prefix) -> None:
+        """The request is done: drop its pin and refs, free its private pages."""
+        if prefix.finished:
+            return
+        prefix.finished = True
+        if prefix.load is not None:  # loaded but never committed: the copies are this request's
+            prefix.load.wait()  # never free pages a copy is still writing
+            prefix.private.append(prefix.loaded_pages)
+            prefix.load = None
+        self.client.release(prefix.match)
+        for pages in prefix.cached:
+            self.refs[pages] -= 1
+        for pages in prefix.private:
+            self.refs[pages] -= 1
+        private = np.concatenate(prefix.private) if prefix.private else EMPTY
+        orphaned = np.concatenate(prefix.cached) if prefix.cached else EMPTY
+        orphaned = orphaned[(~self.cached[orphaned]) & (self.refs[orphaned] == 0)]
+        self._free(np.unique(np.concatenate([private, orphaned])))
+
+    # -- backups and eviction ---------------------------------------------------------
+    def poll(self) -> None:
+        """Report finished backups (never blocks)."""
+        still = []
+        for plan, handle, ex in self.backups:
+            if handle.done():
+                self._report_backup(plan, handle)
+            else:
+                still.append((plan, handle, ex))
+        self.backups = still
+
+    def _report_backup(self, plan: BackupPlan, handle: Any) -> None:
+        try:
+            handle.wait()
+            ok = True
+        except Exception:
+            log.exception("backup %d failed", plan.backup_id)
+            ok = False
+        freed = self.client.backup_done(plan, ok)
+        if freed is not None and len(freed):
+            self._release_cached(freed)
+
+    def _drain_backups(self, report: bool) -> None:
+        for plan, handle, _ in self.backups:
+            if report:
+                self._report_backup(plan, handle)
+            else:
+                try:
+                    handle.wait()
+                except Exception:
+                    pass
+        self.backups = []
+
+    def _release_cached(self, pages: np.ndarray) -> None:
+        pages = pages[self.cached[pages]]
+        self.cached[pages] = False
+        self._free(pages[self.refs[pages] == 0])
+
+    def evict(self, num_pages: int) -> int:
+        """Give about num_pages cached device pages back to the allocator; returns how many."""
+        if num_pages <= 0:
+            return 0
+        self.poll()
+        free_now, plan = self.client.evict(num_pages)
+        n = len(free_now)
+        self._release_cached(free_now)
+        if plan is not None and self.executor is not None:  # write-back: copy out first
+            handle = self.executor.backup(plan.host_pages, plan.device_pages)
+            before = self.allocator.available_size()
+            self._report_backup(plan, handle)
+            n += (self.allocator.available_size() - before) // self.page_size
+        return n
+
+    def close(self) -> None:
+        self._drain_backups(report=True)
+        if self.executor is not None:
+            self.executor.close()
+        if self._arena is not None:
+            self._arena.close()
+        self.client.close()

@@ -1,0 +1,209 @@
+"""Daemon configuration: embedded defaults < TOML file < HICACHE_* variables < flags.
+
+`hicache serve` must start with no config file at all, so every field has a
+default derived from the environment: the socket under `$XDG_RUNTIME_DIR`
+(or a private 0700 directory under /tmp), state under `$STATE_DIRECTORY`
+(systemd) or `$XDG_STATE_HOME/hicache`, and tier capacities sized from what
+this machine has free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hicache.errors import ConfigError
+
+try:  # Python 3.11+
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+LOAD_POLICIES = ("best_effort", "wait_complete", "timeout")
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+DURABILITY = ("batch", "sync", "none")
+
+
+def parse_size(value: str | int) -> int:
+    """`512MiB`, `4GiB`, `1.5G`, `1048576` -> bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"not a size: {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"size must be >= 0, got {value}")
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"not a size: {value!r} (use e.g. 512MiB, 4GiB, 1073741824)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_size(n: int) -> str:
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n}B"
+
+
+def default_socket_path() -> Path:
+    runtime = os.environ.get("RUNTIME_DIRECTORY") or os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return Path(runtime.split(":")[0]) / "hicache.sock"
+    # A per-user private directory: other users must not be able to swap the socket.
+    return Path(tempfile.gettempdir()) / f"hicache-{os.getuid()}" / "hicache.sock"
+
+
+def default_state_dir() -> Path:
+    state = os.environ.get("STATE_DIRECTORY")
+    if state:
+        return Path(state.split(":")[0])
+    xdg = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(xdg) / "hicache"
+
+
+def mem_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def default_host_capacity() -> int:
+    """A quarter of available memory, between 64 MiB and 64 GiB: the engines need the rest."""
+    return max(64 << 20, min(mem_available_bytes() // 4, 64 << 30))
+
+
+def default_disk_capacity(state_dir: Path) -> int:
+    """A fifth of the free space where state lives, between 256 MiB and 256 GiB."""
+    probe = state_dir
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    return max(256 << 20, min(free // 5, 256 << 30))
+
+
+@dataclass(frozen=True)
+class Config:
+    socket_path: Path = field(default_factory=default_socket_path)
+    state_dir: Path = field(default_factory=default_state_dir)
+    host_capacity: int = 0  # bytes; 0 = derive from available memory
+    disk_capacity: int = 0  # bytes; 0 = derive from free disk space
+    disk_enabled: bool = True
+    reset_disk: bool = False
+    durability: str = "batch"
+    write_policy: str = "write_through"
+    write_hit_threshold: int = 2  # write_through_selective: back up after this many hits
+    load_policy: str = "best_effort"
+    prefetch_timeout_s: float = 0.05
+    disk_queue_pages: int = 4096
+    allowed_uids: tuple[int, ...] = ()  # empty = the daemon's uid and root
+    allowed_gids: tuple[int, ...] = ()
+    max_frame_bytes: int = 64 << 20
+    max_buffer_bytes: int = 128 << 20
+    max_inflight: int = 256  # concurrent requests per connection before BUSY
+    drain_timeout_s: float = 10.0
+    metrics_port: int = 0  # 0 = no metrics endpoint
+    mlock: bool = True
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.write_policy not in WRITE_POLICIES:
+            raise ConfigError(f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
+        if self.load_policy not in LOAD_POLICIES:
+            raise ConfigError(f"load_policy must be one of {LOAD_POLICIES}, got {self.load_policy!r}")
+        if self.durability not in DURABILITY:
+            raise ConfigError(f"durability must be one of {DURABILITY}, got {self.durability!r}")
+        for name in ("max_frame_bytes", "max_buffer_bytes", "max_inflight", "disk_queue_pages",
+                     "write_hit_threshold"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0")
+        if not 0 <= self.metrics_port < 65536:
+            raise ConfigError("metrics_port must be in 0..65535")
+        if self.host_capacity == 0:
+            object.__setattr__(self, "host_capacity", default_host_capacity())
+        if self.disk_capacity == 0:
+            object.__setattr__(self, "disk_capacity", default_disk_capacity(self.state_dir))
+
+    @property
+    def disk_dir(self) -> Path:
+        return self.state_dir / "disk"
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+_SIZE_FIELDS = {"host_capacity", "disk_capacity", "max_frame_bytes", "max_buffer_bytes"}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    if name not in _FIELDS:
+        raise ConfigError(f"unknown setting {name!r}")
+    kind = _FIELDS[name].type
+    try:
+        if name in _SIZE_FIELDS:
+            return parse_size(value)
+        if name in ("socket_path", "state_dir"):
+            return Path(os.path.expanduser(str(value)))
+        if name in ("allowed_uids", "allowed_gids"):
+            items = value.split(",") if isinstance(value, str) else list(value)
+            return tuple(int(x) for x in items if str(x).strip() != "")
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            low = str(value).strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if kind == "int":
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return int(value)
+        if kind == "float":
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"bad value for {name}: {value!r}") from e
+
+
+def load_config(config_file: str | Path | None = None, overrides: dict[str, Any] | None = None,
+                environ: dict[str, str] | None = None) -> Config:
+    """Merge defaults, the TOML file, HICACHE_* variables and explicit overrides (flags)."""
+    values: dict[str, Any] = {}
+    if config_file is not None:
+        try:
+            with open(config_file, "rb") as f:
+                data = tomllib.load(f)
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {config_file}: {e.strerror}") from e
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {config_file} is not valid TOML: {e}") from e
+        section = data.get("hicache", data)
+        for k, v in section.items():
+            values[k.replace("-", "_")] = _coerce(k.replace("-", "_"), v)
+    env = os.environ if environ is None else environ
+    for k, v in env.items():
+        if k.startswith("HICACHE_") and k != "HICACHE_CONFIG":
+            name = k[len("HICACHE_"):].lower()
+            if name in _FIELDS:
+                values[name] = _coerce(name, v)
+    for k, v in (overrides or {}).items():
+        if v is not None:
+            values[k] = _coerce(k, v)
+    return Config(**values)

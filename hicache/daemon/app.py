@@ -1,0 +1,261 @@
+"""The daemon's lifecycle: startup -> serve -> shutdown, on uvloop when installed.
+
+Startup brings the tiers up (host arena, then the disk tier and its index
+rebuild), then binds the socket (or adopts one from systemd), and only then
+reports READY. SIGTERM / SIGINT stop accepting, answer what is in flight,
+flush the disk queue and exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import stat
+import time
+from pathlib import Path
+from typing import Any
+
+from hicache import __version__
+from hicache.config import Config, format_size
+from hicache.daemon.handlers import build_handlers
+from hicache.daemon.host_tier import HostTier
+from hicache.daemon.service import CacheService
+from hicache.errors import HiCacheError
+from hicache.index.radix import Tier
+from hicache.rpc.server import Connection, RpcServer
+from hicache.service.activation import listen_fds_with_names
+from hicache.service.sdnotify import Notifier, watchdog_loop
+from hicache.transfer.policy import WritePolicy
+
+log = logging.getLogger(__name__)
+
+
+def prepare_socket_path(path: Path) -> None:
+    """Create the socket's directory (private when we create it) and clear a stale socket."""
+    parent = path.parent
+    if not parent.exists():
+        parent.mkdir(mode=0o700, parents=True)
+    st = parent.stat()
+    if st.st_uid != os.getuid() and st.st_uid != 0:
+        raise HiCacheError(f"socket directory {parent} belongs to uid {st.st_uid}, not to us")
+    if path.exists() or path.is_symlink():
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise HiCacheError(f"{path} exists and is not a socket; refusing to replace it")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            path.unlink()  # a stale socket from a daemon that died
+        else:
+            raise HiCacheError(f"another daemon is already serving on {path}")
+        finally:
+            probe.close()
+
+
+class Daemon:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.started_at = time.time()
+        self.host: HostTier | None = None
+        self.service: CacheService | None = None
+        self.server: RpcServer | None = None
+        self.disk: Any = None  # DiskMover once the disk tier is up
+        self._stop: asyncio.Event | None = None
+        self._bound_path: Path | None = None
+        self.notifier: Notifier | None = None
+        self.metrics: Any = None
+        self._metrics_http: Any = None
+        self._background: set[asyncio.Task] = set()
+
+    # -- lifecycle -----------------------------------------------------------
+    async def run(self) -> int:
+        self._stop = asyncio.Event()
+        await self.startup()
+        try:
+            await self._stop.wait()
+        finally:
+            await self.shutdown()
+        return 0
+
+    def request_stop(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+
+    async def startup(self) -> None:
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        self.notifier = Notifier.from_env()
+        self.host = HostTier(cfg.host_capacity, mlock=cfg.mlock)
+        log.info("host tier: %s arena (%s slabs of %s), mlock=%s", format_size(self.host.capacity_bytes),
+                 self.host.num_slabs, format_size(self.host.slab_bytes), self.host.arena.locked)
+        self.service = CacheService(self.host, write_policy=WritePolicy(cfg.write_policy),
+                                    write_hit_threshold=cfg.write_hit_threshold, emit=self._emit)
+        if cfg.disk_enabled:
+            self._start_disk()
+        allowed_uids = set(cfg.allowed_uids) or {os.getuid(), 0}
+        self.server = RpcServer(build_handlers(self), max_frame_bytes=cfg.max_frame_bytes,
+                                max_buffer_bytes=cfg.max_buffer_bytes, max_inflight=cfg.max_inflight,
+                                allowed_uids=allowed_uids, allowed_gids=set(cfg.allowed_gids),
+                                on_disconnect=self._on_disconnect)
+        inherited = listen_fds_with_names()
+        if inherited:
+            # systemd socket activation: prefer the fd named "rpc", else the first one
+            name, sock = next(((n, s) for n, s in inherited if n == "rpc"), inherited[0])
+            for _, other in inherited:
+                if other is not sock:
+                    other.close()
+            await self.server.start(sock=sock)
+            log.info("serving on the socket passed by the service manager (%s)", name)
+        else:
+            prepare_socket_path(cfg.socket_path)
+            await self.server.start(path=str(cfg.socket_path))
+            self._bound_path = cfg.socket_path
+            log.info("serving on %s", cfg.socket_path)
+        if cfg.metrics_port:
+            from hicache.metrics import Metrics
+
+            self.metrics = Metrics()
+            self._metrics_http = self.metrics.start_http(cfg.metrics_port)
+            self.server.observe = self.metrics.observe_rpc
+            self._spawn(self._refresh_metrics())
+            log.info("metrics on %s", self._metrics_http.url)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        if self.notifier.watchdog_interval_s:
+            self._spawn(watchdog_loop(self.notifier, self.notifier.watchdog_interval_s))
+        self.notifier.ready(f"serving; host {format_size(self.host.capacity_bytes)}")
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _refresh_metrics(self) -> None:
+        """Tier gauges are sampled once a second rather than updated per request."""
+        while True:
+            st = self.stats()
+            for name, t in st["tiers"].items():
+                self.metrics.set_tier(name, t.get("capacity_bytes", 0), t.get("used_bytes", 0), t.get("pages", 0))
+            self.metrics.set_engines(len(st["engines"]))
+            if self.disk is not None:
+                self.metrics.set_queue_depth("disk_write", st["tiers"]["disk"].get("queue_depth", 0))
+            await asyncio.sleep(1.0)
+
+    def _start_disk(self) -> None:
+        from hicache.daemon.disk_mover import DiskMover  # the disk tier is optional
+
+        self.disk = DiskMover.start(self.config, self.service)
+
+    async def shutdown(self) -> None:
+        log.info("shutting down: draining requests")
+        if self.notifier is not None:
+            self.notifier.stopping("draining requests")
+        for task in list(self._background):
+            task.cancel()
+        if self._metrics_http is not None:
+            self._metrics_http.close()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        if self.server is not None:
+            await self.server.drain(self.config.drain_timeout_s)
+        if self.disk is not None:
+            if self.notifier is not None:
+                self.notifier.status("flushing the disk tier")
+            await asyncio.to_thread(self.disk.close)
+        if self._bound_path is not None:
+            try:
+                self._bound_path.unlink()
+            except FileNotFoundError:
+                pass
+        if self.host is not None:
+            self.host.close()
+        log.info("stopped")
+
+    # -- callbacks ---------------------------------------------------------
+    def _on_disconnect(self, conn: Connection) -> None:
+        if self.service is not None:
+            self.service.disconnect(conn)
+
+    def _emit(self, event: dict) -> None:
+        if self.server is not None:
+            self.server.broadcast_event(event)
+
+    # -- introspection -------------------------------------------------------
+    def stats(self) -> dict:
+        svc, host = self.service, self.host
+        assert svc is not None and host is not None
+        c = svc.counters
+        requested = max(1, c.requested_pages)
+        tiers: dict[str, Any] = {
+            "host": {"capacity_bytes": host.capacity_bytes, "used_bytes": host.used_bytes,
+                     "pages": sum(cls.used_pages for cls in host.classes.values()),
+                     "hit_rate": c.matched_pages["host"] / requested,
+                     "evicted_pages": c.evicted_pages["host"], "locked": host.arena.locked},
+            "device": {"pages": sum(ns.index.num_pages(Tier.DEVICE) for ns in svc.namespaces.values()),
+                       "hit_rate": c.matched_pages["device"] / requested,
+                       "evicted_pages": c.evicted_pages["device"]},
+        }
+        if self.disk is not None:
+            tiers["disk"] = self.disk.stats()
+            tiers["disk"]["hit_rate"] = c.matched_pages["disk"] / requested
+        engines = [{"engine": r.engine_id, "model": r.ns.namespace.model, "tp_rank": r.ns.namespace.tp_rank,
+                    "device_pages": r.device_pages,
+                    "resident_pages": r.ns.index.num_pages(Tier.DEVICE, r.engine_id),
+                    "pid": getattr(getattr(r.owner, "peer", None), "pid", None)} for r in svc.engines.values()]
+        return {"version": __version__, "pid": os.getpid(), "uptime_s": time.time() - self.started_at,
+                "write_policy": svc.write_policy.value, "tiers": tiers, "engines": engines,
+                "namespaces": len(svc.namespaces), "pins": len(svc.pins), "pending_backups": len(svc.backups),
+                "requests": {"matches": c.matches, "requested_pages": c.requested_pages,
+                             "inserts": c.inserts, "inserted_pages": c.inserted_pages,
+                             "loaded_pages": c.loaded_pages, "backups": c.backups_planned,
+                             "backup_pages": c.backup_pages, "backups_skipped_no_space": c.backups_skipped_no_space},
+                "connections": len(self.server.connections) if self.server else 0}
+
+    def tree_summary(self, depth: int) -> dict:
+        svc = self.service
+        assert svc is not None
+        out = []
+        for ns in svc.namespaces.values():
+            out.append({"namespace": ns.salt.hex(), "model": ns.namespace.model,
+                        "layout": ns.namespace.layout.to_dict(), "tp_rank": ns.namespace.tp_rank,
+                        "page_bytes": ns.namespace.layout.page_bytes,
+                        "pages": {name: ns.index.num_pages(t) for name, t in
+                                  (("device", Tier.DEVICE), ("host", Tier.HOST), ("disk", Tier.DISK))},
+                        "tree": _summarize(ns.index.root, depth)})
+        return {"namespaces": out}
+
+
+def _summarize(node: Any, depth: int) -> list[dict]:
+    if depth <= 0:
+        return []
+    out = []
+    for child in node.children.values():
+        out.append({"pages": child.n_pages, "host": child.host is not None, "disk": child.on_disk,
+                    "engines": sorted(child.device), "hits": child.hit_count,
+                    "subtree_nodes": _count(child), "children": _summarize(child, depth - 1)})
+    return out
+
+
+def _count(node: Any) -> int:
+    n, stack = 0, [node]
+    while stack:
+        cur = stack.pop()
+        n += 1
+        stack.extend(cur.children.values())
+    return n
+
+
+def serve(config: Config) -> int:
+    """Run the daemon until SIGTERM / SIGINT; uvloop when installed."""
+    daemon = Daemon(config)
+    try:
+        import uvloop
+        factory = uvloop.new_event_loop
+    except ImportError:
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(daemon.run())

@@ -1,0 +1,150 @@
+"""RPC methods: decode parameters, call the CacheService, encode the answer.
+
+Every handler validates its parameters before touching state, so a bad
+request is answered with BAD_PARAMS and changes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hicache import __version__
+from hicache.errors import LayoutError
+from hicache.index.keys import Namespace
+from hicache.index.radix import Tier
+from hicache.layout import KVLayout
+from hicache.rpc.framing import bytes_to_ids, ids_to_bytes
+from hicache.rpc.protocol import PROTOCOL_VERSION, Code, RpcError
+from hicache.rpc.server import Connection, WithFds
+
+if TYPE_CHECKING:
+    from hicache.daemon.app import Daemon
+
+TIERS = {"device": Tier.DEVICE, "host": Tier.HOST, "disk": Tier.DISK}
+
+
+def _get(params: dict, name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+    if name not in params or (params[name] is None and default is None):
+        if default is ...:
+            raise RpcError(Code.BAD_PARAMS, f"missing parameter {name!r}")
+        return default
+    value = params[name]
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        raise RpcError(Code.BAD_PARAMS, f"parameter {name!r} has the wrong type")
+    return value
+
+
+def _ids(params: dict, name: str) -> np.ndarray:
+    try:
+        return bytes_to_ids(_get(params, name, bytes), name)
+    except RpcError:
+        raise
+    except Exception as e:
+        raise RpcError(Code.BAD_PARAMS, str(e)) from None
+
+
+def _tier(params: dict, allowed: tuple[str, ...]) -> Tier:
+    name = _get(params, "tier", str)
+    if name not in allowed:
+        raise RpcError(Code.BAD_PARAMS, f"tier must be one of {allowed}")
+    return TIERS[name]
+
+
+def _backup_plan(backup: Any) -> dict | None:
+    if backup is None:
+        return None
+    return {"id": backup.backup_id, "host_pages": ids_to_bytes(backup.host_pages),
+            "device_pages": ids_to_bytes(backup.device_pages)}
+
+
+def build_handlers(daemon: Daemon) -> dict[str, Any]:
+    svc = daemon.service
+
+    def hello(conn: Connection, p: dict) -> Any:
+        version = _get(p, "version", int)
+        if version != PROTOCOL_VERSION:
+            raise RpcError(Code.VERSION, f"protocol version {version} not supported (daemon speaks {PROTOCOL_VERSION})")
+        conn.state["hello"] = True
+        result = {"version": PROTOCOL_VERSION, "server": f"hicache {__version__}", "pid": os.getpid(),
+                  "arena_bytes": daemon.host.arena.nbytes}
+        if _get(p, "want_arena", bool, True):
+            return WithFds(result, [daemon.host.arena.fd])
+        return result
+
+    def register(conn: Connection, p: dict) -> Any:
+        try:
+            layout = KVLayout.from_dict(_get(p, "layout", dict))
+        except (LayoutError, TypeError) as e:
+            raise RpcError(Code.BAD_PARAMS, f"bad layout: {e}") from None
+        ns = Namespace(model=_get(p, "model", str), layout=layout, tp_rank=_get(p, "tp_rank", int, 0),
+                       tp_size=_get(p, "tp_size", int, 1), extra_key=_get(p, "extra_key", str, ""))
+        if not 0 <= ns.tp_rank < ns.tp_size:
+            raise RpcError(Code.BAD_PARAMS, "need 0 <= tp_rank < tp_size")
+        rec = svc.register(conn, ns, _get(p, "device_pages", int))
+        return {"engine": rec.engine_id, "salt": rec.ns.salt, "page_bytes": layout.page_bytes,
+                "write_policy": svc.write_policy.value}
+
+    def match(conn: Connection, p: dict) -> Any:
+        keys = svc.split_keys(_get(p, "keys", bytes))
+        pin = svc.match(conn, _get(p, "engine", int), keys)
+        return {"pin": pin.pin_id, "device_pages": ids_to_bytes(pin.device_pages),
+                "host_pages": ids_to_bytes(pin.host_pages),
+                "disk_len": pin.disk_len}
+
+    def load_done(conn: Connection, p: dict) -> Any:
+        dups = svc.load_done(conn, _get(p, "pin", int), _ids(p, "device_pages"))
+        return {"free_pages": ids_to_bytes(dups)}
+
+    def release(conn: Connection, p: dict) -> Any:
+        svc.release(conn, _get(p, "pin", int))
+        return True
+
+    def insert(conn: Connection, p: dict) -> Any:
+        keys = svc.split_keys(_get(p, "keys", bytes))
+        tokens = _get(p, "tokens", bytes)
+        if len(tokens) % 4:
+            raise RpcError(Code.BAD_PARAMS, "tokens must be packed int32")
+        present, dups, backup = svc.insert(conn, _get(p, "engine", int), keys,
+                                           np.frombuffer(tokens, dtype="<i4"), _ids(p, "device_pages"),
+                                           _get(p, "pin", int, None))
+        return {"present_pages": present, "free_pages": ids_to_bytes(dups), "backup": _backup_plan(backup)}
+
+    def backup_done(conn: Connection, p: dict) -> Any:
+        freed = svc.backup_done(conn, _get(p, "backup", int), _get(p, "ok", bool, True))
+        return {"free_pages": ids_to_bytes(freed)}
+
+    def evict(conn: Connection, p: dict) -> Any:
+        free_now, backup = svc.evict_device(conn, _get(p, "engine", int), _get(p, "num_pages", int))
+        return {"free_pages": ids_to_bytes(free_now), "backup": _backup_plan(backup)}
+
+    def unregister(conn: Connection, p: dict) -> Any:
+        rec = svc.engine(conn, _get(p, "engine", int))
+        svc.disconnect_engine(rec)
+        return True
+
+    def stats(conn: Connection, p: dict) -> Any:
+        return daemon.stats()
+
+    def flush(conn: Connection, p: dict) -> Any:
+        return {"pages": svc.flush(_tier(p, ("host", "disk")))}
+
+    def evict_tier(conn: Connection, p: dict) -> Any:
+        num_bytes = _get(p, "bytes", int)
+        if num_bytes < 0:
+            raise RpcError(Code.BAD_PARAMS, "bytes must be >= 0")
+        return {"bytes": svc.evict_tier(_tier(p, ("host", "disk")), num_bytes)}
+
+    def ls(conn: Connection, p: dict) -> Any:
+        return daemon.tree_summary(_get(p, "depth", int, 2))
+
+    def subscribe(conn: Connection, p: dict) -> Any:
+        conn.subscribed = True
+        return True
+
+    return {"hello": hello, "register": register, "unregister": unregister, "match": match,
+            "load_done": load_done, "release": release, "insert": insert, "backup_done": backup_done,
+            "evict": evict, "stats": stats, "flush": flush, "evict_tier": evict_tier, "ls": ls,
+            "subscribe": subscribe}

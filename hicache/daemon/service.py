@@ -1,0 +1,503 @@
+"""CacheService: the engine cycle, as plain methods over the index and the host tier.
+
+No sockets and no awaits here: the RPC layer decodes parameters, calls one
+method, and encodes what it returns. Everything runs on the event-loop
+thread, so the index needs no locks.
+
+The cycle, for one request of engine E:
+  match      -> E's device pages for the prefix it already holds, then host
+                pages it can load, then the length available on disk; the
+                returned path is pinned (lock refs) until `release`.
+  load_done  -> E copied the host part into its device pages: E's device
+                residency is recorded.
+  insert     -> E computed the rest; the daemon records it and, under
+                write-through, returns a backup plan into fresh host pages.
+  backup_done-> the host copies are valid: the pages become host-resident.
+  evict      -> E needs device pages back: LRU device leaves of E are chosen;
+                under write-back those lacking a host copy are backed up first.
+  release    -> E finished the request: its pins go.
+
+Trust model: keys are computed by the client (hashing 8K tokens costs more
+than the whole round trip), but every key lives in the radix tree of the
+namespace the engine registered, and the daemon computes that namespace's
+salt itself; engines sharing a namespace already trust each other's bytes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from hicache.daemon.host_tier import HostTier, PageClass
+from hicache.index.keys import KEY_BYTES, Namespace
+from hicache.index.radix import Freed, RadixIndex, Tier, TreeNode
+from hicache.rpc.protocol import Code, RpcError
+from hicache.transfer.policy import WritePolicy
+
+log = logging.getLogger(__name__)
+
+EMPTY = np.empty(0, dtype=np.int64)
+TIER_NAMES = {Tier.DEVICE: "device", Tier.HOST: "host", Tier.DISK: "disk"}
+
+
+@dataclass(slots=True, eq=False)
+class NamespaceState:
+    namespace: Namespace
+    salt: bytes
+    index: RadixIndex
+    page_class: PageClass
+    engines: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True, eq=False)
+class EngineRecord:
+    engine_id: int
+    owner: object  # the connection that registered it
+    ns: NamespaceState
+    device_pages: int
+    reclaim: list[np.ndarray] = field(default_factory=list)  # device pages dropped by others' removals
+
+
+@dataclass(slots=True, eq=False)
+class Pin:
+    pin_id: int
+    engine: EngineRecord
+    locks: list[tuple[TreeNode, Tier]]
+    device_len: int
+    host_len: int
+    disk_len: int
+    host_node: TreeNode | None  # last node of the host segment (for load_done)
+    device_pages: np.ndarray
+    host_pages: np.ndarray
+    loaded: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class BackupPart:
+    last_node: TreeNode  # DEVICE-locked until done: keeps the path and the source pages alive
+    ranges: list[tuple[int, int]]  # page ranges of the root->last_node path being backed up
+
+
+@dataclass(slots=True, eq=False)
+class PendingBackup:
+    backup_id: int
+    engine: EngineRecord
+    parts: list[BackupPart]
+    host_pages: np.ndarray  # in the order of parts and ranges
+    device_pages: np.ndarray
+    evict_after: bool  # write-back: drop E's device residency once the copy is done
+
+
+@dataclass(slots=True)
+class Counters:
+    matches: int = 0
+    matched_pages: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
+    requested_pages: int = 0
+    inserts: int = 0
+    inserted_pages: int = 0
+    backups_planned: int = 0
+    backup_pages: int = 0
+    backups_skipped_no_space: int = 0
+    evicted_pages: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
+    loaded_pages: int = 0
+
+
+def path_with_offsets(node: TreeNode) -> list[tuple[TreeNode, int]]:
+    """The nodes from the root down to `node`, each with its first page's position."""
+    chain: list[TreeNode] = []
+    while node is not None and node.parent is not None:
+        chain.append(node)
+        node = node.parent
+    chain.reverse()
+    out: list[tuple[TreeNode, int]] = []
+    pos = 0
+    for n in chain:
+        out.append((n, pos))
+        pos += n.n_pages
+    return out
+
+
+class CacheService:
+    def __init__(self, host: HostTier, *, write_policy: WritePolicy = WritePolicy.WRITE_THROUGH,
+                 write_hit_threshold: int = 2, emit: Callable[[dict], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.host = host
+        self.write_policy = write_policy
+        self.write_hit_threshold = write_hit_threshold
+        self.emit = emit or (lambda event: None)
+        self.clock = clock
+        self.namespaces: dict[bytes, NamespaceState] = {}
+        self.engines: dict[int, EngineRecord] = {}
+        self.pins: dict[int, Pin] = {}
+        self.backups: dict[int, PendingBackup] = {}
+        self.counters = Counters()
+        self._ids = itertools.count(1)
+        # Hook for the disk tier: called with (ns, nodes) once pages become host-resident,
+        # and asked to demote pages before their host copies are dropped.
+        self.on_host_stored: Callable[[NamespaceState, list[TreeNode]], None] | None = None
+        self.before_host_evict: Callable[[NamespaceState, int], None] | None = None
+        self.on_disk_freed: Callable[[NamespaceState, list[bytes]], None] | None = None
+
+    # -- registry ---------------------------------------------------------
+    def namespace_state(self, namespace: Namespace) -> NamespaceState:
+        salt = namespace.salt()
+        ns = self.namespaces.get(salt)
+        if ns is None:
+            cls = self.host.page_class(namespace.layout.page_bytes)
+            ns = NamespaceState(namespace, salt, RadixIndex(namespace.layout.page_size, salt, clock=self.clock), cls)
+            self.namespaces[salt] = ns
+        return ns
+
+    def register(self, owner: object, namespace: Namespace, device_pages: int) -> EngineRecord:
+        if device_pages <= 0:
+            raise RpcError(Code.BAD_PARAMS, "device_pages must be > 0")
+        try:
+            ns = self.namespace_state(namespace)
+        except Exception as e:  # a page too large for the arena, ...
+            raise RpcError(Code.BAD_PARAMS, str(e)) from None
+        rec = EngineRecord(next(self._ids), owner, ns, device_pages)
+        self.engines[rec.engine_id] = rec
+        ns.engines.add(rec.engine_id)
+        log.info("engine %d registered: model=%s tp=%d/%d page_bytes=%d", rec.engine_id,
+                 namespace.model, namespace.tp_rank, namespace.tp_size, namespace.layout.page_bytes)
+        return rec
+
+    def engine(self, owner: object, engine_id: Any) -> EngineRecord:
+        rec = self.engines.get(engine_id) if isinstance(engine_id, int) else None
+        if rec is None or rec.owner is not owner:
+            raise RpcError(Code.NOT_REGISTERED, f"engine {engine_id!r} is not registered on this connection")
+        return rec
+
+    # -- validation helpers -------------------------------------------------
+    @staticmethod
+    def split_keys(blob: Any) -> list[bytes]:
+        if not isinstance(blob, bytes) or len(blob) % KEY_BYTES:
+            raise RpcError(Code.BAD_PARAMS, f"keys must be packed {KEY_BYTES}-byte page keys")
+        return [blob[i:i + KEY_BYTES] for i in range(0, len(blob), KEY_BYTES)]
+
+    @staticmethod
+    def check_device_pages(rec: EngineRecord, pages: np.ndarray, n: int) -> None:
+        if len(pages) != n:
+            raise RpcError(Code.BAD_PARAMS, f"expected {n} device pages, got {len(pages)}")
+        if n and (pages.min() < 1 or pages.max() > rec.device_pages):
+            raise RpcError(Code.BAD_PARAMS, f"device pages must be in 1..{rec.device_pages}")
+        if n and len(np.unique(pages)) != n:
+            raise RpcError(Code.BAD_PARAMS, "device pages repeat")
+
+    # -- match / load / release -------------------------------------------
+    def match(self, owner: object, engine_id: Any, keys: list[bytes]) -> Pin:
+        rec = self.engine(owner, engine_id)
+        index = rec.ns.index
+        r = index.match(keys, rec.engine_id)
+        locks: list[tuple[TreeNode, Tier]] = []
+        if r.device_nodes:
+            index.lock(r.device_nodes[-1], Tier.DEVICE)
+            locks.append((r.device_nodes[-1], Tier.DEVICE))
+        host_node = r.host_nodes[-1] if r.host_nodes else None
+        if host_node is not None:
+            index.lock(host_node, Tier.HOST)
+            locks.append((host_node, Tier.HOST))
+        pin = Pin(next(self._ids), rec, locks, r.device_len, r.host_len, r.disk_len, host_node,
+                  r.device_pages, r.host_pages)
+        self.pins[pin.pin_id] = pin
+        c = self.counters
+        c.matches += 1
+        c.requested_pages += len(keys)
+        c.matched_pages["device"] += r.device_len
+        c.matched_pages["host"] += r.host_len
+        c.matched_pages["disk"] += r.disk_len
+        return pin
+
+    def pin(self, owner: object, pin_id: Any) -> Pin:
+        pin = self.pins.get(pin_id) if isinstance(pin_id, int) else None
+        if pin is None or pin.engine.owner is not owner:
+            raise RpcError(Code.NOT_FOUND, f"no match handle {pin_id!r} on this connection")
+        return pin
+
+    def load_done(self, owner: object, pin_id: Any, device_pages: np.ndarray) -> np.ndarray:
+        """Record E's copies of the host segment; returns pages E must free (it already had them)."""
+        pin = self.pin(owner, pin_id)
+        rec = pin.engine
+        if pin.loaded:
+            raise RpcError(Code.BAD_PARAMS, f"match handle {pin_id} was already loaded")
+        self.check_device_pages(rec, device_pages, pin.host_len)
+        pin.loaded = True
+        if pin.host_node is None:
+            return EMPTY
+        index = rec.ns.index
+        dups: list[np.ndarray] = []
+        start, end = pin.device_len, pin.device_len + pin.host_len
+        for node, pos in path_with_offsets(pin.host_node):
+            if pos < start or pos >= end:
+                continue
+            part = device_pages[pos - start:pos - start + node.n_pages]
+            if rec.engine_id in node.device:
+                dups.append(part)
+            else:
+                index.set_device(node, rec.engine_id, part.copy())
+        # The request now holds the loaded pages on device: move the pin from host to device.
+        index.lock(pin.host_node, Tier.DEVICE)
+        pin.locks.append((pin.host_node, Tier.DEVICE))
+        self._unlock_one(pin, pin.host_node, Tier.HOST)
+        self.counters.loaded_pages += pin.host_len
+        self.emit_nodes("stored", Tier.DEVICE, rec, [n for n, p in path_with_offsets(pin.host_node)
+                                                     if start <= p < end])
+        return np.concatenate(dups) if dups else EMPTY
+
+    def _unlock_one(self, pin: Pin, node: TreeNode, tier: Tier) -> None:
+        pin.engine.ns.index.unlock(node, tier)
+        pin.locks.remove((node, tier))
+
+    def release(self, owner: object, pin_id: Any) -> None:
+        pin = self.pin(owner, pin_id)
+        self._drop_pin(pin)
+
+    def _drop_pin(self, pin: Pin) -> None:
+        for node, tier in pin.locks:
+            pin.engine.ns.index.unlock(node, tier)
+        pin.locks.clear()
+        self.pins.pop(pin.pin_id, None)
+
+    # -- insert / backup ----------------------------------------------------
+    def insert(self, owner: object, engine_id: Any, keys: list[bytes], tokens: np.ndarray,
+               device_pages: np.ndarray, pin_id: Any = None) -> tuple[int, np.ndarray, PendingBackup | None]:
+        """Record E's pages; with `pin_id` the request keeps them locked until it releases the pin."""
+        rec = self.engine(owner, engine_id)
+        pin = self.pin(owner, pin_id) if pin_id is not None else None
+        if pin is not None and pin.engine is not rec:
+            raise RpcError(Code.NOT_FOUND, f"match handle {pin_id} belongs to another engine")
+        ns = rec.ns
+        if len(tokens) != len(keys) * ns.index.page_size:
+            raise RpcError(Code.BAD_PARAMS, f"{len(keys)} keys need {len(keys) * ns.index.page_size} tokens, "
+                                            f"got {len(tokens)}")
+        self.check_device_pages(rec, device_pages, len(keys))
+        try:
+            res = ns.index.insert(keys, tokens, engine=rec.engine_id, device_pages=device_pages)
+        except ValueError as e:
+            raise RpcError(Code.BAD_PARAMS, str(e)) from None
+        self.counters.inserts += 1
+        self.counters.inserted_pages += len(keys) - res.present_pages
+        if pin is not None and res.nodes:
+            ns.index.lock(res.nodes[-1], Tier.DEVICE)
+            pin.locks.append((res.nodes[-1], Tier.DEVICE))
+        if res.new_nodes:
+            self.emit_nodes("stored", Tier.DEVICE, rec, res.new_nodes)
+        backup = None
+        if self.write_policy is not WritePolicy.WRITE_BACK and res.nodes:
+            need = [(n, p) for n, p in path_with_offsets(res.nodes[-1])
+                    if n.host is None and rec.engine_id in n.device
+                    and (self.write_policy is WritePolicy.WRITE_THROUGH or n.hit_count >= self.write_hit_threshold)]
+            backup = self._plan_backup(rec, [(res.nodes[-1], need)], evict_after=False)
+        return res.present_pages, res.dup_device_pages, backup
+
+    def _plan_backup(self, rec: EngineRecord, parts: list[tuple[TreeNode, list[tuple[TreeNode, int]]]],
+                     evict_after: bool) -> PendingBackup | None:
+        """Allocate host pages for whole nodes and lock their device copies until backup_done.
+
+        parts: (node to lock, [(node to copy, its page position), ...]) per path.
+        """
+        parts = [(last, need) for last, need in parts if need]
+        if not parts:
+            return None
+        n_pages = sum(n.n_pages for _, need in parts for n, _ in need)
+        host_pages = self.alloc_host(rec.ns, n_pages)
+        if host_pages is None:
+            self.counters.backups_skipped_no_space += 1
+            return None
+        for last, _ in parts:
+            rec.ns.index.lock(last, Tier.DEVICE)
+        backup = PendingBackup(
+            next(self._ids), rec,
+            [BackupPart(last, [(p, p + n.n_pages) for n, p in need]) for last, need in parts],
+            host_pages, np.concatenate([n.device[rec.engine_id] for _, need in parts for n, _ in need]),
+            evict_after)
+        self.backups[backup.backup_id] = backup
+        self.counters.backups_planned += 1
+        self.counters.backup_pages += n_pages
+        return backup
+
+    def backup_done(self, owner: object, backup_id: Any, ok: bool) -> np.ndarray:
+        """The engine finished (or failed) a backup; returns device pages it may now free."""
+        backup = self.backups.get(backup_id) if isinstance(backup_id, int) else None
+        if backup is None or backup.engine.owner is not owner:
+            raise RpcError(Code.NOT_FOUND, f"no backup {backup_id!r} on this connection")
+        return self._finish_backup(backup, ok)
+
+    def _finish_backup(self, backup: PendingBackup, ok: bool) -> np.ndarray:
+        del self.backups[backup.backup_id]
+        rec, ns = backup.engine, backup.engine.ns
+        index = ns.index
+        offset = 0
+        stored: list[TreeNode] = []
+        unused: list[np.ndarray] = []
+        freed: list[np.ndarray] = []
+        for part in backup.parts:
+            index.unlock(part.last_node, Tier.DEVICE)
+            by_pos = {p: n for n, p in path_with_offsets(part.last_node)}
+            for start, end in part.ranges:
+                pages = backup.host_pages[offset:offset + end - start]
+                offset += end - start
+                if not ok:
+                    unused.append(pages)
+                    continue
+                pos = start
+                while pos < end:  # nodes may have been split since planning; they still tile the range
+                    node = by_pos[pos]
+                    piece = pages[pos - start:pos - start + node.n_pages]
+                    if node.host is None:
+                        index.set_host(node, piece.copy())
+                        stored.append(node)
+                    else:
+                        unused.append(piece)
+                    pos += node.n_pages
+            if backup.evict_after:
+                # Write-back: the host copy is in place (or the copy failed): E's device copy goes now.
+                node = part.last_node
+                if rec.engine_id in node.device and node.lock_ref[Tier.DEVICE] == 0:
+                    freed.extend(self._apply_freed(ns, index.evict_nodes([node], Tier.DEVICE, rec.engine_id), rec))
+        if unused:
+            ns.page_class.free(np.concatenate(unused))
+        if stored:
+            self.emit_nodes("stored", Tier.HOST, None, stored, ns)
+            if self.on_host_stored is not None:
+                self.on_host_stored(ns, stored)
+        return np.concatenate(freed) if freed else EMPTY
+
+    # -- eviction -------------------------------------------------------------
+    def evict_device(self, owner: object, engine_id: Any, num_pages: int
+                     ) -> tuple[np.ndarray, PendingBackup | None]:
+        """Free about num_pages of E's device pages: (free now, backup to run first)."""
+        rec = self.engine(owner, engine_id)
+        if not isinstance(num_pages, int) or num_pages < 0:
+            raise RpcError(Code.BAD_PARAMS, "num_pages must be an int >= 0")
+        index = rec.ns.index
+        backup = None
+        if self.write_policy is WritePolicy.WRITE_BACK:
+            victims = index.evictable_nodes(Tier.DEVICE, num_pages, rec.engine_id)
+            unsaved = [v for v in victims if v.host is None and not v.on_disk]
+            saved = [v for v in victims if v.host is not None or v.on_disk]
+            backup = self._plan_backup(rec, [(v, [(v, path_with_offsets(v)[-1][1])]) for v in unsaved],
+                                       evict_after=True)
+            if backup is None:  # no host space: dropping them unsaved is all that is left
+                saved = victims
+            free_now = self._apply_freed(rec.ns, index.evict_nodes(saved, Tier.DEVICE, rec.engine_id), rec)
+        else:
+            free_now = self._apply_freed(rec.ns, index.evict(Tier.DEVICE, num_pages, rec.engine_id), rec)
+        free_now.extend(rec.reclaim)
+        rec.reclaim.clear()
+        return (np.concatenate(free_now) if free_now else EMPTY), backup
+
+    def alloc_host(self, ns: NamespaceState, n_pages: int) -> np.ndarray | None:
+        """n host pages of ns's size, evicting LRU host leaves (any namespace of that size) if needed."""
+        cls = ns.page_class
+        pages = cls.alloc(n_pages)
+        while pages is None:
+            short = n_pages - cls.available()
+            victim_ns = self._oldest_host_namespace(cls)
+            if victim_ns is None:
+                return None
+            if self.before_host_evict is not None:
+                self.before_host_evict(victim_ns, short)
+            freed = victim_ns.index.evict(Tier.HOST, short)
+            if not freed:
+                return None
+            self._apply_freed(victim_ns, freed, None)
+            pages = cls.alloc(n_pages)
+        return pages
+
+    def _oldest_host_namespace(self, cls: PageClass) -> NamespaceState | None:
+        best, best_prio = None, None
+        for ns in self.namespaces.values():
+            if ns.page_class is not cls:
+                continue
+            prio = ns.index.peek_evictable(Tier.HOST)
+            if prio is not None and (best_prio is None or prio < best_prio):
+                best, best_prio = ns, prio
+        return best
+
+    def _apply_freed(self, ns: NamespaceState, freed: list[Freed], requester: EngineRecord | None
+                     ) -> list[np.ndarray]:
+        """Return slots to their owners; gives back the requester's device pages to free."""
+        mine: list[np.ndarray] = []
+        disk_keys: list[bytes] = []
+        for f in freed:
+            tier = TIER_NAMES[f.tier]
+            self.counters.evicted_pages[tier] += len(f.keys)
+            self.emit({"type": "removed", "tier": tier, "engine": f.engine, "namespace": ns.salt.hex(),
+                       "keys": f.keys})
+            if f.tier is Tier.HOST and f.slots is not None:
+                ns.page_class.free(f.slots)
+            elif f.tier is Tier.DISK:
+                disk_keys.extend(f.keys)
+            elif f.tier is Tier.DEVICE and f.slots is not None:
+                if requester is not None and f.engine == requester.engine_id:
+                    mine.append(f.slots)
+                elif f.engine in self.engines:
+                    self.engines[f.engine].reclaim.append(f.slots)
+        if disk_keys and self.on_disk_freed is not None:
+            self.on_disk_freed(ns, disk_keys)
+        return mine
+
+    # -- admin --------------------------------------------------------------
+    def flush(self, tier: Tier) -> int:
+        n = 0
+        for ns in self.namespaces.values():
+            freed = ns.index.flush(tier)
+            n += sum(len(f.keys) for f in freed if f.tier is tier)
+            self._apply_freed(ns, freed, None)
+        return n
+
+    def evict_tier(self, tier: Tier, num_bytes: int) -> int:
+        """Admin eviction of about num_bytes from host or disk, oldest namespace first."""
+        done = 0
+        while done < num_bytes:
+            cands = [(ns.index.peek_evictable(tier), ns) for ns in self.namespaces.values()]
+            cands = [(p, ns) for p, ns in cands if p is not None]
+            if not cands:
+                break
+            _, ns = min(cands, key=lambda c: c[0])
+            page_bytes = ns.namespace.layout.page_bytes
+            want = max(1, -(-(num_bytes - done) // page_bytes))
+            if tier is Tier.HOST and self.before_host_evict is not None:
+                self.before_host_evict(ns, want)
+            freed = ns.index.evict(tier, want)
+            if not freed:
+                break
+            done += sum(len(f.keys) for f in freed if f.tier is tier) * page_bytes
+            self._apply_freed(ns, freed, None)
+        return done
+
+    # -- connection loss ----------------------------------------------------
+    def disconnect(self, owner: object) -> None:
+        """Release everything a vanished connection held: pins, planned backups, engines."""
+        for pin in [p for p in self.pins.values() if p.engine.owner is owner]:
+            self._drop_pin(pin)
+        for backup in [b for b in self.backups.values() if b.engine.owner is owner]:
+            self._finish_backup(backup, ok=False)
+        for rec in [r for r in self.engines.values() if r.owner is owner]:
+            self.disconnect_engine(rec)
+
+    def disconnect_engine(self, rec: EngineRecord) -> None:
+        for pin in [p for p in self.pins.values() if p.engine is rec]:
+            self._drop_pin(pin)
+        for backup in [b for b in self.backups.values() if b.engine is rec]:
+            self._finish_backup(backup, ok=False)
+        del self.engines[rec.engine_id]
+        rec.ns.engines.discard(rec.engine_id)
+        self._apply_freed(rec.ns, rec.ns.index.remove_engine(rec.engine_id), None)
+        log.info("engine %d gone; its device residency is forgotten", rec.engine_id)
+
+    # -- events -----------------------------------------------------------
+    def emit_nodes(self, kind: str, tier: Tier, rec: EngineRecord | None, nodes: list[TreeNode],
+                   ns: NamespaceState | None = None) -> None:
+        ns = ns or (rec.ns if rec else None)
+        keys = [k for n in nodes for k in n.keys]
+        if keys and ns is not None:
+            self.emit({"type": kind, "tier": TIER_NAMES[tier], "engine": rec.engine_id if rec else None,
+                       "namespace": ns.salt.hex(), "keys": keys})

@@ -1,0 +1,1 @@
+"""hicache.rpc: framing, protocol constants and the asyncio server transport."""

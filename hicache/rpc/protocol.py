@@ -1,0 +1,33 @@
+"""Wire protocol: version, method names and stable error codes.
+
+Request  `{"id": int, "method": str, "params": map}`
+Response `{"id": int, "result": any}` or `{"id": int, "error": {"code": str, "message": str}}`
+Event    `{"event": map}` (pushed to connections that called `subscribe`)
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+PROTOCOL_VERSION = 1
+
+
+class Code(str, Enum):
+    BAD_REQUEST = "BAD_REQUEST"          # not a well-formed request map
+    UNKNOWN_METHOD = "UNKNOWN_METHOD"
+    BAD_PARAMS = "BAD_PARAMS"            # wrong types, lengths, out-of-range ids
+    NOT_REGISTERED = "NOT_REGISTERED"    # unknown engine, or an engine of another connection
+    NOT_FOUND = "NOT_FOUND"              # unknown match / backup handle (e.g. released twice)
+    VERSION = "VERSION"                  # protocol version not supported
+    BUSY = "BUSY"                        # too many requests in flight on this connection
+    SHUTTING_DOWN = "SHUTTING_DOWN"
+    INTERNAL = "INTERNAL"
+
+
+class RpcError(Exception):
+    """Raised by handlers; the server turns it into an error response."""
+
+    def __init__(self, code: Code, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Install hicache and what its tests and benchmarks need, on a fresh machine.
+# Reuses an installed torch; never pulls CUDA wheels onto a CPU-only machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+if ! "$PY" -c "import torch" 2>/dev/null; then
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        echo "setup: no torch found; install the torch build that matches your CUDA first" >&2
+        exit 1
+    fi
+    # CPU-only machine: the pinned CPU build (a local wheel where the machine provides one).
+    "$PY" -m pip install -q "torch==2.13.0"
+fi
+
+# Debian packages for tests and benchmarks (systemd-analyze verifies the units,
+# redis-server is a benchmark baseline). Best effort: tests skip what is missing.
+if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    need=()
+    command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
+    command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+    if [ ${#need[@]} -gt 0 ]; then
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null) \
+            || echo "setup: could not install ${need[*]}; the tests that need them will skip" >&2
+    fi
+fi
+
+"$PY" -m pip install -q -e ".[test]"
