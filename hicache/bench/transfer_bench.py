@@ -1,0 +1,140 @@
+"""Host arena <-> CPU device pool copy bandwidth, against a contiguous copy.
+
+For each page size: a per-layer load of N random, non-contiguous pages (every
+layer, one `load_layer` call each) and an all-layer backup of the same pages,
+N chosen so about `target_bytes` move. Baselines, timed in the same repetition
+right before each candidate: the same byte count as contiguous torch `copy_`s
+between the same kinds of memory (arena <-> ordinary tensor), with the same
+number of calls (one per layer for the load, one for the backup) and the same
+thread count. Values are medians over `repeats`; ratio = value / baseline.
+
+    python -m hicache.bench.transfer_bench [--page-sizes 16 64] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from hicache.layout import KVLayout
+from hicache.tiers.device import DevicePool
+from hicache.tiers.host import HostArena, HostKVCache
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _median(xs: list[float]) -> float:
+    return float(np.median(xs))
+
+
+def _bench_page_size(page_size: int, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str,
+                     target_bytes: int, repeats: int, threads: int, backend: str,
+                     rng: np.random.Generator) -> list[dict]:
+    layout = KVLayout("mha", num_layers, page_size, dtype, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    n = max(1, target_bytes // layout.page_bytes)
+    slots = n + max(1, n // 4)
+    arena = HostArena.create(slots * layout.page_bytes, mlock=False)
+    arena.array.fill(0x5A)  # fault the shared pages in before timing
+    pool = DevicePool(layout, slots * page_size)
+    for buf in pool.k_buffers + pool.v_buffers:
+        buf.view(torch.uint8).fill_(0xA5)
+    cache = HostKVCache(layout, arena, backend=backend, copy_threads=threads)
+    host_pages = rng.choice(slots, n, replace=False)
+    device_pages = rng.choice(np.arange(1, pool.num_pages + 1), n, replace=False)
+    plan = cache.prepare(pool, host_pages, device_pages)
+
+    moved = n * layout.page_bytes
+    layer_bytes = n * layout.layer_page_bytes
+    arena_t = torch.from_numpy(arena.array[:moved]).view(torch.int64)
+    other = torch.full((moved // 8,), 7, dtype=torch.int64)
+    per_layer = [(other[i * layer_bytes // 8:(i + 1) * layer_bytes // 8],
+                  arena_t[i * layer_bytes // 8:(i + 1) * layer_bytes // 8]) for i in range(num_layers)]
+
+    def base_load() -> None:
+        for dst, src in per_layer:
+            dst.copy_(src)
+
+    def load() -> None:
+        for layer in range(num_layers):
+            cache.load_layer(plan, layer)
+
+    def base_backup() -> None:
+        arena_t.copy_(other)
+
+    def backup() -> None:
+        cache.backup(plan)
+
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        times: dict[str, list[float]] = {k: [] for k in ("base_load", "load", "base_backup", "backup")}
+        fns = {"base_load": base_load, "load": load, "base_backup": base_backup, "backup": backup}
+        for fn in fns.values():  # warm-up: first touch, thread pool start
+            fn()
+        for _ in range(repeats):
+            for name, fn in fns.items():
+                times[name].append(_timed(fn))
+    finally:
+        torch.set_num_threads(prev_threads)
+        cache.close()
+        del plan, cache, arena_t, per_layer
+        arena.close()
+        gc.collect()
+
+    rows = []
+    for kind, base in (("load_per_layer", "base_load"), ("backup_all_layer", "base_backup")):
+        value = moved / _median(times[kind.split("_")[0]]) / 1e9
+        baseline = moved / _median(times[base]) / 1e9
+        rows.append({"name": f"{kind}_ps{page_size}_t{threads}", "value": round(value, 2), "unit": "GB/s",
+                     "baseline": round(baseline, 2), "ratio": round(value / baseline, 3)})
+    return rows
+
+
+def run(page_sizes: tuple[int, ...] = (16, 64), *, num_layers: int = 32, num_kv_heads: int = 8,
+        head_dim: int = 128, dtype: str = "float16", target_bytes: int = 1 << 30, repeats: int = 7,
+        threads: tuple[int, ...] | None = None, backend: str = "memcpy", seed: int = 0) -> list[dict]:
+    """Rows {"name", "value", "unit", "baseline", "ratio"}: load and backup GB/s per page
+    size and thread count (default: 1 and torch's intra-op count)."""
+    if threads is None:
+        threads = tuple(sorted({1, torch.get_num_threads()}))
+    rng = np.random.default_rng(seed)
+    rows: list[dict] = []
+    for t in threads:
+        for ps in page_sizes:
+            rows += _bench_page_size(ps, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                     dtype=dtype, target_bytes=target_bytes, repeats=repeats, threads=t,
+                                     backend=backend, rng=rng)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--page-sizes", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=int, nargs="+", default=None)
+    ap.add_argument("--target-mib", type=int, default=1024)
+    ap.add_argument("--backend", default="memcpy", choices=["memcpy", "torch"])
+    ap.add_argument("--json", action="store_true", help="print rows as JSON lines")
+    args = ap.parse_args(argv)
+    rows = run(tuple(args.page_sizes), repeats=args.repeats, target_bytes=args.target_mib << 20,
+               threads=tuple(args.threads) if args.threads else None, backend=args.backend)
+    for r in rows:
+        if args.json:
+            print(json.dumps(r))
+        else:
+            print(f"{r['name']:28s} {r['value']:7.2f} {r['unit']}  baseline {r['baseline']:7.2f}  "
+                  f"ratio {r['ratio']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""Page copies between the host arena and a device pool: the torch twins (the
+specification every backend must match byte for byte) and the CPU memcpy path.
+
+Host side (page-first, see `hicache.layout`): slot `h` is `page_bytes` at
+`h * page_bytes`; inside it layer `l` starts at `l * layer_bytes` with the K
+block (`k_bytes`) then, for MHA, the V block (`v_bytes`). Device side: the
+pool's per-layer K and V buffers, where page `d` is the contiguous run
+`[d * k_bytes, (d + 1) * k_bytes)`. A per-layer load is therefore a list of
+contiguous chunks copied into contiguous chunks; an all-layer backup is the
+same list over every layer, written into the contiguous host page.
+
+Every function here trusts its indices: `HostKVCache` validates them (range,
+lengths, duplicate destinations) before calling in. The memcpy path works on
+raw addresses, so that validation is what keeps it inside its buffers.
+
+Why two CPU paths. The twin moves rows through `index_select` + `index_copy_`
+on wide (int64) views: correct on any device, but it makes two passes over
+the bytes (gather into a temporary, scatter out of it). The memcpy path calls
+libc `memmove` once per chunk through ctypes, which releases the GIL and
+costs well under a microsecond per call, so with chunks of tens of KiB it runs
+at the speed of a contiguous copy; per-chunk torch `copy_` costs several
+microseconds of dispatch per call and loses on pages below ~64 KiB.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hicache.layout import KVLayout
+
+# Widest integer view first: scatter through byte views runs ~7x slower.
+_WIDE_DTYPES: tuple[tuple[int, torch.dtype], ...] = (
+    (8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+# Below this many bytes per call a second thread costs more than it saves.
+MIN_SPLIT_BYTES = 4 << 20
+
+
+def wide_dtype(*sizes: int) -> tuple[torch.dtype, int]:
+    """The widest integer dtype whose itemsize divides every byte size given."""
+    for width, dtype in _WIDE_DTYPES:
+        if all(s % width == 0 for s in sizes):
+            return dtype, width
+    raise AssertionError("unreachable: uint8 divides everything")
+
+
+@dataclass(frozen=True, slots=True)
+class PageGeometry:
+    """Byte geometry of one layout, plus the element width every backend copies in."""
+
+    num_layers: int
+    page_bytes: int
+    layer_bytes: int
+    k_bytes: int
+    v_bytes: int  # 0 for MLA
+    width: int  # bytes per copied element
+
+    @classmethod
+    def from_layout(cls, layout: KVLayout) -> PageGeometry:
+        sizes = (layout.k_page_bytes, layout.v_page_bytes) if layout.has_v else (layout.k_page_bytes,)
+        _, width = wide_dtype(*sizes)
+        return cls(layout.num_layers, layout.page_bytes, layout.layer_page_bytes,
+                   layout.k_page_bytes, layout.v_page_bytes, width)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return wide_dtype(self.width)[0]
+
+    @property
+    def has_v(self) -> bool:
+        return self.v_bytes > 0
+
+    # Element counts and offsets in units of `width` bytes.
+    @property
+    def page_elems(self) -> int:
+        return self.page_bytes // self.width
+
+    @property
+    def k_elems(self) -> int:
+        return self.k_bytes // self.width
+
+    @property
+    def v_elems(self) -> int:
+        return self.v_bytes // self.width
+
+    def k_offset(self, layer: int) -> int:
+        return layer * self.layer_bytes // self.width
+
+    def v_offset(self, layer: int) -> int:
+        return (layer * self.layer_bytes + self.k_bytes) // self.width
+
+
+def host_pages_view(arena_u8: torch.Tensor, geom: PageGeometry, num_slots: int) -> torch.Tensor:
+    """The arena's first `num_slots` pages as `[num_slots, page_elems]` (a view, no copy)."""
+    return arena_u8[: num_slots * geom.page_bytes].view(geom.dtype).view(num_slots, geom.page_elems)
+
+
+def device_pages_view(buf: torch.Tensor, geom: PageGeometry, chunk_bytes: int) -> torch.Tensor:
+    """A pool buffer `[rows, heads, dim]` as `[pages, chunk elems]` in the wide dtype (a view)."""
+    return buf.view(-1).view(torch.uint8).view(geom.dtype).view(-1, chunk_bytes // geom.width)
+
+
+# ---------------------------------------------------------------------------
+# Torch twins: the specification. Work for CPU and CUDA pools alike.
+# ---------------------------------------------------------------------------
+
+def load_layer_torch(host: torch.Tensor, dev_k: torch.Tensor, dev_v: torch.Tensor | None,
+                     host_pages: torch.Tensor, device_pages: torch.Tensor, layer: int,
+                     geom: PageGeometry) -> None:
+    """Host slots `host_pages` -> device pages `device_pages`, one layer.
+
+    `host` is `host_pages_view(...)` (CPU); `dev_k`/`dev_v` are `device_pages_view`s
+    on the pool's device; `host_pages` is a CPU int64 tensor, `device_pages` an int64
+    tensor on the pool's device.
+    """
+    parts = [(dev_k, geom.k_offset(layer), geom.k_elems)]
+    if dev_v is not None:
+        parts.append((dev_v, geom.v_offset(layer), geom.v_elems))
+    for dst, off, n in parts:
+        rows = host[:, off:off + n].index_select(0, host_pages)
+        dst.index_copy_(0, device_pages, rows.to(dst.device, non_blocking=True))
+
+
+def backup_all_layers_torch(host: torch.Tensor, dev_k: list[torch.Tensor], dev_v: list[torch.Tensor],
+                            host_pages: torch.Tensor, device_pages: torch.Tensor,
+                            geom: PageGeometry) -> None:
+    """Device pages `device_pages` (every layer) -> host slots `host_pages`.
+
+    `dev_k[l]`/`dev_v[l]` are `device_pages_view`s; `dev_v` is empty for MLA.
+    """
+    for layer in range(geom.num_layers):
+        parts = [(dev_k[layer], geom.k_offset(layer), geom.k_elems)]
+        if dev_v:
+            parts.append((dev_v[layer], geom.v_offset(layer), geom.v_elems))
+        for src, off, n in parts:
+            rows = src.index_select(0, device_pages).to(host.device)
+            host[:, off:off + n].index_copy_(0, host_pages, rows)
+
+
+# ---------------------------------------------------------------------------
+# CPU memcpy path.
+# ---------------------------------------------------------------------------
+
+def load_layer_chunks(host_base: int, k_ptr: int, v_ptr: int | None, host_pages: np.ndarray,
+                      device_pages: np.ndarray, layer: int,
+                      geom: PageGeometry) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(src, dst, nbytes) of every chunk of a per-layer load, page by page, K before V,
+    so the host side is read in address order within each page."""
+    h = host_base + host_pages * geom.page_bytes + layer * geom.layer_bytes
+    src = [h]
+    dst = [k_ptr + device_pages * geom.k_bytes]
+    sizes = [geom.k_bytes]
+    if v_ptr is not None:
+        src.append(h + geom.k_bytes)
+        dst.append(v_ptr + device_pages * geom.v_bytes)
+        sizes.append(geom.v_bytes)
+    return _interleave(src, dst, sizes, len(host_pages))
+
+
+def backup_chunks(host_base: int, k_ptrs: np.ndarray, v_ptrs: np.ndarray | None, host_pages: np.ndarray,
+                  device_pages: np.ndarray, geom: PageGeometry) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(src, dst, nbytes) of every chunk of an all-layer backup, ordered so each host
+    page is written front to back."""
+    layer_off = np.arange(geom.num_layers, dtype=np.int64) * geom.layer_bytes
+    h = (host_base + host_pages * geom.page_bytes)[:, None] + layer_off[None, :]  # [n, L]
+    src = [k_ptrs[None, :] + (device_pages * geom.k_bytes)[:, None]]
+    dst = [h]
+    sizes = [geom.k_bytes]
+    if v_ptrs is not None:
+        src.append(v_ptrs[None, :] + (device_pages * geom.v_bytes)[:, None])
+        dst.append(h + geom.k_bytes)
+        sizes.append(geom.v_bytes)
+    return _interleave(src, dst, sizes, len(host_pages) * geom.num_layers)
+
+
+def _interleave(src: list[np.ndarray], dst: list[np.ndarray], sizes: list[int],
+                n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    k = len(sizes)
+    s = np.stack([a.reshape(-1) for a in src], axis=1).reshape(-1)
+    d = np.stack([a.reshape(-1) for a in dst], axis=1).reshape(-1)
+    nb = np.tile(np.asarray(sizes, dtype=np.int64), n)
+    assert len(s) == len(d) == len(nb) == n * k
+    return s, d, nb
+
+
+def coalesce(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge each chunk into the previous one where both sides continue it exactly
+    (runs of consecutive host and device pages), so a run is one memmove."""
+    if len(src) < 2:
+        return src, dst, nbytes
+    cont = (src[1:] == src[:-1] + nbytes[:-1]) & (dst[1:] == dst[:-1] + nbytes[:-1])
+    if not cont.any():
+        return src, dst, nbytes
+    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    return src[starts], dst[starts], np.add.reduceat(nbytes, starts)
+
+
+_memmove = ctypes.memmove  # a CFUNCTYPE: releases the GIL for the copy
+
+
+def _memmove_all(src: list[int], dst: list[int], nbytes: list[int]) -> None:
+    for s, d, n in zip(src, dst, nbytes):
+        _memmove(d, s, n)
+
+
+class ChunkCopier:
+    """memmove of many (src, dst, nbytes) chunks, coalesced, split over threads.
+
+    The calling thread copies the first share itself, so `num_threads=1` starts no
+    thread. Thread-safe: concurrent `copy` calls share the helper pool.
+    """
+
+    def __init__(self, num_threads: int = 1, min_split_bytes: int = MIN_SPLIT_BYTES) -> None:
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        self.num_threads = num_threads
+        self.min_split_bytes = min_split_bytes
+        self._pool: ThreadPoolExecutor | None = None
+
+    def copy(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
+        src, dst, nbytes = coalesce(src, dst, nbytes)
+        total = int(nbytes.sum())
+        parts = min(self.num_threads, len(src), max(1, total // max(1, self.min_split_bytes)))
+        if parts <= 1:
+            _memmove_all(src.tolist(), dst.tolist(), nbytes.tolist())
+            return
+        # Equal byte shares, cut at chunk boundaries.
+        cuts = np.searchsorted(np.cumsum(nbytes), total * np.arange(1, parts) / parts, side="right")
+        bounds = [0, *cuts.tolist(), len(src)]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.num_threads - 1, thread_name_prefix="hicache-copy")
+        futures = [self._pool.submit(_memmove_all, src[a:b].tolist(), dst[a:b].tolist(), nbytes[a:b].tolist())
+                   for a, b in zip(bounds[1:-1], bounds[2:])]
+        _memmove_all(src[:bounds[1]].tolist(), dst[:bounds[1]].tolist(), nbytes[:bounds[1]].tolist())
+        for f in futures:
+            f.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

@@ -1,0 +1,462 @@
+"""The host tier (L2): one shared-memory arena, its page-slot allocator, and
+`HostKVCache`, the view of the arena as KV pages with copies to and from a
+device pool.
+
+The daemon creates the arena (`HostArena.create`) and hands its memfd to each
+engine, which maps the same memory (`HostArena.from_fd`) and moves bytes with
+`HostKVCache`. Page slot `i` is the `page_bytes` at byte offset
+`i * page_bytes`, page-first inside (see `hicache.layout`).
+
+Copy backends, chosen once per `HostKVCache`:
+- "memcpy": CPU pools; one libc memmove per contiguous chunk (see kernels/copy.py).
+- "triton": CUDA pools when Triton imports (or CPU under TRITON_INTERPRET).
+- "torch": the twin, any device; the reference the others are tested against.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import mmap
+import os
+import resource
+import threading
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hicache.errors import HiCacheError, LayoutError
+from hicache.kernels import copy as kcopy
+from hicache.kernels import copy_triton
+from hicache.layout import KVLayout
+from hicache.tiers.device import DevicePool
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("memcpy", "torch", "triton")
+
+
+class HostCacheError(HiCacheError, ValueError):
+    """Bad slot ids, page ids or page bytes given to the host tier (nothing changed)."""
+
+
+# ---------------------------------------------------------------------------
+# Arena
+# ---------------------------------------------------------------------------
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_mlock_refusal_logged = False
+
+
+class HostArena:
+    """One memfd-backed shared mapping. Build with `create` or `from_fd`.
+
+    `close()` unmaps at once when nothing else views the memory; while views made
+    from `.array` (HostKVCache tensors, page memoryviews) are alive, the mapping
+    stays until the last one is dropped, so a late reader never touches freed memory.
+    """
+
+    def __init__(self, fd: int, nbytes: int, *, _token: object = None) -> None:
+        if _token is not _CTOR_TOKEN:
+            raise TypeError("use HostArena.create() or HostArena.from_fd()")
+        self._fd = fd
+        self.nbytes = nbytes
+        self._mmap: mmap.mmap | None = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
+                                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self._array: np.ndarray | None = np.frombuffer(self._mmap, dtype=np.uint8)
+        self.locked = False
+        self.cuda_registered = False
+
+    @classmethod
+    def create(cls, nbytes: int, mlock: bool = True, name: str = "hicache-arena") -> HostArena:
+        """A new zero-filled arena of `nbytes`; `mlock` is best effort (see `.locked`)."""
+        _require_size(nbytes)
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)
+            arena = cls(fd, nbytes, _token=_CTOR_TOKEN)
+        except BaseException:
+            os.close(fd)
+            raise
+        if mlock:
+            arena._mlock()
+        return arena
+
+    @classmethod
+    def from_fd(cls, fd: int, nbytes: int) -> HostArena:
+        """Map the arena behind `fd` (e.g. received with SCM_RIGHTS). The fd is
+        duplicated; the caller keeps and closes its own."""
+        _require_size(nbytes)
+        size = os.fstat(fd).st_size
+        if size < nbytes:
+            raise HiCacheError(f"arena fd {fd} holds {size} bytes, fewer than the {nbytes} expected")
+        own = os.dup(fd)
+        try:
+            return cls(own, nbytes, _token=_CTOR_TOKEN)
+        except BaseException:
+            os.close(own)
+            raise
+
+    @property
+    def fd(self) -> int:
+        self._check_open()
+        return self._fd
+
+    @property
+    def closed(self) -> bool:
+        return self._array is None
+
+    @property
+    def array(self) -> np.ndarray:
+        """The whole arena as a numpy uint8 array (a view of the shared memory)."""
+        self._check_open()
+        assert self._array is not None
+        return self._array
+
+    @property
+    def address(self) -> int:
+        return int(self.array.ctypes.data)
+
+    def _check_open(self) -> None:
+        if self._array is None:
+            raise HiCacheError("host arena is closed")
+
+    def _mlock(self) -> None:
+        global _mlock_refusal_logged
+        if _libc.mlock(self.address, self.nbytes) == 0:
+            self.locked = True
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.ENOMEM, errno.EPERM, errno.EAGAIN):
+            raise OSError(err, f"mlock of the host arena failed: {os.strerror(err)}")
+        if not _mlock_refusal_logged:
+            _mlock_refusal_logged = True
+            soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+            log.info("host arena not locked in RAM (%s; RLIMIT_MEMLOCK=%s bytes, arena %d bytes); "
+                     "raise LimitMEMLOCK to keep it from being swapped",
+                     os.strerror(err), "unlimited" if soft == resource.RLIM_INFINITY else soft, self.nbytes)
+
+    def register_cuda(self) -> None:
+        """Pin the mapping for CUDA (cudaHostRegister) so device copies DMA from it and
+        kernels address it directly. No-op without CUDA or when already registered."""
+        self._check_open()
+        if self.cuda_registered or not torch.cuda.is_available():
+            return
+        rc = torch.cuda.cudart().cudaHostRegister(self.address, self.nbytes, 0)
+        if int(rc) != 0:
+            raise HiCacheError(f"cudaHostRegister of the host arena failed with CUDA error {int(rc)}")
+        self.cuda_registered = True
+
+    def unregister_cuda(self) -> None:
+        if not self.cuda_registered:
+            return
+        rc = torch.cuda.cudart().cudaHostUnregister(self.address)
+        self.cuda_registered = False
+        if int(rc) != 0:
+            log.warning("cudaHostUnregister of the host arena failed with CUDA error %d", int(rc))
+
+    def close(self) -> None:
+        """Unregister, unmap (now or when the last view goes) and close the fd. Idempotent."""
+        if self._array is None:
+            return
+        self.unregister_cuda()
+        self._array = None
+        assert self._mmap is not None
+        try:
+            self._mmap.close()
+        except BufferError:
+            log.debug("host arena still viewed; it is unmapped when the last view is dropped")
+        self._mmap = None
+        os.close(self._fd)
+
+    def __enter__(self) -> HostArena:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_array", None) is not None:
+            self.close()
+
+
+_CTOR_TOKEN = object()
+
+
+def _require_size(nbytes: int) -> None:
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
+        raise HiCacheError(f"arena size must be a positive int, got {nbytes!r}")
+
+
+# ---------------------------------------------------------------------------
+# Slot allocator
+# ---------------------------------------------------------------------------
+
+class HostSlotAllocator:
+    """Hands out host page-slot ids `first .. first+count-1`.
+
+    A numpy stack of free ids plus a used mask: alloc and free are vectorized and
+    O(n) in the ids moved. Freed ids are reused first (warm memory). Not thread-safe
+    (the daemon's event loop owns it).
+    """
+
+    def __init__(self, first: int, count: int) -> None:
+        if first < 0 or count <= 0:
+            raise HostCacheError(f"need first >= 0 and count > 0, got first={first} count={count}")
+        self.first = first
+        self.count = count
+        # Top of the stack is the end of the array; the lowest ids come out first.
+        self._stack = np.arange(first + count - 1, first - 1, -1, dtype=np.int64)
+        self._top = count
+        self._used = np.zeros(count, dtype=bool)
+
+    def available(self) -> int:
+        return self._top
+
+    def alloc(self, n: int) -> np.ndarray | None:
+        """`n` free ids (ascending on a fresh allocator), or None with nothing taken."""
+        if n < 0:
+            raise HostCacheError(f"cannot allocate {n} slots")
+        if n > self._top:
+            return None
+        ids = self._stack[self._top - n:self._top][::-1].copy()
+        self._top -= n
+        self._used[ids - self.first] = True
+        return ids
+
+    def free(self, ids: np.ndarray | list[int]) -> None:
+        """Return ids; out-of-range, repeated or not-allocated ids raise and free nothing."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if len(ids) == 0:
+            return
+        rel = ids - self.first
+        if rel.min() < 0 or rel.max() >= self.count:
+            raise HostCacheError(f"slot ids outside [{self.first}, {self.first + self.count}): "
+                                 f"{ids[(rel < 0) | (rel >= self.count)][:8].tolist()}")
+        if len(np.unique(rel)) != len(rel):
+            raise HostCacheError("slot ids repeated in one free")
+        if not self._used[rel].all():
+            raise HostCacheError(f"double free of slot ids {ids[~self._used[rel]][:8].tolist()}")
+        self._used[rel] = False
+        self._stack[self._top:self._top + len(ids)] = ids[::-1]
+        self._top += len(ids)
+
+
+# ---------------------------------------------------------------------------
+# HostKVCache
+# ---------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class PagePlan:
+    """Validated page pairs for one pool, in the forms every backend needs."""
+
+    pool: DevicePool
+    host_np: np.ndarray  # int64, CPU
+    device_np: np.ndarray  # int64, CPU
+    host_t: torch.Tensor  # int64 on CPU (twin) or on the pool's device (triton)
+    device_t: torch.Tensor  # int64 on the pool's device
+
+    def __len__(self) -> int:
+        return len(self.host_np)
+
+
+@dataclass(slots=True)
+class _PoolViews:
+    """Per-pool views and tables, built once per pool."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    k_ptrs: np.ndarray
+    v_ptrs: np.ndarray | None
+    k_table: torch.Tensor | None = None  # triton pointer tables, on the pool's device
+    v_table: torch.Tensor | None = None
+
+
+class HostKVCache:
+    """The arena viewed as `arena.nbytes // layout.page_bytes` KV page slots.
+
+    `device` is the device of the pools this cache serves: it picks the copy
+    backend once ("memcpy" on CPU, "triton" on CUDA when Triton imports, the
+    "torch" twin otherwise); `backend` forces one. `copy_threads` (memcpy only)
+    splits large copies over that many threads; default: torch's intra-op count,
+    the parallelism a torch `copy_` of the same bytes would use.
+    """
+
+    def __init__(self, layout: KVLayout, arena: HostArena, *, device: str | torch.device = "cpu",
+                 backend: str | None = None, copy_threads: int | None = None) -> None:
+        self.layout = layout
+        self.arena = arena
+        self.page_bytes = layout.page_bytes
+        self.num_slots = arena.nbytes // layout.page_bytes
+        if self.num_slots < 1:
+            raise LayoutError(f"a host arena of {arena.nbytes} bytes holds no page of {layout.page_bytes} bytes")
+        self.device = torch.device(device)
+        self.backend = backend or self._pick_backend(self.device)
+        if self.backend not in BACKENDS:
+            raise LayoutError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend == "memcpy" and self.device.type != "cpu":
+            raise LayoutError("the memcpy backend serves CPU pools only")
+        if self.backend == "triton" and not copy_triton.triton_usable(self.device):
+            raise LayoutError(f"the triton backend cannot run for {self.device} here")
+        self.geom = kcopy.PageGeometry.from_layout(layout)
+        self._pages_np = arena.array[: self.num_slots * self.page_bytes].reshape(self.num_slots, self.page_bytes)
+        self._host = kcopy.host_pages_view(torch.from_numpy(arena.array), self.geom, self.num_slots)
+        self._base = arena.address
+        self._copier = kcopy.ChunkCopier(copy_threads or torch.get_num_threads())
+        self._views: weakref.WeakKeyDictionary[DevicePool, _PoolViews] = weakref.WeakKeyDictionary()
+        self._views_lock = threading.Lock()
+        if self.device.type == "cuda":
+            arena.register_cuda()
+        log.debug("host cache: %d slots of %d bytes, backend %s", self.num_slots, self.page_bytes, self.backend)
+
+    @staticmethod
+    def _pick_backend(device: torch.device) -> str:
+        if device.type == "cuda":
+            return "triton" if copy_triton.triton_usable(device) else "torch"
+        return "memcpy"
+
+    # -- validation ------------------------------------------------------------------
+    def prepare(self, device_pool: DevicePool, host_indices: object, device_indices: object) -> PagePlan:
+        """Validate page pairs once (range, equal lengths, no repeated destination)
+        and convert them for the backend; raises HostCacheError and changes nothing."""
+        self._check_pool(device_pool)
+        h = _as_ids(host_indices, "host_indices")
+        d = _as_ids(device_indices, "device_indices")
+        if len(h) != len(d):
+            raise HostCacheError(f"{len(h)} host pages but {len(d)} device pages")
+        if len(h):
+            if h.min() < 0 or h.max() >= self.num_slots:
+                raise HostCacheError(f"host page ids must be in [0, {self.num_slots}), got "
+                                     f"{h[(h < 0) | (h >= self.num_slots)][:8].tolist()}")
+            if d.min() < 1 or d.max() > device_pool.num_pages:
+                raise HostCacheError(f"device page ids must be in [1, {device_pool.num_pages}] "
+                                     f"(page 0 is padding), got "
+                                     f"{d[(d < 1) | (d > device_pool.num_pages)][:8].tolist()}")
+            # A repeated destination would make the result depend on copy order.
+            if len(np.unique(h)) != len(h) or len(np.unique(d)) != len(d):
+                raise HostCacheError("a host or device page id repeats within one transfer")
+        dev = device_pool.device
+        d_t = torch.from_numpy(d)
+        h_t = torch.from_numpy(h)
+        if dev.type != "cpu":
+            d_t = d_t.to(dev, non_blocking=True)
+            if self.backend == "triton":
+                h_t = h_t.to(dev, non_blocking=True)
+        return PagePlan(device_pool, h, d, h_t, d_t)
+
+    def _check_pool(self, pool: DevicePool) -> None:
+        self.arena._check_open()
+        if pool.layout != self.layout:
+            raise LayoutError("device pool layout differs from the host cache layout")
+        if pool.device.type != self.device.type:
+            raise LayoutError(f"this host cache serves {self.device.type} pools, got a {pool.device.type} pool")
+
+    def _pool_views(self, pool: DevicePool) -> _PoolViews:
+        with self._views_lock:
+            views = self._views.get(pool)
+            if views is None:
+                for buf in pool.k_buffers + pool.v_buffers:
+                    if not buf.is_contiguous():
+                        raise LayoutError("device pool buffers must be contiguous")
+                g = self.geom
+                k = [kcopy.device_pages_view(b, g, g.k_bytes) for b in pool.k_buffers]
+                v = [kcopy.device_pages_view(b, g, g.v_bytes) for b in pool.v_buffers]
+                views = _PoolViews(k, v, np.array([b.data_ptr() for b in pool.k_buffers], dtype=np.int64),
+                                   np.array([b.data_ptr() for b in pool.v_buffers], dtype=np.int64) if v else None)
+                if self.backend == "triton":
+                    views.k_table = copy_triton.pointer_table(pool.k_buffers, pool.device)
+                    views.v_table = copy_triton.pointer_table(pool.v_buffers, pool.device) if v else None
+                self._views[pool] = views
+            return views
+
+    # -- copies ------------------------------------------------------------------------
+    def load_layer(self, plan: PagePlan, layer_id: int) -> None:
+        """One layer of a prepared plan, host -> device (on the current CUDA stream)."""
+        if not isinstance(layer_id, int) or not 0 <= layer_id < self.layout.num_layers:
+            raise HostCacheError(f"layer_id must be in [0, {self.layout.num_layers}), got {layer_id!r}")
+        self.arena._check_open()
+        if len(plan) == 0:
+            return
+        views = self._pool_views(plan.pool)
+        dev_v = views.v[layer_id] if views.v else None
+        if self.backend == "memcpy":
+            v_ptr = int(views.v_ptrs[layer_id]) if views.v_ptrs is not None else None
+            self._copier.copy(*kcopy.load_layer_chunks(self._base, int(views.k_ptrs[layer_id]), v_ptr,
+                                                       plan.host_np, plan.device_np, layer_id, self.geom))
+        elif self.backend == "triton":
+            copy_triton.load_layer_triton(self._host, views.k[layer_id], dev_v, plan.host_t, plan.device_t,
+                                          layer_id, self.geom)
+        else:
+            kcopy.load_layer_torch(self._host, views.k[layer_id], dev_v, plan.host_t, plan.device_t,
+                                   layer_id, self.geom)
+
+    def backup(self, plan: PagePlan) -> None:
+        """All layers of a prepared plan, device -> host (on the current CUDA stream)."""
+        self.arena._check_open()
+        if len(plan) == 0:
+            return
+        views = self._pool_views(plan.pool)
+        if self.backend == "memcpy":
+            self._copier.copy(*kcopy.backup_chunks(self._base, views.k_ptrs, views.v_ptrs,
+                                                   plan.host_np, plan.device_np, self.geom))
+        elif self.backend == "triton":
+            assert views.k_table is not None
+            copy_triton.backup_all_layers_triton(self._host, views.k_table, views.v_table,
+                                                 plan.host_t, plan.device_t, self.geom)
+        else:
+            kcopy.backup_all_layers_torch(self._host, views.k, views.v, plan.host_t, plan.device_t, self.geom)
+
+    def load_to_device_per_layer(self, device_pool: DevicePool, host_indices: object,
+                                 device_indices: object, layer_id: int) -> None:
+        """Copy layer `layer_id` of host page slots into device pages (page ids, one each)."""
+        self.load_layer(self.prepare(device_pool, host_indices, device_indices), layer_id)
+
+    def backup_from_device_all_layer(self, device_pool: DevicePool, host_indices: object,
+                                     device_indices: object) -> None:
+        """Copy every layer of device pages into host page slots (page ids, one each)."""
+        self.backup(self.prepare(device_pool, host_indices, device_indices))
+
+    # -- whole pages (disk tier) ---------------------------------------------------------
+    def read_page(self, slot: int) -> bytes:
+        return self._pages_np[self._check_slot(slot)].tobytes()
+
+    def write_page(self, slot: int, data: bytes | bytearray | memoryview | np.ndarray) -> None:
+        slot = self._check_slot(slot)
+        src = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1)
+        if src.dtype != np.uint8 or src.size != self.page_bytes:
+            raise HostCacheError(f"a page is exactly {self.page_bytes} bytes, got {src.nbytes}")
+        self._pages_np[slot] = src
+
+    def page_view(self, slot: int) -> memoryview:
+        """The page's bytes in place (zero-copy); valid while the arena is open."""
+        return memoryview(self._pages_np[self._check_slot(slot)])
+
+    def _check_slot(self, slot: int) -> int:
+        self.arena._check_open()
+        if not isinstance(slot, (int, np.integer)) or isinstance(slot, bool) or not 0 <= slot < self.num_slots:
+            raise HostCacheError(f"host slot must be in [0, {self.num_slots}), got {slot!r}")
+        return int(slot)
+
+    def close(self) -> None:
+        """Stop copy helper threads. The arena belongs to the caller."""
+        self._copier.close()
+
+
+def _as_ids(x: object, name: str) -> np.ndarray:
+    """Page ids as a 1-D int64 numpy array (from a tensor, array or sequence)."""
+    if isinstance(x, torch.Tensor):
+        if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+            raise HostCacheError(f"{name} must hold integers, got {x.dtype}")
+        arr = x.detach().to("cpu", torch.int64).numpy()
+    else:
+        arr = np.asarray(x)
+        if arr.size and arr.dtype.kind not in "iu":
+            raise HostCacheError(f"{name} must hold integers, got {arr.dtype}")
+        arr = arr.astype(np.int64, copy=False)
+    if arr.ndim != 1:
+        raise HostCacheError(f"{name} must be 1-D, got shape {tuple(arr.shape)}")
+    return np.ascontiguousarray(arr)

@@ -1,0 +1,178 @@
+"""Page-copy kernels: the memcpy path and the Triton kernels against the torch
+twins, byte for byte. Triton runs in its interpreter in a subprocess on CPU,
+and on CUDA under the `gpu` marker."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hicache.kernels import copy as kcopy
+from hicache.kernels import copy_triton
+from hicache.layout import KVLayout
+from hicache.tiers.device import DevicePool
+from hicache.tiers.host import HostArena, HostKVCache
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_wide_dtype_is_the_widest_that_divides():
+    assert kcopy.wide_dtype(4096, 1024) == (torch.int64, 8)
+    assert kcopy.wide_dtype(4096, 12) == (torch.int32, 4)
+    assert kcopy.wide_dtype(6) == (torch.int16, 2)
+    assert kcopy.wide_dtype(4096, 3) == (torch.uint8, 1)
+
+
+def test_geometry_offsets_follow_the_page_first_layout():
+    layout = KVLayout("mha", 4, 16, "float16", num_kv_heads=8, head_dim=128, v_head_dim=64)
+    g = kcopy.PageGeometry.from_layout(layout)
+    assert (g.k_bytes, g.v_bytes, g.layer_bytes, g.page_bytes) == (32768, 16384, 49152, 4 * 49152)
+    assert g.width == 8 and g.dtype == torch.int64
+    assert g.k_offset(2) * 8 == 2 * 49152 and g.v_offset(2) * 8 == 2 * 49152 + 32768
+
+
+def test_coalesce_merges_only_runs_contiguous_on_both_sides():
+    src = np.array([0, 10, 20, 100, 110, 500], dtype=np.int64)
+    dst = np.array([1000, 1010, 1020, 2000, 3000, 4000], dtype=np.int64)
+    nb = np.full(6, 10, dtype=np.int64)
+    s, d, n = kcopy.coalesce(src, dst, nb)
+    assert s.tolist() == [0, 100, 110, 500]
+    assert d.tolist() == [1000, 2000, 3000, 4000]
+    assert n.tolist() == [30, 10, 10, 10]
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_chunk_copier_matches_numpy(threads):
+    rng = np.random.default_rng(0)
+    src_buf = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    dst_buf = np.zeros(1 << 20, dtype=np.uint8)
+    chunk = 1000
+    n = 300
+    blocks = (1 << 20) // chunk
+    s_off = rng.choice(blocks, n, replace=False) * chunk
+    d_off = (10 + rng.choice(blocks - 10, n, replace=False)) * chunk  # distinct destinations
+    d_off[10:20] = np.arange(10) * chunk  # a run on the device side...
+    start = min(s_off[10], (blocks - 10) * chunk)
+    s_off[10:20] = start + np.arange(10) * chunk  # ...and the host side: one merged copy
+    copier = kcopy.ChunkCopier(threads, min_split_bytes=1)
+    copier.copy(src_buf.ctypes.data + s_off, dst_buf.ctypes.data + d_off, np.full(n, chunk, dtype=np.int64))
+    want = np.zeros_like(dst_buf)
+    for s, d in zip(s_off, d_off):
+        want[d:d + chunk] = src_buf[s:s + chunk]
+    assert np.array_equal(dst_buf, want)
+    copier.close()
+
+
+def _random_pool(layout: KVLayout, num_pages: int, seed: int, device: str = "cpu") -> DevicePool:
+    pool = DevicePool(layout, num_pages * layout.page_size, device=device)
+    g = torch.Generator().manual_seed(seed)
+    for buf in pool.k_buffers + pool.v_buffers:
+        raw = buf.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g).to(device))
+    return pool
+
+
+def _compare_backends(layout: KVLayout, n: int, backends: tuple[str, str], device: str = "cpu") -> None:
+    """Backup n random pages and load them back per layer with two backends; the
+    arena bytes and the device bytes must be identical."""
+    rng = np.random.default_rng(n)
+    slots, pages = n + 3, n + 5
+    host = rng.choice(slots, n, replace=False)
+    dev = rng.choice(np.arange(1, pages + 1), n, replace=False)
+    back = rng.choice(np.arange(1, pages + 1), n, replace=False)
+    src = _random_pool(layout, pages, seed=n, device=device)
+    results = []
+    for backend in backends:
+        arena = HostArena.create(slots * layout.page_bytes, mlock=False)
+        cache = HostKVCache(layout, arena, device=device, backend=backend)
+        cache.backup_from_device_all_layer(src, host, dev)
+        dst = DevicePool(layout, pages * layout.page_size, device=device)
+        for layer in range(layout.num_layers):
+            cache.load_to_device_per_layer(dst, host, back, layer)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        results.append((torch.from_numpy(arena.array.copy()),
+                        [b.view(torch.uint8).cpu() for b in dst.k_buffers + dst.v_buffers]))
+        cache.close()
+    (arena_a, dev_a), (arena_b, dev_b) = results
+    assert torch.equal(arena_a, arena_b)
+    assert arena_a.any()
+    assert all(torch.equal(a, b) for a, b in zip(dev_a, dev_b))
+
+
+LAYOUTS = {
+    "mha-fp16": KVLayout("mha", 3, 4, "float16", num_kv_heads=2, head_dim=8),
+    "mha-bf16-vdim": KVLayout("mha", 2, 8, "bfloat16", num_kv_heads=3, head_dim=16, v_head_dim=8),
+    "mha-fp8-odd": KVLayout("mha", 2, 3, "float8_e4m3fn", num_kv_heads=1, head_dim=5),
+    "mla-fp16": KVLayout("mla", 3, 4, "float16", kv_lora_rank=16, qk_rope_head_dim=8),
+    "mla-fp8": KVLayout("mla", 2, 16, "float8_e4m3fn", kv_lora_rank=64, qk_rope_head_dim=16),
+}
+
+
+@pytest.mark.parametrize("n", [1, 8, 13])
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_memcpy_path_equals_torch_twin(name, n):
+    _compare_backends(LAYOUTS[name], n, ("memcpy", "torch"))
+
+
+# Runs in a fresh interpreter with TRITON_INTERPRET=1 set before Triton is imported.
+_INTERPRET_RUNNER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    from tests.kernels.test_copy_kernels import LAYOUTS, _compare_backends
+    from hicache.kernels import copy_triton
+    import torch
+    assert copy_triton.triton_usable(torch.device("cpu"))
+    for name, layout in sorted(LAYOUTS.items()):
+        for n in (1, 8, 13):
+            _compare_backends(layout, n, ("triton", "torch"))
+    print("INTERPRETED", len(LAYOUTS) * 3)
+""")
+
+
+def test_triton_kernels_equal_twin_in_interpreter():
+    if not copy_triton.triton_installed():
+        pytest.skip("triton is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", _INTERPRET_RUNNER, str(REPO)], capture_output=True,
+                          text=True, cwd=REPO, env=env, timeout=280)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"INTERPRETED {len(LAYOUTS) * 3}" in proc.stdout
+
+
+def test_triton_backend_refused_where_it_cannot_run():
+    if copy_triton.interpreter_enabled():
+        pytest.skip("interpreter mode runs kernels on CPU")
+    assert not copy_triton.triton_usable(torch.device("cpu"))
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+GPU_LAYOUTS = {
+    "mha-fp16": KVLayout("mha", 4, 16, "float16", num_kv_heads=8, head_dim=128),
+    "mha-bf16": KVLayout("mha", 4, 16, "bfloat16", num_kv_heads=8, head_dim=128),
+    "mha-fp8": KVLayout("mha", 4, 64, "float8_e4m3fn", num_kv_heads=4, head_dim=128),
+    "mha-fp8-odd": KVLayout("mha", 2, 3, "float8_e4m3fn", num_kv_heads=1, head_dim=5),
+    "mla-bf16": KVLayout("mla", 4, 16, "bfloat16", kv_lora_rank=512, qk_rope_head_dim=64),
+    "mla-fp8": KVLayout("mla", 4, 64, "float8_e4m3fn", kv_lora_rank=512, qk_rope_head_dim=64),
+}
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("n", [1, 8, 13, 4096])
+@pytest.mark.parametrize("name", sorted(GPU_LAYOUTS))
+def test_triton_kernels_equal_twin_on_cuda(name, n):
+    if not copy_triton.triton_usable(torch.device("cuda")):
+        pytest.skip("triton is not usable here")
+    layout = GPU_LAYOUTS[name]
+    if n * layout.page_bytes > 2 << 30:
+        n = max(13, (2 << 30) // layout.page_bytes)
+    _compare_backends(layout, n, ("triton", "torch"), device="cuda")
