@@ -60,9 +60,8 @@ class HostArena:
     stays until the last one is dropped, so a late reader never touches freed memory.
     """
 
-    def __init__(self, fd: int, nbytes: int, *, _token: object = None) -> None:
-        if _token is not _CTOR_TOKEN:
-            raise TypeError("use HostArena.create() or HostArena.from_fd()")
+    def __init__(self, fd: int, nbytes: int) -> None:
+        """Map `nbytes` of `fd` and take ownership of the fd (prefer create / from_fd)."""
         self._fd = fd
         self.nbytes = nbytes
         self._mmap: mmap.mmap | None = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
@@ -78,7 +77,7 @@ class HostArena:
         fd = os.memfd_create(name, os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, nbytes)
-            arena = cls(fd, nbytes, _token=_CTOR_TOKEN)
+            arena = cls(fd, nbytes)
         except BaseException:
             os.close(fd)
             raise
@@ -96,7 +95,7 @@ class HostArena:
             raise HiCacheError(f"arena fd {fd} holds {size} bytes, fewer than the {nbytes} expected")
         own = os.dup(fd)
         try:
-            return cls(own, nbytes, _token=_CTOR_TOKEN)
+            return cls(own, nbytes)
         except BaseException:
             os.close(own)
             raise
@@ -183,8 +182,6 @@ class HostArena:
         if getattr(self, "_array", None) is not None:
             self.close()
 
-
-_CTOR_TOKEN = object()
 
 
 def _require_size(nbytes: int) -> None:
@@ -279,14 +276,16 @@ class _PoolViews:
 class HostKVCache:
     """The arena viewed as `arena.nbytes // layout.page_bytes` KV page slots.
 
-    `device` is the device of the pools this cache serves: it picks the copy
+    `device` is the device of the pools this cache serves; it picks the copy
     backend once ("memcpy" on CPU, "triton" on CUDA when Triton imports, the
-    "torch" twin otherwise); `backend` forces one. `copy_threads` (memcpy only)
-    splits large copies over that many threads; default: torch's intra-op count,
-    the parallelism a torch `copy_` of the same bytes would use.
+    "torch" twin otherwise). Left as None, the first pool passed in decides
+    (so `HostKVCache(layout, arena)` serves a CUDA engine as well); `backend`
+    forces one. `copy_threads` (memcpy only) splits large copies over that many
+    threads; default: torch's intra-op count, the parallelism a torch `copy_` of
+    the same bytes would use.
     """
 
-    def __init__(self, layout: KVLayout, arena: HostArena, *, device: str | torch.device = "cpu",
+    def __init__(self, layout: KVLayout, arena: HostArena, *, device: str | torch.device | None = None,
                  backend: str | None = None, copy_threads: int | None = None) -> None:
         self.layout = layout
         self.arena = arena
@@ -294,24 +293,33 @@ class HostKVCache:
         self.num_slots = arena.nbytes // layout.page_bytes
         if self.num_slots < 1:
             raise LayoutError(f"a host arena of {arena.nbytes} bytes holds no page of {layout.page_bytes} bytes")
-        self.device = torch.device(device)
-        self.backend = backend or self._pick_backend(self.device)
-        if self.backend not in BACKENDS:
-            raise LayoutError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.backend == "memcpy" and self.device.type != "cpu":
-            raise LayoutError("the memcpy backend serves CPU pools only")
-        if self.backend == "triton" and not copy_triton.triton_usable(self.device):
-            raise LayoutError(f"the triton backend cannot run for {self.device} here")
+        if backend is not None and backend not in BACKENDS:
+            raise LayoutError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.geom = kcopy.PageGeometry.from_layout(layout)
         self._pages_np = arena.array[: self.num_slots * self.page_bytes].reshape(self.num_slots, self.page_bytes)
         self._host = kcopy.host_pages_view(torch.from_numpy(arena.array), self.geom, self.num_slots)
         self._base = arena.address
         self._copier = kcopy.ChunkCopier(copy_threads or torch.get_num_threads())
         self._views: weakref.WeakKeyDictionary[DevicePool, _PoolViews] = weakref.WeakKeyDictionary()
-        self._views_lock = threading.Lock()
-        if self.device.type == "cuda":
-            arena.register_cuda()
-        log.debug("host cache: %d slots of %d bytes, backend %s", self.num_slots, self.page_bytes, self.backend)
+        self._lock = threading.Lock()
+        self._forced_backend = backend
+        self.device: torch.device | None = None
+        self.backend: str | None = None
+        if device is not None:
+            self._bind(torch.device(device))
+
+    def _bind(self, device: torch.device) -> None:
+        """Fix the device type and backend (once)."""
+        backend = self._forced_backend or self._pick_backend(device)
+        if backend == "memcpy" and device.type != "cpu":
+            raise LayoutError("the memcpy backend serves CPU pools only")
+        if backend == "triton" and not copy_triton.triton_usable(device):
+            raise LayoutError(f"the triton backend cannot run for {device} here")
+        if device.type == "cuda":
+            self.arena.register_cuda()
+        self.device, self.backend = device, backend
+        log.debug("host cache: %d slots of %d bytes, %s pools, backend %s",
+                  self.num_slots, self.page_bytes, device.type, backend)
 
     @staticmethod
     def _pick_backend(device: torch.device) -> str:
@@ -352,11 +360,16 @@ class HostKVCache:
         self.arena._check_open()
         if pool.layout != self.layout:
             raise LayoutError("device pool layout differs from the host cache layout")
+        if self.device is None:
+            with self._lock:
+                if self.device is None:
+                    self._bind(pool.device)
+        assert self.device is not None
         if pool.device.type != self.device.type:
             raise LayoutError(f"this host cache serves {self.device.type} pools, got a {pool.device.type} pool")
 
     def _pool_views(self, pool: DevicePool) -> _PoolViews:
-        with self._views_lock:
+        with self._lock:
             views = self._views.get(pool)
             if views is None:
                 for buf in pool.k_buffers + pool.v_buffers:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hicache.errors import HiCacheError, LayoutError
+from hicache.kernels import copy_triton
 from hicache.layout import KVLayout
 from hicache.tiers.device import DevicePool
 from hicache.tiers.host import HostArena, HostCacheError, HostKVCache, HostSlotAllocator
@@ -244,9 +245,10 @@ def test_roundtrip_device_host_device_keeps_every_byte(make_layout, dtype, backe
     src = random_pool(layout, 12, seed=hash((dtype, layout.kind)) % 1000)
     arena = HostArena.create(9 * layout.page_bytes + 100, mlock=False)  # tail smaller than a page
     cache = HostKVCache(layout, arena, backend=backend)
-    assert cache.num_slots == 9 and cache.backend == backend
+    assert cache.num_slots == 9
     host, dev = [7, 0, 3, 4, 8], [2, 11, 5, 6, 12]
     cache.backup_from_device_all_layer(src, torch.tensor(host), np.array(dev))
+    assert cache.backend == backend and cache.device == torch.device("cpu")
     for h, d in zip(host, dev):
         assert cache.read_page(h) == page_bytes_of(src, d)  # page-first layout, exactly
     for h in set(range(9)) - set(host):
@@ -370,10 +372,29 @@ def test_arena_too_small_for_a_page():
     arena.close()
 
 
+def test_backend_is_picked_once_from_the_first_pool():
+    arena = HostArena.create(2 * mha().page_bytes, mlock=False)
+    cache = HostKVCache(mha(), arena)
+    assert cache.backend is None
+    cache.backup_from_device_all_layer(DevicePool(mha(), 8), [0], [1])
+    assert cache.backend == "memcpy" and cache.device.type == "cpu"
+    assert HostKVCache(mha(), arena, device="cpu").backend == "memcpy"
+    arena.close()
+
+
 def test_unknown_or_unusable_backend():
     arena = HostArena.create(mha().page_bytes, mlock=False)
     with pytest.raises(LayoutError):
         HostKVCache(mha(), arena, backend="nope")
+    with pytest.raises(LayoutError):
+        HostKVCache(mha(), arena, device="cpu", backend="memcpy").prepare(DevicePool(mha(), 8, device="meta"), [0], [1])
+    if not copy_triton.interpreter_enabled():
+        with pytest.raises(LayoutError):  # no Triton kernels for CPU tensors outside the interpreter
+            HostKVCache(mha(), arena, device="cpu", backend="triton")
+        cache = HostKVCache(mha(), arena, backend="triton")
+        with pytest.raises(LayoutError):
+            cache.backup_from_device_all_layer(DevicePool(mha(), 8), [0], [1])
+        assert cache.backend is None  # nothing bound by the failed first use
     arena.close()
 
 
