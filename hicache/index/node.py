@@ -1,0 +1,361 @@
+"""The vocabulary of the radix index: tiers, tree nodes, what index operations
+return, its errors, and the checks on what callers pass in (disk records included).
+
+A node is a run of pages. Its residency is all-or-nothing per tier (per engine
+for the device tier); RadixIndex splits nodes wherever residency would differ
+inside one. Internally each independently evictable residency is a *lane*:
+the device tier of engine `e` is lane `e` (engine ids are >= 0), the host tier
+is `HOST_LANE`, the disk tier `DISK_LANE`.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import NamedTuple
+
+import numpy as np
+
+from hicache.errors import HiCacheError
+from hicache.index.keys import KEY_BYTES, as_tokens, page_keys
+
+
+class IndexInputError(HiCacheError, ValueError):
+    """An argument is malformed; the index did not change."""
+
+
+class IndexStateError(HiCacheError):
+    """The call conflicts with the index's state (stale node, lock underflow,
+    clearing a locked tier); the index did not change."""
+
+
+class Tier(IntEnum):
+    DEVICE = 0
+    HOST = 1
+    DISK = 2
+
+
+HOST_LANE = -1
+DISK_LANE = -2
+
+
+def _frozen(arr: np.ndarray) -> np.ndarray:
+    arr.flags.writeable = False
+    return arr
+
+
+EMPTY_PAGES = _frozen(np.empty(0, dtype=np.int64))
+EMPTY_TOKENS = _frozen(np.empty(0, dtype=np.int32))
+
+
+@dataclass(slots=True, eq=False)
+class TreeNode:
+    """One run of pages. Identity matters (eq=False): callers hold nodes to lock them.
+
+    When a node is split, the object keeps the *lower* part (and its children,
+    its state checkpoint, its place in eviction heaps); a new node takes the
+    upper part. A node a caller holds therefore always still ends where it did.
+    """
+
+    parent: TreeNode | None
+    children: dict[bytes, TreeNode]      # keyed by the child's first page key
+    keys: list[bytes]                    # chained 16-byte page key per page
+    tokens: np.ndarray                   # int32, n_pages * page_size
+    device: dict[int, np.ndarray] = field(default_factory=dict)  # engine -> device page ids
+    host: np.ndarray | None = None       # host page-slot ids (int64) or None
+    on_disk: bool = False
+    lock_ref: list[int] = field(default_factory=lambda: [0, 0, 0])  # per Tier, this node and below
+    last_access: float = 0.0
+    hit_count: int = 0
+    state: object | None = None          # hybrid-model state checkpoint at the node's end
+    # Bookkeeping of RadixIndex and its ResidencyLedger; read-only for everyone else.
+    device_locks: dict[int | None, int] = field(default_factory=dict)  # engine (None = all) -> refs
+    child_lanes: dict[int, int] = field(default_factory=dict)  # lane -> children resident in it
+    queued: set[int] = field(default_factory=set)  # lanes with an entry in an eviction heap
+    removed: bool = False
+
+    @property
+    def n_pages(self) -> int:
+        return len(self.keys)
+
+    @property
+    def is_root(self) -> bool:
+        return not self.keys
+
+    @property
+    def in_any_tier(self) -> bool:
+        return bool(self.device) or self.host is not None or self.on_disk
+
+    @property
+    def is_locked(self) -> bool:
+        """Locked in some tier (here or below): the node cannot be removed from the tree."""
+        return any(self.lock_ref)
+
+    def lanes(self) -> list[int]:
+        out = list(self.device)
+        if self.host is not None:
+            out.append(HOST_LANE)
+        if self.on_disk:
+            out.append(DISK_LANE)
+        return out
+
+    def resident_in(self, lane: int) -> bool:
+        if lane >= 0:
+            return lane in self.device
+        if lane == HOST_LANE:
+            return self.host is not None
+        return self.on_disk
+
+    def lane_locked(self, lane: int) -> bool:
+        """Locked in the lane's tier (for a device lane: by that engine or by a lock for all)."""
+        if lane >= 0:
+            dl = self.device_locks
+            return bool(dl) and (dl.get(lane, 0) > 0 or dl.get(None, 0) > 0)
+        return self.lock_ref[Tier.HOST if lane == HOST_LANE else Tier.DISK] > 0
+
+    def __repr__(self) -> str:  # the default would print every array
+        tiers = [f"dev{sorted(self.device)}"] if self.device else []
+        if self.host is not None:
+            tiers.append("host")
+        if self.on_disk:
+            tiers.append("disk")
+        key = self.keys[0].hex()[:8] if self.keys else "root"
+        return (f"TreeNode({key}, pages={self.n_pages}, {'+'.join(tiers) or 'no tier'}, "
+                f"lock={self.lock_ref}, children={len(self.children)})")
+
+
+@dataclass(slots=True)
+class MatchResult:
+    """The usable prefix of a request, by segment: this engine's device pages,
+    then pages with a host copy, then pages available on disk (or host).
+    Each segment ends at a node boundary, so a caller locks a segment by
+    locking its last node."""
+
+    nodes: list[TreeNode]
+    device_nodes: list[TreeNode]
+    host_nodes: list[TreeNode]
+    disk_nodes: list[TreeNode]
+    device_pages: np.ndarray   # int64, this engine's device page ids (read-only)
+    host_pages: np.ndarray     # int64, host slot ids (read-only)
+    disk_keys: list[bytes]
+    last_node: TreeNode        # the root when nothing matched
+
+    @property
+    def device_len(self) -> int:
+        return len(self.device_pages)
+
+    @property
+    def host_len(self) -> int:
+        return len(self.host_pages)
+
+    @property
+    def disk_len(self) -> int:
+        return len(self.disk_keys)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.device_pages) + len(self.host_pages) + len(self.disk_keys)
+
+
+@dataclass(slots=True)
+class InsertResult:
+    present_pages: int           # pages already in the tree before this insert
+    dup_device_pages: np.ndarray  # the caller's device pages not adopted (and not the index's
+                                  # own ids): the caller frees them
+    dup_host_pages: np.ndarray    # same for host slots
+    nodes: list[TreeNode]        # the full path for the inserted keys
+    new_nodes: list[TreeNode]    # nodes created for pages that were absent
+
+
+@dataclass(slots=True)
+class Freed:
+    """Residency an operation released; the caller frees the slots or deletes the disk keys."""
+
+    tier: Tier
+    engine: int | None           # the engine for DEVICE, else None
+    keys: list[bytes]
+    slots: np.ndarray | None     # int64 device page ids or host slot ids; None for DISK
+
+
+class DiskRecord(NamedTuple):
+    """Per-page metadata the disk tier keeps so the tree can be rebuilt after a restart.
+    A plain 4-tuple in this order is accepted as well."""
+
+    key: bytes
+    parent_key: bytes            # the namespace salt for a sequence's first page
+    tokens: np.ndarray           # int32, one page
+    last_access: float           # in the index clock's units
+
+
+def lane_tier(lane: int) -> tuple[Tier, int | None]:
+    if lane >= 0:
+        return Tier.DEVICE, lane
+    return (Tier.HOST if lane == HOST_LANE else Tier.DISK), None
+
+
+class FreedCollector:
+    """Collects released residency per lane; one Freed per lane at the end."""
+
+    __slots__ = ("by_lane",)
+
+    def __init__(self) -> None:
+        self.by_lane: dict[int, tuple[list[bytes], list[np.ndarray]]] = {}
+
+    def add(self, lane: int, keys: list[bytes], slots: np.ndarray | None) -> None:
+        entry = self.by_lane.get(lane)
+        if entry is None:
+            entry = self.by_lane[lane] = ([], [])
+        entry[0].extend(keys)
+        if slots is not None:
+            entry[1].append(slots)
+
+    def build(self) -> list[Freed]:
+        out = []
+        for lane, (keys, slots) in self.by_lane.items():
+            tier, engine = lane_tier(lane)
+            out.append(Freed(tier, engine, keys, None if tier is Tier.DISK else concat_pages(slots)))
+        return out
+
+
+def concat_pages(arrays: list[np.ndarray]) -> np.ndarray:
+    if not arrays:
+        return EMPTY_PAGES
+    if len(arrays) == 1:
+        return arrays[0]
+    return np.concatenate(arrays)
+
+
+def not_own(theirs: np.ndarray, own: np.ndarray) -> np.ndarray:
+    """The caller's ids that are duplicates: those differing from the index's own ids
+    at the same positions (ids it got from match are the same pages, not copies)."""
+    return theirs[theirs != own]
+
+
+# ---------------------------------------------------------------------- argument checks
+
+def check_keys(keys: object) -> list[bytes]:
+    if type(keys) is not list:
+        if not isinstance(keys, (list, tuple)):
+            raise IndexInputError("keys must be a list of bytes")
+        keys = list(keys)
+    if keys and (set(map(type, keys)) != {bytes} or set(map(len, keys)) != {KEY_BYTES}):
+        raise IndexInputError(f"every key must be {KEY_BYTES} bytes")
+    return keys
+
+
+def check_tokens(tokens: object, n_pages: int, page_size: int) -> np.ndarray:
+    try:
+        toks = as_tokens(tokens)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise IndexInputError(f"bad tokens: {e}") from e
+    if len(toks) != n_pages * page_size:
+        raise IndexInputError(f"{len(toks)} tokens for {n_pages} pages of {page_size}")
+    return toks
+
+
+def check_pages(pages: object, n: int | None, name: str) -> np.ndarray:
+    """A private, read-only copy of a 1-D int64 array of ids (the caller may reuse its buffer)."""
+    if not isinstance(pages, np.ndarray) or pages.dtype != np.int64 or pages.ndim != 1:
+        raise IndexInputError(f"{name} must be a 1-D int64 numpy array")
+    if n is not None and len(pages) != n:
+        raise IndexInputError(f"{name} has {len(pages)} entries for {n} pages")
+    if len(pages) and pages.min() < 0:
+        raise IndexInputError(f"{name} holds a negative id")
+    return _frozen(pages.copy())
+
+
+def check_engine(engine: object) -> int:
+    if type(engine) is int and engine >= 0:
+        return engine
+    return _non_negative(engine, "engine")
+
+
+def check_count(num_pages: object) -> int:
+    return _non_negative(num_pages, "num_pages")
+
+
+def _non_negative(value: object, name: str) -> int:
+    if isinstance(value, bool):
+        raise IndexInputError(f"{name} must be an int")
+    try:
+        v = operator.index(value)
+    except TypeError as err:
+        raise IndexInputError(f"{name} must be an int") from err
+    if v < 0:
+        raise IndexInputError(f"{name} must be >= 0")
+    return v
+
+
+def check_tier(tier: object) -> Tier:
+    try:
+        return Tier(tier)
+    except ValueError as err:
+        raise IndexInputError(f"no tier {tier!r}") from err
+
+
+@dataclass(slots=True)
+class DiskRun:
+    """Consecutive verified pages of one branch, to hang below the page `parent_key`."""
+
+    parent_key: bytes
+    keys: list[bytes]
+    tokens: np.ndarray
+    last_access: float  # the newest of its pages
+
+
+def disk_runs(records: object, salt: bytes, page_size: int) -> tuple[list[DiskRun], list[bytes]]:
+    """Check per-page disk records (any order) and chain them into runs, each run's
+    parent page in an earlier run (or the salt). A record is kept only if its key is
+    the hash of (parent key, tokens) and its parents reach the salt. Returns the runs
+    and the keys of the records left out (orphans, corrupt, malformed), which the
+    caller may delete from disk."""
+    by_parent: dict[bytes, list[tuple[bytes, np.ndarray, float]]] = {}
+    seen: set[bytes] = set()
+    skipped: list[bytes] = []
+    for rec in records:
+        try:
+            key, parent_key, tokens, last_access = rec
+            if type(key) is not bytes or len(key) != KEY_BYTES:
+                continue  # no usable key to report
+            toks = as_tokens(tokens)
+            la = float(last_access)
+        except (TypeError, ValueError, OverflowError):
+            continue
+        if type(parent_key) is not bytes or len(parent_key) != KEY_BYTES or len(toks) != page_size:
+            skipped.append(key)
+        elif key not in seen:
+            seen.add(key)
+            by_parent.setdefault(parent_key, []).append((key, toks, la))
+    runs: list[DiskRun] = []
+    kept: set[bytes] = set()
+    stack = [salt]
+    while stack:
+        parent_key = stack.pop()
+        for item in by_parent.pop(parent_key, ()):
+            keys: list[bytes] = []
+            toks_list: list[np.ndarray] = []
+            newest = float("-inf")
+            prev = parent_key
+            while True:  # a single-child chain becomes one run
+                key, toks, la = item
+                if page_keys(salt, toks, page_size, parent=prev)[0] != key:
+                    skipped.append(key)  # corrupt: it and its descendants stay out
+                    break
+                keys.append(key)
+                toks_list.append(toks)
+                newest = max(newest, la)
+                prev = key
+                nxt = by_parent.get(key)
+                if nxt is None or len(nxt) != 1:
+                    break
+                del by_parent[key]
+                item = nxt[0]
+            if keys:
+                runs.append(DiskRun(parent_key, keys, np.concatenate(toks_list), newest))
+                kept.update(keys)
+                stack.append(prev)
+    # A malformed duplicate of a good record must not get the good page deleted.
+    left_out = [k for k in skipped if k not in kept]
+    left_out += [k for items in by_parent.values() for k, _, _ in items]
+    return runs, left_out

@@ -1,0 +1,308 @@
+"""What may be evicted, and in which order.
+
+- EvictionPolicy: a one-method strategy, `get_priority(node)`; lowest goes first.
+- CandidateHeaps: per lane, the candidates ordered by that priority, kept lazily.
+- ResidencyLedger: per lane, resident and locked pages of one tree, and the
+  edits (add or drop residency, lock walks, subtree removal) that keep those
+  counts and the candidate heaps right. RadixIndex owns the tree shape and
+  makes every residency or lock change through its ledger.
+
+Contract for policies: while a node waits as a candidate its priority may only
+grow (a touch raises it, nothing lowers it). That lets the heaps stay
+incremental without a push per access: an entry is re-checked when it reaches
+the top and pushed back if its priority has grown. LRU and LFU satisfy it.
+Priorities are compared with `<`, also across indexes (namespaces sharing one
+budget), so those indexes should share one policy.
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from heapq import heapify, heappop, heappush, heapreplace
+from typing import TypeAlias
+
+import numpy as np
+
+from hicache.index.node import DISK_LANE, HOST_LANE, FreedCollector, Tier, TreeNode
+
+Priority: TypeAlias = float | tuple[int, float]
+
+
+class EvictionPolicy(ABC):
+    @abstractmethod
+    def get_priority(self, node: TreeNode) -> Priority:
+        """Lower is evicted first."""
+
+
+class LruPolicy(EvictionPolicy):
+    """Least recently matched or inserted first."""
+
+    def get_priority(self, node: TreeNode) -> float:
+        return node.last_access
+
+
+class LfuPolicy(EvictionPolicy):
+    """Fewest matches first, least recent among equals."""
+
+    def get_priority(self, node: TreeNode) -> tuple[int, float]:
+        return (node.hit_count, node.last_access)
+
+
+class CandidateHeaps:
+    """One min-heap of eviction candidates per lane, with lazy deletion.
+
+    The owner says what a candidate is (`is_candidate(node, lane)`) and calls
+    push() whenever a node may have become one. Each (node, lane) has at most one
+    entry, recorded in `node.queued`; an entry whose node stopped being a candidate
+    is dropped when it reaches the top, or by compaction once a heap outgrows
+    `2 * bound + 64` entries (bound: the lane's resident pages, at least its number
+    of candidates): amortized O(log n) per push, and nothing re-heapifies every
+    leaf per call.
+    """
+
+    __slots__ = ("policy", "is_candidate", "heaps", "_seq")
+
+    def __init__(self, policy: EvictionPolicy, is_candidate: Callable[[TreeNode, int], bool]) -> None:
+        self.policy = policy
+        self.is_candidate = is_candidate
+        self.heaps: dict[int, list[tuple[Priority, int, TreeNode]]] = {}
+        self._seq = itertools.count()  # ties: first queued goes first; nodes are never compared
+
+    def push(self, node: TreeNode, lane: int, bound: int) -> None:
+        heap = self.heaps.get(lane)
+        if heap is None:
+            heap = self.heaps[lane] = []
+        heappush(heap, (self.policy.get_priority(node), next(self._seq), node))
+        node.queued.add(lane)
+        if len(heap) > 2 * bound + 64:
+            self._compact(lane)
+
+    def top(self, lane: int, pop: bool) -> tuple[Priority, TreeNode] | None:
+        """The lowest-priority candidate of the lane (taken out of the heap if `pop`)."""
+        heap = self.heaps.get(lane)
+        if not heap:
+            return None
+        priority_of = self.policy.get_priority
+        while heap:
+            prio, _, node = heap[0]
+            if not self.is_candidate(node, lane):
+                heappop(heap)
+                node.queued.discard(lane)
+                continue
+            cur = priority_of(node)
+            if cur != prio:  # touched since it was queued: priorities only grow
+                heapreplace(heap, (cur, next(self._seq), node))
+                continue
+            if pop:
+                heappop(heap)
+                node.queued.discard(lane)
+            return prio, node
+        return None
+
+    def drop_lane(self, lane: int) -> None:
+        """Forget a lane (its engine is gone); the caller clears `queued` on the nodes."""
+        self.heaps.pop(lane, None)
+
+    def _compact(self, lane: int) -> None:
+        keep = []
+        for entry in self.heaps[lane]:
+            if self.is_candidate(entry[2], lane):
+                keep.append(entry)
+            else:
+                entry[2].queued.discard(lane)
+        heapify(keep)
+        self.heaps[lane] = keep
+
+
+class ResidencyLedger:
+    """Resident and protected (locked) pages per lane of one tree, and its candidates.
+
+    A candidate of a lane is a node resident in it, with no child resident in it,
+    not locked in it, and -- if this is its only tier, so that evicting it removes
+    it -- holding no lock at all (locks count on ancestors, so that covers its
+    subtree). The ledger re-queues a node whenever one of these may have turned true.
+    """
+
+    __slots__ = ("root", "resident", "protected", "candidates")
+
+    def __init__(self, root: TreeNode, policy: EvictionPolicy) -> None:
+        self.root = root
+        self.resident: dict[int, int] = {HOST_LANE: 0, DISK_LANE: 0}
+        self.protected: dict[int, int] = {HOST_LANE: 0, DISK_LANE: 0}
+        self.candidates = CandidateHeaps(policy, self.is_candidate)
+
+    def is_candidate(self, node: TreeNode, lane: int) -> bool:
+        if node.removed or not node.resident_in(lane):
+            return False
+        if node.child_lanes.get(lane) or node.lane_locked(lane):
+            return False
+        only = len(node.device) + (node.host is not None) + node.on_disk == 1
+        return not (only and any(node.lock_ref))
+
+    def maybe_queue(self, node: TreeNode, lane: int) -> None:
+        if lane not in node.queued and self.is_candidate(node, lane):
+            self.candidates.push(node, lane, self.resident.get(lane, 0))
+
+    def requeue(self, node: TreeNode, lane: int) -> None:
+        """Put back a candidate taken out with top(pop=True) but not evicted."""
+        self.candidates.push(node, lane, self.resident.get(lane, 0))
+
+    # ------------------------------------------------------------------ residency
+
+    def add_lane(self, node: TreeNode, lane: int, pages: np.ndarray | None) -> None:
+        if lane >= 0:
+            node.device[lane] = pages
+        elif lane == HOST_LANE:
+            node.host = pages
+        else:
+            node.on_disk = True
+        n = len(node.keys)
+        self.resident[lane] = self.resident.get(lane, 0) + n
+        if node.lane_locked(lane):
+            self.protected[lane] = self.protected.get(lane, 0) + n
+        parent = node.parent
+        if parent is not self.root:  # the root is never a candidate: no counts there
+            cl = parent.child_lanes
+            cl[lane] = cl.get(lane, 0) + 1
+        if any(node.lock_ref):  # a second tier can make its other lanes evictable
+            for other in node.lanes():
+                self.maybe_queue(node, other)
+        else:
+            self.maybe_queue(node, lane)
+
+    def drop_lane(self, node: TreeNode, lane: int) -> np.ndarray | None:
+        if lane >= 0:
+            pages = node.device.pop(lane)
+        elif lane == HOST_LANE:
+            pages, node.host = node.host, None
+        else:
+            pages, node.on_disk = None, False
+        n = len(node.keys)
+        self.resident[lane] -= n
+        if node.lane_locked(lane):
+            self.protected[lane] -= n
+        parent = node.parent
+        if parent is not self.root:
+            cl = parent.child_lanes
+            c = cl[lane] - 1
+            if c:
+                cl[lane] = c
+            else:
+                del cl[lane]
+                self.maybe_queue(parent, lane)
+        return pages
+
+    def reap(self, node: TreeNode, acc: FreedCollector) -> None:
+        """Remove `node` with its subtree if it is in no tier and holds no lock."""
+        if not node.removed and not node.in_any_tier and not any(node.lock_ref):
+            self.remove_subtree(node, acc)
+
+    def remove_subtree(self, node: TreeNode, acc: FreedCollector) -> None:
+        """Remove `node` (in no tier, unlocked, so nothing below is locked either)
+        with its subtree, reporting all residency below it."""
+        del node.parent.children[node.keys[0]]  # in no tier: the parent's child_lanes never counted it
+        res = self.resident
+        stack = [node]
+        while stack:
+            x = stack.pop()
+            n = len(x.keys)
+            for lane, pages in x.device.items():
+                res[lane] -= n
+                acc.add(lane, x.keys, pages)
+            if x.host is not None:
+                res[HOST_LANE] -= n
+                acc.add(HOST_LANE, x.keys, x.host)
+            if x.on_disk:
+                res[DISK_LANE] -= n
+                acc.add(DISK_LANE, x.keys, None)
+            stack.extend(x.children.values())
+            # Stale holders must not see freed slot ids.
+            x.removed = True
+            x.parent = None
+            x.children = {}
+            x.device = {}
+            x.host = None
+            x.on_disk = False
+            x.child_lanes = {}
+
+    def forget_engine(self, nodes: list[TreeNode], engine: int, acc: FreedCollector) -> None:
+        """Drop the engine's residency and device locks from `nodes` (every node of the
+        tree), reporting its pages; the caller then reaps nodes left in no tier."""
+        for x in nodes:
+            x.lock_ref[Tier.DEVICE] -= x.device_locks.pop(engine, 0)
+            x.child_lanes.pop(engine, None)
+            x.queued.discard(engine)
+            pages = x.device.pop(engine, None)
+            if pages is not None:
+                acc.add(engine, x.keys, pages)
+        self.resident.pop(engine, None)
+        self.protected.pop(engine, None)
+        self.candidates.drop_lane(engine)
+
+    # ------------------------------------------------------------------ locks
+
+    def lock_path(self, path: list[TreeNode], tier: Tier, engine: int | None) -> None:
+        """Add a ref on every node of `path` (a node and its ancestors)."""
+        prot = self.protected
+        if tier is Tier.DEVICE:
+            for x in path:
+                x.lock_ref[Tier.DEVICE] += 1
+                dl = x.device_locks
+                c = dl.get(engine, 0) + 1
+                dl[engine] = c
+                if c == 1 and x.device:
+                    n = len(x.keys)
+                    for e in _engines_flipped(x, engine):
+                        prot[e] = prot.get(e, 0) + n
+            return
+        lane = HOST_LANE if tier is Tier.HOST else DISK_LANE
+        for x in path:
+            r = x.lock_ref
+            r[tier] += 1
+            if r[tier] == 1 and x.resident_in(lane):
+                prot[lane] += len(x.keys)
+
+    def unlock_path(self, path: list[TreeNode], tier: Tier, engine: int | None) -> TreeNode | None:
+        """Drop a ref on every node of `path` (the caller checked none goes below zero).
+        Returns the highest node left in no tier and without locks: the caller removes it."""
+        prot = self.protected
+        lane = HOST_LANE if tier is Tier.HOST else DISK_LANE
+        doomed: TreeNode | None = None
+        for x in path:
+            n = len(x.keys)
+            if tier is Tier.DEVICE:
+                x.lock_ref[Tier.DEVICE] -= 1
+                dl = x.device_locks
+                c = dl[engine] - 1
+                if c:
+                    dl[engine] = c
+                else:
+                    del dl[engine]
+                    if x.device:
+                        for e in _engines_flipped(x, engine):
+                            prot[e] -= n
+                            self.maybe_queue(x, e)
+            else:
+                r = x.lock_ref
+                r[tier] -= 1
+                if r[tier] == 0 and x.resident_in(lane):
+                    prot[lane] -= n
+                    self.maybe_queue(x, lane)
+            if not any(x.lock_ref):
+                if x.in_any_tier:
+                    for other in x.lanes():  # emptying it is allowed now: it is removable
+                        self.maybe_queue(x, other)
+                else:
+                    doomed = x  # walking up: the last one found is the highest
+        return doomed
+
+
+def _engines_flipped(x: TreeNode, key: int | None) -> list[int]:
+    """Engines whose copy on `x` changes protection when the device-lock count of
+    `key` (an engine, or None for all) moves between 0 and 1."""
+    dl = x.device_locks
+    if key is None:
+        return [e for e in x.device if not dl.get(e)]
+    return [key] if key in x.device and not dl.get(None) else []

@@ -1,0 +1,571 @@
+"""The radix index of one namespace, shared by every tier.
+
+A radix tree over pages. Keys are the chained page keys of hicache.index.keys:
+page key i of two sequences is equal iff their tokens are equal up to the end
+of page i. So inside a node the common prefix with a request is found by
+binary search on key equality, children are looked up by their first key,
+and no operation loops over tokens in Python.
+
+Residency. A node is on an engine's device (that engine's page ids), in the
+host arena (slot ids), on disk (a flag), in any combination. Residency is
+all-or-nothing per node, per tier and per engine: an operation that would
+make it differ inside a node first splits the node at that page boundary.
+A split slices the arrays, copies lock refs to both halves and keeps the
+children, the state checkpoint and the object identity with the *lower*
+half, so a node a caller holds still ends where it did.
+
+match(keys, engine) walks from the root and returns three segments: leading
+nodes on `engine`'s device; then nodes with a host copy; then nodes on disk
+(or in host). The walk stops at the first node that fits none, and splits a
+node where the request diverges or ends inside it, so every segment ends at
+a node boundary. Matched nodes get `last_access = clock()` and
+`hit_count += 1`. match does not lock: the caller locks what it uses.
+
+insert(keys, tokens, ...) walks the same way. For pages already present it
+adopts the caller's device pages (host slots) where this engine (the host)
+has none, and reports the caller's ids as duplicates where it has -- except
+ids equal to the index's own there: passing back the prefix one matched is
+not a duplicate. on_disk is OR-ed. Absent pages become one new leaf. An
+insert must give some residency: every node is in at least one tier.
+
+Locks. lock(node, tier) adds a ref on the node and all its ancestors; a
+device lock names an engine (None protects every engine's copy). Resident
+pages count as protected in a tier while locked there, else as evictable;
+both counts are kept incrementally. A locked node is never removed.
+
+Eviction. Per lane (one engine's device, host, disk) a heap holds the
+candidates: nodes resident in the lane, with no child resident in it and no
+lock on it. Entries are checked when they reach the top (lazy deletion) and
+pushed back if their priority has grown (see policy.py); nothing is
+re-heapified per call. Evicting drops the lane's residency; a node left in
+no tier is removed with its whole subtree, and all of that subtree's
+residency is reported as Freed, so nothing leaks. A node left in no tier
+while still locked (the engine holding its only copy went away, or a lock
+below it) stays, never matched, until its last unlock removes it.
+
+Freed records. Every method returning list[Freed] also hands over those of
+removals that happened where no list could be returned (unlock, clear_*,
+set_disk); take_freed() returns them on demand.
+
+Not thread-safe: one event loop owns an index.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+import numpy as np
+
+from hicache.index.keys import KEY_BYTES
+from hicache.index.node import (
+    DISK_LANE, EMPTY_PAGES, EMPTY_TOKENS, HOST_LANE, DiskRecord, Freed, FreedCollector, IndexInputError,
+    IndexStateError, InsertResult, MatchResult, Tier, TreeNode, check_count, check_engine, check_keys,
+    check_pages, check_tier, check_tokens, concat_pages, disk_runs, not_own,
+)
+from hicache.index.policy import EvictionPolicy, LruPolicy, Priority, ResidencyLedger
+
+__all__ = [
+    "DiskRecord", "Freed", "IndexInputError", "IndexStateError", "InsertResult", "MatchResult",
+    "RadixIndex", "Tier", "TreeNode",
+]
+
+logger = logging.getLogger(__name__)
+
+_NO_LANE = -3  # match without an engine: no device segment
+
+
+def _common_pages(node_keys: list[bytes], keys: list[bytes], start: int) -> int:
+    """How many leading pages of `node_keys` equal `keys[start:]`, given that the
+    first does. Chained keys make equality monotone: binary search."""
+    m = min(len(node_keys), len(keys) - start)
+    if node_keys[m - 1] == keys[start + m - 1]:
+        return m
+    lo, hi = 1, m - 1
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        if node_keys[mid - 1] == keys[start + mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class RadixIndex:
+    """Radix tree over the pages of one namespace, across device, host and disk."""
+
+    def __init__(self, page_size: int, salt: bytes, policy: EvictionPolicy | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if type(page_size) is not int or page_size < 1:
+            raise IndexInputError(f"page_size must be a positive int, got {page_size!r}")
+        if type(salt) is not bytes or len(salt) != KEY_BYTES:
+            raise IndexInputError(f"salt must be {KEY_BYTES} bytes")
+        self.page_size = page_size
+        self.salt = salt
+        self.policy = policy if policy is not None else LruPolicy()
+        self.clock = clock
+        self.root = TreeNode(parent=None, children={}, keys=[], tokens=EMPTY_TOKENS)
+        self._ledger = ResidencyLedger(self.root, self.policy)
+        self._outbox: list[Freed] = []
+
+    # ------------------------------------------------------------------ match / insert
+
+    def match(self, keys: list[bytes], engine: int | None = None) -> MatchResult:
+        keys = check_keys(keys)
+        lane = _NO_LANE if engine is None else check_engine(engine)
+        now = self.clock()
+        node = self.root
+        n = len(keys)
+        i = 0
+        seg = 0 if engine is not None else 1   # 0 device, 1 host, 2 disk
+        n_dev = n_host = 0
+        path: list[TreeNode] = []
+        while i < n:
+            child = node.children.get(keys[i])
+            if child is None:
+                break
+            if seg == 0 and lane in child.device:
+                n_dev += 1
+            elif seg <= 1 and child.host is not None:
+                seg = 1
+                n_host += 1
+            elif child.on_disk or child.host is not None:
+                seg = 2
+            else:
+                break
+            ck = child.keys
+            m = len(ck)
+            if m <= n - i and ck[m - 1] == keys[i + m - 1]:
+                j = m
+            else:
+                j = _common_pages(ck, keys, i)
+                if j < m:
+                    child = self._split(child, j)
+            child.last_access = now
+            child.hit_count += 1
+            path.append(child)
+            i += j
+            if j < m:
+                break  # diverged or ended inside the node
+            node = child
+        n_front = n_dev + n_host
+        dev_nodes = path[:n_dev]
+        host_nodes = path[n_dev:n_front]
+        disk_nodes = path[n_front:] if n_front < len(path) else []
+        if not disk_nodes:
+            disk_keys = []
+        elif len(disk_nodes) == 1:
+            disk_keys = list(disk_nodes[0].keys)
+        else:
+            disk_keys = list(itertools.chain.from_iterable(x.keys for x in disk_nodes))
+        return MatchResult(
+            nodes=path, device_nodes=dev_nodes, host_nodes=host_nodes, disk_nodes=disk_nodes,
+            device_pages=concat_pages([x.device[lane] for x in dev_nodes]) if n_dev else EMPTY_PAGES,
+            host_pages=concat_pages([x.host for x in host_nodes]) if n_host else EMPTY_PAGES,
+            disk_keys=disk_keys, last_node=path[-1] if path else self.root)
+
+    def insert(self, keys: list[bytes], tokens: np.ndarray, *, engine: int | None = None,
+               device_pages: np.ndarray | None = None, host_pages: np.ndarray | None = None,
+               on_disk: bool = False) -> InsertResult:
+        """Add a sequence (len(tokens) == len(keys) * page_size) with the residency
+        given; see the module docstring for what is adopted and what is a duplicate."""
+        keys = check_keys(keys)
+        n = len(keys)
+        toks = check_tokens(tokens, n, self.page_size)
+        lane = None if engine is None else check_engine(engine)
+        dev = None
+        if device_pages is not None:
+            if lane is None:
+                raise IndexInputError("device_pages need an engine")
+            dev = check_pages(device_pages, n, "device_pages")
+        host = None if host_pages is None else check_pages(host_pages, n, "host_pages")
+        if type(on_disk) is not bool:
+            raise IndexInputError("on_disk must be a bool")
+        if n == 0:
+            return InsertResult(0, EMPTY_PAGES, EMPTY_PAGES, [], [])
+        if dev is None and host is None and not on_disk:
+            raise IndexInputError("insert needs device_pages, host_pages or on_disk: "
+                                  "a node must be in at least one tier")
+        return self._insert_from(self.root, keys, toks, lane, dev, host, on_disk, self.clock(), True)
+
+    def _insert_from(self, start: TreeNode, keys: list[bytes], tokens: np.ndarray, lane: int | None,
+                     dev: np.ndarray | None, host: np.ndarray | None, on_disk: bool,
+                     now: float, touch: bool) -> InsertResult:
+        ledger = self._ledger
+        node = start
+        n = len(keys)
+        i = 0
+        path: list[TreeNode] = []
+        dup_dev: list[np.ndarray] = []
+        dup_host: list[np.ndarray] = []
+        while i < n:
+            child = node.children.get(keys[i])
+            if child is None:
+                break
+            j = _common_pages(child.keys, keys, i)
+            if j < len(child.keys):
+                child = self._split(child, j)
+            if touch:
+                child.last_access = now
+            if dev is not None:
+                own = child.device.get(lane)
+                if own is None:
+                    ledger.add_lane(child, lane, dev[i:i + j])
+                else:
+                    dup_dev.append(not_own(dev[i:i + j], own))
+            if host is not None:
+                if child.host is None:
+                    ledger.add_lane(child, HOST_LANE, host[i:i + j])
+                else:
+                    dup_host.append(not_own(host[i:i + j], child.host))
+            if on_disk and not child.on_disk:
+                ledger.add_lane(child, DISK_LANE, None)
+            path.append(child)
+            node = child
+            i += j
+        present = i
+        new_nodes: list[TreeNode] = []
+        if i < n:
+            ps = self.page_size
+            leaf = TreeNode(parent=node, children={}, keys=keys[i:],
+                            tokens=tokens[i * ps:].copy(), last_access=now)
+            node.children[keys[i]] = leaf
+            if dev is not None:
+                ledger.add_lane(leaf, lane, dev[i:])
+            if host is not None:
+                ledger.add_lane(leaf, HOST_LANE, host[i:])
+            if on_disk:
+                ledger.add_lane(leaf, DISK_LANE, None)
+            path.append(leaf)
+            new_nodes.append(leaf)
+        return InsertResult(present, concat_pages(dup_dev), concat_pages(dup_host), path, new_nodes)
+
+    def _split(self, node: TreeNode, j: int) -> TreeNode:
+        """Split `node` after its first j pages; return the new upper node."""
+        ps = self.page_size
+        keys = node.keys
+        upper = TreeNode(
+            parent=node.parent, children={keys[j]: node}, keys=keys[:j], tokens=node.tokens[:j * ps],
+            device={e: a[:j] for e, a in node.device.items()},
+            host=None if node.host is None else node.host[:j], on_disk=node.on_disk,
+            lock_ref=node.lock_ref.copy(), last_access=node.last_access, hit_count=node.hit_count,
+            device_locks=node.device_locks.copy(), child_lanes=dict.fromkeys(node.lanes(), 1))
+        # Same residency as the lower half: the parent's child_lanes and the page counts
+        # are unchanged, and the upper half is no candidate while the lower one is below it.
+        node.parent.children[keys[0]] = upper
+        node.parent = upper
+        node.keys = keys[j:]
+        node.tokens = node.tokens[j * ps:]
+        if node.device:
+            node.device = {e: a[j:] for e, a in node.device.items()}
+        if node.host is not None:
+            node.host = node.host[j:]
+        return upper
+
+    # ------------------------------------------------------------------ residency
+
+    def set_device(self, node: TreeNode, engine: int, pages: np.ndarray) -> np.ndarray:
+        """Put the last len(pages) pages of the path ending at `node` on `engine`'s
+        device. Where the engine already has pages, the caller's ids are returned as
+        duplicates (the caller frees them). Covering a path suffix, rather than one
+        node, stays right when the node was split since the caller matched it."""
+        return self._set_lane(node, check_engine(engine), pages)
+
+    def set_host(self, node: TreeNode, pages: np.ndarray) -> np.ndarray:
+        """As set_device, for host slots."""
+        return self._set_lane(node, HOST_LANE, pages)
+
+    def set_disk(self, node: TreeNode, flag: bool, num_pages: int | None = None) -> None:
+        """Mark `node` (or the last num_pages pages of the path ending at it) as on disk
+        or not. Unmarking a node locked in DISK raises IndexStateError."""
+        if type(flag) is not bool:
+            raise IndexInputError("flag must be a bool")
+        self._live(node)
+        count = node.n_pages if num_pages is None else check_count(num_pages)
+        chain = self._suffix_chain(node, count)
+        if not flag:
+            for x in chain:
+                if x.on_disk and x.lock_ref[Tier.DISK]:
+                    raise IndexStateError(f"{x!r} is locked in DISK")
+        self._split_chain_top(chain, count)
+        acc = FreedCollector()
+        for x in chain:
+            if flag and not x.on_disk:
+                self._ledger.add_lane(x, DISK_LANE, None)
+            elif not flag and x.on_disk:
+                self._ledger.drop_lane(x, DISK_LANE)
+                self._ledger.reap(x, acc)
+        self._outbox.extend(acc.build())
+
+    def clear_device(self, node: TreeNode, engine: int) -> np.ndarray:
+        """Drop `engine`'s copy of `node`; return its page ids (empty if none)."""
+        lane = check_engine(engine)
+        self._path(node)
+        if lane not in node.device:
+            return EMPTY_PAGES
+        if node.lane_locked(lane):
+            raise IndexStateError(f"{node!r} is locked on the device of engine {lane}")
+        return self._clear(node, lane)
+
+    def clear_host(self, node: TreeNode) -> np.ndarray | None:
+        """Drop the host copy of `node`; return its slot ids (None if it had none)."""
+        self._path(node)
+        if node.host is None:
+            return None
+        if node.lock_ref[Tier.HOST]:
+            raise IndexStateError(f"{node!r} is locked in HOST")
+        return self._clear(node, HOST_LANE)
+
+    def _clear(self, node: TreeNode, lane: int) -> np.ndarray:
+        pages = self._ledger.drop_lane(node, lane)
+        acc = FreedCollector()
+        self._ledger.reap(node, acc)
+        self._outbox.extend(acc.build())
+        return pages
+
+    def _set_lane(self, node: TreeNode, lane: int, pages: np.ndarray) -> np.ndarray:
+        pages = check_pages(pages, None, "pages")
+        chain = self._suffix_chain(node, len(pages))
+        self._split_chain_top(chain, len(pages))
+        dups: list[np.ndarray] = []
+        end = len(pages)
+        for x in chain:  # from `node` upwards
+            start = end - len(x.keys)
+            own = x.device.get(lane) if lane >= 0 else x.host
+            if own is None:
+                self._ledger.add_lane(x, lane, pages[start:end])
+            else:
+                dups.append(not_own(pages[start:end], own))
+            end = start
+        dups.reverse()
+        return concat_pages(dups)
+
+    def _suffix_chain(self, node: TreeNode, num_pages: int) -> list[TreeNode]:
+        """Nodes from `node` upwards covering its path's last num_pages pages (the top
+        one may stick out above them). Raises before any change if the path is shorter."""
+        chain: list[TreeNode] = []
+        need = num_pages
+        for x in self._path(node):
+            if need <= 0:
+                break
+            chain.append(x)
+            need -= len(x.keys)
+        if need > 0:
+            raise IndexInputError(f"{num_pages} pages exceed the path ending at {node!r}")
+        return chain
+
+    def _split_chain_top(self, chain: list[TreeNode], num_pages: int) -> None:
+        excess = sum(len(x.keys) for x in chain) - num_pages
+        if excess > 0:
+            self._split(chain[-1], excess)  # chain[-1] keeps its lower, covered part
+
+    # ------------------------------------------------------------------ locks
+
+    def lock(self, node: TreeNode, tier: Tier, engine: int | None = None) -> None:
+        """Add a ref in `tier` on `node` and its ancestors. For DEVICE, `engine` names
+        whose copy is protected; None protects every engine's copy."""
+        t = check_tier(tier)
+        key = None if engine is None or t is not Tier.DEVICE else check_engine(engine)
+        self._ledger.lock_path(self._path(node), t, key)
+
+    def unlock(self, node: TreeNode, tier: Tier, engine: int | None = None) -> None:
+        """Drop a ref taken by lock(); below zero raises IndexStateError. A node in no
+        tier whose last ref goes is removed with its subtree (see take_freed)."""
+        t = check_tier(tier)
+        key = None if engine is None or t is not Tier.DEVICE else check_engine(engine)
+        path = self._path(node)
+        held = node.device_locks.get(key, 0) if t is Tier.DEVICE else node.lock_ref[t]
+        if held < 1:  # ancestors hold at least as many refs as the node
+            raise IndexStateError(f"unlock below zero: {node!r} {t.name} engine={key}")
+        doomed = self._ledger.unlock_path(path, t, key)
+        if doomed is not None:
+            acc = FreedCollector()
+            self._ledger.remove_subtree(doomed, acc)
+            self._outbox.extend(acc.build())
+
+    # ------------------------------------------------------------------ eviction
+
+    def evict(self, tier: Tier, num_pages: int, engine: int | None = None) -> list[Freed]:
+        """Evict unlocked leaves of the tier (of `engine`'s device for DEVICE), lowest
+        priority first, whole nodes, until >= num_pages pages are freed or none is left."""
+        lane = self._lane(tier, engine)
+        num_pages = check_count(num_pages)
+        ledger = self._ledger
+        acc = FreedCollector()
+        got = 0
+        while got < num_pages:
+            top = ledger.candidates.top(lane, pop=True)
+            if top is None:
+                break
+            node = top[1]
+            got += len(node.keys)
+            acc.add(lane, node.keys, ledger.drop_lane(node, lane))
+            ledger.reap(node, acc)
+        return self._drain(acc)
+
+    def peek_evictable(self, tier: Tier, engine: int | None = None) -> Priority | None:
+        """Priority of the next victim, or None: lets a caller pick the index to evict
+        from when namespaces share one budget."""
+        top = self._ledger.candidates.top(self._lane(tier, engine), pop=False)
+        return None if top is None else top[0]
+
+    def select_victims(self, tier: Tier, num_pages: int, engine: int | None = None) -> list[TreeNode]:
+        """The current candidates evict() would take first (>= num_pages pages, or all),
+        without evicting them: for write-back, which backs a victim up before it goes.
+        Parents that would become candidates once these go are not included."""
+        lane = self._lane(tier, engine)
+        num_pages = check_count(num_pages)
+        out: list[TreeNode] = []
+        got = 0
+        while got < num_pages:
+            top = self._ledger.candidates.top(lane, pop=True)
+            if top is None:
+                break
+            out.append(top[1])
+            got += len(top[1].keys)
+        for node in out:
+            self._ledger.requeue(node, lane)
+        return out
+
+    def remove_engine(self, engine: int) -> list[Freed]:
+        """The engine is gone: drop its device residency and its device locks, locked or
+        not (its memory went with it). Do not unlock its device locks afterwards."""
+        lane = check_engine(engine)
+        acc = FreedCollector()
+        nodes = self._preorder()
+        self._ledger.forget_engine(nodes, lane, acc)
+        for x in nodes:  # parents first: a removed node takes its subtree along
+            if x.removed:
+                continue
+            if x.in_any_tier:
+                for other in x.lanes():  # its locks may have dropped to zero
+                    self._ledger.maybe_queue(x, other)
+            else:
+                self._ledger.reap(x, acc)
+        freed = self._drain(acc)
+        logger.info("engine %d removed: %d freed records", lane, len(freed))
+        return freed
+
+    def flush(self, tier: Tier) -> list[Freed]:
+        """Drop the tier (every engine's device for DEVICE) from every node not locked in
+        it; nodes left in no tier go with their subtrees. Locked nodes stay."""
+        t = check_tier(tier)
+        acc = FreedCollector()
+        kept = dropped = 0
+        for x in self._preorder():
+            if x.removed:
+                continue
+            if t is Tier.DEVICE:
+                lanes = list(x.device)
+            elif t is Tier.HOST:
+                lanes = [HOST_LANE] if x.host is not None else []
+            else:
+                lanes = [DISK_LANE] if x.on_disk else []
+            for lane in lanes:
+                if x.lane_locked(lane):
+                    kept += len(x.keys)
+                    continue
+                dropped += len(x.keys)
+                acc.add(lane, x.keys, self._ledger.drop_lane(x, lane))
+            self._ledger.reap(x, acc)
+        logger.info("flush %s: %d pages dropped, %d locked pages kept", t.name, dropped, kept)
+        return self._drain(acc)
+
+    def take_freed(self) -> list[Freed]:
+        """Residency released by removals outside evict/flush/remove_engine (an unlock,
+        clear_*, set_disk): the caller frees it like any Freed."""
+        return self._drain(None)
+
+    def _drain(self, acc: FreedCollector | None) -> list[Freed]:
+        out = self._outbox
+        self._outbox = []
+        if acc is not None:
+            out.extend(acc.build())
+        return out
+
+    # ------------------------------------------------------------------ restore
+
+    def restore_disk(self, records: Iterable[DiskRecord | tuple], orphans: list[bytes] | None = None) -> int:
+        """Rebuild the disk part of the tree from per-page records (key, parent_key,
+        tokens, last_access) in any order, merging into what is there; return the pages
+        restored. Records not reachable from the salt through verified parents are
+        skipped; their keys go to `orphans` when given, for the caller to delete."""
+        runs, left_out = disk_runs(records, self.salt, self.page_size)
+        ends: dict[bytes, TreeNode] = {self.salt: self.root}
+        restored = 0
+        for run in runs:  # each run's parent page ends an earlier run
+            res = self._insert_from(ends[run.parent_key], run.keys, run.tokens, None, None, None,
+                                    True, run.last_access, touch=False)
+            ends[run.keys[-1]] = res.nodes[-1]
+            restored += len(run.keys)
+        if orphans is not None:
+            orphans.extend(left_out)
+        if left_out:
+            logger.warning("restore_disk: %d records skipped (orphan, corrupt or malformed)", len(left_out))
+        logger.info("restore_disk: %d pages restored", restored)
+        return restored
+
+    # ------------------------------------------------------------------ introspection
+
+    def iter_nodes(self) -> Iterator[TreeNode]:
+        """Every node but the root, parents before children (a snapshot)."""
+        return iter(self._preorder())
+
+    def num_pages(self, tier: Tier, engine: int | None = None) -> int:
+        """Pages resident in the tier (all engines for DEVICE when engine is None)."""
+        return sum(self._ledger.resident.get(lane, 0) for lane in self._lanes_for(tier, engine))
+
+    def protected_pages(self, tier: Tier, engine: int | None = None) -> int:
+        """Resident pages locked in the tier."""
+        return sum(self._ledger.protected.get(lane, 0) for lane in self._lanes_for(tier, engine))
+
+    def evictable_pages(self, tier: Tier, engine: int | None = None) -> int:
+        """Resident pages not locked in the tier (inner ones included, as in SGLang)."""
+        return self.num_pages(tier, engine) - self.protected_pages(tier, engine)
+
+    def _preorder(self) -> list[TreeNode]:
+        out: list[TreeNode] = []
+        stack = list(self.root.children.values())
+        while stack:
+            x = stack.pop()
+            out.append(x)
+            stack.extend(x.children.values())
+        return out
+
+    # ------------------------------------------------------------------ checks
+
+    def _lane(self, tier: object, engine: object) -> int:
+        t = check_tier(tier)
+        if t is Tier.DEVICE:
+            if engine is None:
+                raise IndexInputError("the DEVICE tier needs an engine")
+            return check_engine(engine)
+        return HOST_LANE if t is Tier.HOST else DISK_LANE
+
+    def _lanes_for(self, tier: object, engine: object) -> list[int]:
+        t = check_tier(tier)
+        if t is Tier.DEVICE:
+            if engine is None:
+                return [lane for lane in self._ledger.resident if lane >= 0]
+            return [check_engine(engine)]
+        return [HOST_LANE if t is Tier.HOST else DISK_LANE]
+
+    def _live(self, node: object) -> None:
+        if not isinstance(node, TreeNode) or node.is_root:
+            raise IndexInputError("expected a non-root TreeNode")
+        if node.removed:
+            raise IndexStateError(f"{node!r} was removed from the index")
+
+    def _path(self, node: object) -> list[TreeNode]:
+        """`node` and its ancestors, root excluded; checks the node is live and ours."""
+        self._live(node)
+        path = []
+        x = node
+        while x.parent is not None:
+            path.append(x)
+            x = x.parent
+        if x is not self.root:
+            raise IndexStateError(f"{node!r} belongs to another index")
+        return path
