@@ -179,8 +179,14 @@ class HiCacheClient:
             r = None
         if r is None:
             return Match(None, keys, EMPTY, EMPTY, 0, self.epoch)
-        return Match(int(r["pin"]), keys, bytes_to_ids(r["device_pages"]), bytes_to_ids(r["host_pages"]),
-                     int(r["disk_len"]), self.epoch)
+        host_pages, disk_len = bytes_to_ids(r["host_pages"]), int(r["disk_len"])
+        if disk_len:  # the daemon is bringing that part to host: ask for the plan (it waits per policy)
+            try:
+                ld = self._call("load", {"pin": r["pin"]})
+                host_pages, disk_len = bytes_to_ids(ld["host_pages"]), int(ld["disk_len"])
+            except (DaemonUnavailable, ClientError):
+                pass
+        return Match(int(r["pin"]), keys, bytes_to_ids(r["device_pages"]), host_pages, disk_len, self.epoch)
 
     def load_done(self, match: Match, device_pages: np.ndarray) -> np.ndarray | None:
         """Report the host part copied into `device_pages`. Returns pages to free, or

@@ -92,7 +92,8 @@ class Daemon:
         log.info("host tier: %s arena (%s slabs of %s), mlock=%s", format_size(self.host.capacity_bytes),
                  self.host.num_slabs, format_size(self.host.slab_bytes), self.host.arena.locked)
         self.service = CacheService(self.host, write_policy=WritePolicy(cfg.write_policy),
-                                    write_hit_threshold=cfg.write_hit_threshold, emit=self._emit)
+                                    write_hit_threshold=cfg.write_hit_threshold, emit=self._emit,
+                                    clock=time.time)  # wall clock: disk LRU times survive restarts
         if cfg.disk_enabled:
             self._start_disk()
         allowed_uids = set(cfg.allowed_uids) or {os.getuid(), 0}

@@ -94,6 +94,17 @@ def build_handlers(daemon: Daemon) -> dict[str, Any]:
                 "host_pages": ids_to_bytes(pin.host_pages),
                 "disk_len": pin.disk_len}
 
+    async def load(conn: Connection, p: dict) -> Any:
+        """The host plan for a match, including what the disk prefetch brought up
+        (waiting for it per the load policy)."""
+        pin = svc.pin(conn, _get(p, "pin", int))
+        if daemon.disk is not None and pin.prefetch is not None:
+            await daemon.disk.wait_prefetch(pin, daemon.config.load_policy, daemon.config.prefetch_timeout_s)
+            if pin.pin_id not in svc.pins:
+                raise RpcError(Code.NOT_FOUND, "the match was released while loading")
+            svc.take_prefetched(pin)
+        return {"host_pages": ids_to_bytes(pin.host_pages), "disk_len": pin.disk_len}
+
     def load_done(conn: Connection, p: dict) -> Any:
         dups = svc.load_done(conn, _get(p, "pin", int), _ids(p, "device_pages"))
         return {"free_pages": ids_to_bytes(dups)}
@@ -145,6 +156,6 @@ def build_handlers(daemon: Daemon) -> dict[str, Any]:
         return True
 
     return {"hello": hello, "register": register, "unregister": unregister, "match": match,
-            "load_done": load_done, "release": release, "insert": insert, "backup_done": backup_done,
+            "load": load, "load_done": load_done, "release": release, "insert": insert, "backup_done": backup_done,
             "evict": evict, "stats": stats, "flush": flush, "evict_tier": evict_tier, "ls": ls,
             "subscribe": subscribe}

@@ -36,7 +36,8 @@ import numpy as np
 
 from hicache.daemon.host_tier import HostTier, PageClass
 from hicache.index.keys import KEY_BYTES, Namespace
-from hicache.index.radix import Freed, RadixIndex, Tier, TreeNode
+from hicache.index.node import Freed, IndexStateError, Tier, TreeNode
+from hicache.index.radix import RadixIndex
 from hicache.rpc.protocol import Code, RpcError
 from hicache.transfer.policy import WritePolicy
 
@@ -68,7 +69,7 @@ class EngineRecord:
 class Pin:
     pin_id: int
     engine: EngineRecord
-    locks: list[tuple[TreeNode, Tier]]
+    locks: list[tuple[TreeNode, Tier, int | None]]  # (node, tier, engine for DEVICE locks)
     device_len: int
     host_len: int
     disk_len: int
@@ -76,6 +77,7 @@ class Pin:
     device_pages: np.ndarray
     host_pages: np.ndarray
     loaded: bool = False
+    prefetch: Any = None  # the disk tier's reads for the disk part (see DiskMover)
 
 
 @dataclass(slots=True, eq=False)
@@ -138,11 +140,13 @@ class CacheService:
         self.backups: dict[int, PendingBackup] = {}
         self.counters = Counters()
         self._ids = itertools.count(1)
+        self._stale_disk: list[tuple[NamespaceState, TreeNode]] = []
         # Hook for the disk tier: called with (ns, nodes) once pages become host-resident,
         # and asked to demote pages before their host copies are dropped.
         self.on_host_stored: Callable[[NamespaceState, list[TreeNode]], None] | None = None
         self.before_host_evict: Callable[[NamespaceState, int], None] | None = None
         self.on_disk_freed: Callable[[NamespaceState, list[bytes]], None] | None = None
+        self.on_match: Callable[[Pin, list[TreeNode]], None] | None = None  # starts disk prefetch
 
     # -- registry ---------------------------------------------------------
     def namespace_state(self, namespace: Namespace) -> NamespaceState:
@@ -195,17 +199,19 @@ class CacheService:
         rec = self.engine(owner, engine_id)
         index = rec.ns.index
         r = index.match(keys, rec.engine_id)
-        locks: list[tuple[TreeNode, Tier]] = []
+        locks: list[tuple[TreeNode, Tier, int | None]] = []
         if r.device_nodes:
-            index.lock(r.device_nodes[-1], Tier.DEVICE)
-            locks.append((r.device_nodes[-1], Tier.DEVICE))
+            index.lock(r.device_nodes[-1], Tier.DEVICE, rec.engine_id)
+            locks.append((r.device_nodes[-1], Tier.DEVICE, rec.engine_id))
         host_node = r.host_nodes[-1] if r.host_nodes else None
         if host_node is not None:
             index.lock(host_node, Tier.HOST)
-            locks.append((host_node, Tier.HOST))
+            locks.append((host_node, Tier.HOST, None))
         pin = Pin(next(self._ids), rec, locks, r.device_len, r.host_len, r.disk_len, host_node,
                   r.device_pages, r.host_pages)
         self.pins[pin.pin_id] = pin
+        if r.disk_nodes and self.on_match is not None:
+            self.on_match(pin, r.disk_nodes)
         c = self.counters
         c.matches += 1
         c.requested_pages += len(keys)
@@ -220,6 +226,55 @@ class CacheService:
             raise RpcError(Code.NOT_FOUND, f"no match handle {pin_id!r} on this connection")
         return pin
 
+    def take_prefetched(self, pin: Pin) -> None:
+        """Fold what the disk prefetch brought to host into the pin's host part."""
+        pf = pin.prefetch
+        if pf is None or not pf.done or not pf.loaded_pages or pin.loaded:
+            return
+        pin.host_pages = np.concatenate([pin.host_pages, pf.host_pages[:pf.loaded_pages]])
+        pin.host_len += pf.loaded_pages
+        pin.disk_len -= pf.loaded_pages
+        pin.host_node = pf.last_node
+        self.counters.matched_pages["disk_loaded"] = self.counters.matched_pages.get("disk_loaded", 0) + pf.loaded_pages
+        pf.loaded_pages = 0
+
+    def drop_disk_copy(self, ns: NamespaceState, node: TreeNode) -> None:
+        """A page the index believed on disk is not readable: forget the disk copy
+        (once no pin holds it; until then it is retried at each release)."""
+        if node.removed or not node.on_disk:
+            return
+        try:
+            ns.index.set_disk(node, False)
+        except IndexStateError:
+            self._stale_disk.append((ns, node))
+            return
+        self.reap(ns)
+
+    def _retry_stale_disk(self) -> None:
+        if self._stale_disk:
+            stale, self._stale_disk = self._stale_disk, []
+            for ns, node in stale:
+                self.drop_disk_copy(ns, node)
+
+    def _drop_device(self, rec: EngineRecord, nodes: list[TreeNode]) -> list[np.ndarray]:
+        """Drop E's copies of these nodes (skipping any a request locked meanwhile)."""
+        index = rec.ns.index
+        mine: list[np.ndarray] = []
+        for node in nodes:
+            if node.removed or rec.engine_id not in node.device or node.lane_locked(rec.engine_id):
+                continue
+            if any(rec.engine_id in c.device for c in node.children.values()):
+                continue  # no longer a leaf of E's device: a later evict takes it
+            pages = index.clear_device(node, rec.engine_id)
+            self.counters.evicted_pages["device"] += node.n_pages
+            self.emit({"type": "removed", "tier": "device", "engine": rec.engine_id,
+                       "namespace": rec.ns.salt.hex(), "keys": list(node.keys)})
+            mine.append(pages)
+        freed = index.take_freed()
+        if freed:
+            mine.extend(self._apply_freed(rec.ns, freed, rec))
+        return mine
+
     def load_done(self, owner: object, pin_id: Any, device_pages: np.ndarray) -> np.ndarray:
         """Record E's copies of the host segment; returns pages E must free (it already had them)."""
         pin = self.pin(owner, pin_id)
@@ -231,38 +286,41 @@ class CacheService:
         if pin.host_node is None:
             return EMPTY
         index = rec.ns.index
-        dups: list[np.ndarray] = []
         start, end = pin.device_len, pin.device_len + pin.host_len
-        for node, pos in path_with_offsets(pin.host_node):
-            if pos < start or pos >= end:
-                continue
-            part = device_pages[pos - start:pos - start + node.n_pages]
-            if rec.engine_id in node.device:
-                dups.append(part)
-            else:
-                index.set_device(node, rec.engine_id, part.copy())
+        # set_device covers the last host_len pages of the path ending at host_node, splitting
+        # as needed, and returns the ones this engine already had (a concurrent load).
+        dups = index.set_device(pin.host_node, rec.engine_id, device_pages.copy())
         # The request now holds the loaded pages on device: move the pin from host to device.
-        index.lock(pin.host_node, Tier.DEVICE)
-        pin.locks.append((pin.host_node, Tier.DEVICE))
-        self._unlock_one(pin, pin.host_node, Tier.HOST)
+        index.lock(pin.host_node, Tier.DEVICE, rec.engine_id)
+        pin.locks.append((pin.host_node, Tier.DEVICE, rec.engine_id))
+        self._unlock_one(pin, pin.host_node, Tier.HOST, None)
         self.counters.loaded_pages += pin.host_len
         self.emit_nodes("stored", Tier.DEVICE, rec, [n for n, p in path_with_offsets(pin.host_node)
                                                      if start <= p < end])
-        return np.concatenate(dups) if dups else EMPTY
+        return dups
 
-    def _unlock_one(self, pin: Pin, node: TreeNode, tier: Tier) -> None:
-        pin.engine.ns.index.unlock(node, tier)
-        pin.locks.remove((node, tier))
+    def _unlock_one(self, pin: Pin, node: TreeNode, tier: Tier, engine: int | None) -> None:
+        pin.engine.ns.index.unlock(node, tier, engine)
+        pin.locks.remove((node, tier, engine))
+        self.reap(pin.engine.ns)
+
+    def reap(self, ns: NamespaceState) -> None:
+        """Unlocks and clears can remove nodes left in no tier; return what they held."""
+        freed = ns.index.take_freed()
+        if freed:
+            self._apply_freed(ns, freed, None)
 
     def release(self, owner: object, pin_id: Any) -> None:
         pin = self.pin(owner, pin_id)
         self._drop_pin(pin)
 
     def _drop_pin(self, pin: Pin) -> None:
-        for node, tier in pin.locks:
-            pin.engine.ns.index.unlock(node, tier)
+        for node, tier, engine in pin.locks:
+            pin.engine.ns.index.unlock(node, tier, engine)
         pin.locks.clear()
         self.pins.pop(pin.pin_id, None)
+        self.reap(pin.engine.ns)
+        self._retry_stale_disk()
 
     # -- insert / backup ----------------------------------------------------
     def insert(self, owner: object, engine_id: Any, keys: list[bytes], tokens: np.ndarray,
@@ -284,8 +342,8 @@ class CacheService:
         self.counters.inserts += 1
         self.counters.inserted_pages += len(keys) - res.present_pages
         if pin is not None and res.nodes:
-            ns.index.lock(res.nodes[-1], Tier.DEVICE)
-            pin.locks.append((res.nodes[-1], Tier.DEVICE))
+            ns.index.lock(res.nodes[-1], Tier.DEVICE, rec.engine_id)
+            pin.locks.append((res.nodes[-1], Tier.DEVICE, rec.engine_id))
         if res.new_nodes:
             self.emit_nodes("stored", Tier.DEVICE, rec, res.new_nodes)
         backup = None
@@ -311,7 +369,7 @@ class CacheService:
             self.counters.backups_skipped_no_space += 1
             return None
         for last, _ in parts:
-            rec.ns.index.lock(last, Tier.DEVICE)
+            rec.ns.index.lock(last, Tier.DEVICE, rec.engine_id)
         backup = PendingBackup(
             next(self._ids), rec,
             [BackupPart(last, [(p, p + n.n_pages) for n, p in need]) for last, need in parts],
@@ -338,7 +396,7 @@ class CacheService:
         unused: list[np.ndarray] = []
         freed: list[np.ndarray] = []
         for part in backup.parts:
-            index.unlock(part.last_node, Tier.DEVICE)
+            index.unlock(part.last_node, Tier.DEVICE, rec.engine_id)
             by_pos = {p: n for n, p in path_with_offsets(part.last_node)}
             for start, end in part.ranges:
                 pages = backup.host_pages[offset:offset + end - start]
@@ -358,11 +416,10 @@ class CacheService:
                     pos += node.n_pages
             if backup.evict_after:
                 # Write-back: the host copy is in place (or the copy failed): E's device copy goes now.
-                node = part.last_node
-                if rec.engine_id in node.device and node.lock_ref[Tier.DEVICE] == 0:
-                    freed.extend(self._apply_freed(ns, index.evict_nodes([node], Tier.DEVICE, rec.engine_id), rec))
+                freed.extend(self._drop_device(rec, [part.last_node]))
         if unused:
             ns.page_class.free(np.concatenate(unused))
+        self.reap(ns)
         if stored:
             self.emit_nodes("stored", Tier.HOST, None, stored, ns)
             if self.on_host_stored is not None:
@@ -379,14 +436,14 @@ class CacheService:
         index = rec.ns.index
         backup = None
         if self.write_policy is WritePolicy.WRITE_BACK:
-            victims = index.evictable_nodes(Tier.DEVICE, num_pages, rec.engine_id)
+            victims = index.select_victims(Tier.DEVICE, num_pages, rec.engine_id)
             unsaved = [v for v in victims if v.host is None and not v.on_disk]
             saved = [v for v in victims if v.host is not None or v.on_disk]
             backup = self._plan_backup(rec, [(v, [(v, path_with_offsets(v)[-1][1])]) for v in unsaved],
                                        evict_after=True)
             if backup is None:  # no host space: dropping them unsaved is all that is left
                 saved = victims
-            free_now = self._apply_freed(rec.ns, index.evict_nodes(saved, Tier.DEVICE, rec.engine_id), rec)
+            free_now = self._drop_device(rec, saved)
         else:
             free_now = self._apply_freed(rec.ns, index.evict(Tier.DEVICE, num_pages, rec.engine_id), rec)
         free_now.extend(rec.reclaim)

@@ -1,0 +1,374 @@
+"""DiskMover: moves pages between the host arena and the LMDB disk tier, on the loop's plans.
+
+Every decision (what to write, what to evict, what to prefetch) is taken on the
+event-loop thread, where the index lives; the DiskTier's writer thread and
+reader pool only move bytes and report back through `call_soon_threadsafe`.
+
+- Write-through: once pages become host-resident (a backup finished) they are
+  queued for disk straight from their arena slots (no copy); the node is
+  HOST-locked until the write commits, so its slots cannot be reused under
+  the writer. A full queue skips the write (counted); nothing waits.
+- Demotion: before host eviction, victims not yet on disk are copied out and
+  queued (their slots are about to be reused, so the bytes must be taken now).
+- Budget: the index's disk LRU is the tier's: before queueing, disk leaves are
+  evicted until the tier's bytes plus the bytes in flight fit the budget.
+- Prefetch: a match whose prefix continues on disk starts reading that part
+  into fresh host pages at once; `load` waits for it per the load policy.
+- Rebuild: at startup the disk part of every namespace's tree is restored from
+  page metadata; the namespaces themselves (model, layout, ...) come from a
+  small sidecar file written when a namespace first reaches disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+import numpy as np
+
+from hicache.config import Config
+from hicache.daemon.service import CacheService, NamespaceState, Pin, path_with_offsets
+from hicache.index.keys import Namespace
+from hicache.index.radix import Tier, TreeNode
+from hicache.layout import KVLayout
+from hicache.tiers.disk import DiskTier
+
+if TYPE_CHECKING:
+    pass
+
+log = logging.getLogger(__name__)
+
+NAMESPACES_FILE = "namespaces.msgpack"
+
+
+@dataclass(slots=True, frozen=True)
+class _PageViews:
+    """Zero-copy views of one page size's slots in the arena (the daemon never imports torch)."""
+
+    arena: np.ndarray
+    page_bytes: int
+
+    def page_view(self, slot: int) -> memoryview:
+        return memoryview(self.arena[slot * self.page_bytes:(slot + 1) * self.page_bytes])
+
+
+@dataclass(slots=True, eq=False)
+class _Write:
+    ns: NamespaceState
+    node: TreeNode  # HOST-locked while the write is in flight
+    start: int
+    end: int
+    remaining: int
+    ok: bool = True
+
+
+@dataclass(slots=True, eq=False)
+class Prefetch:
+    """Disk -> host reads for the disk part of one match."""
+
+    nodes: list[tuple[TreeNode, int]]  # (node, end of its pages relative to the disk part), in path order
+    host_pages: np.ndarray  # one per page of `nodes`, in order
+    future: asyncio.Future | None
+    loaded_pages: int = 0  # contiguous pages now host-resident and HOST-locked by the pin
+    done: bool = False
+    last_node: TreeNode | None = None
+    started: float = field(default_factory=time.monotonic)
+
+
+class DiskMover:
+    def __init__(self, config: Config, service: CacheService, tier: DiskTier, loop: asyncio.AbstractEventLoop
+                 ) -> None:
+        self.config = config
+        self.service = service
+        self.tier = tier
+        self.loop = loop
+        self.capacity_bytes = config.disk_capacity
+        self.inflight_bytes = 0
+        self.writes: dict[int, _Write] = {}
+        self._wid = 0
+        self.skipped_writes = 0
+        self.demoted_pages = 0
+        self.prefetched_pages = 0
+        self.prefetch_misses = 0
+        self._ns_file = Path(config.state_dir) / NAMESPACES_FILE
+        self._known_ns: dict[bytes, dict] = self._read_namespaces()
+        service.on_host_stored = self.write_through
+        service.before_host_evict = self.demote
+        service.on_disk_freed = self.delete
+        service.on_match = self.prefetch
+
+    @classmethod
+    def start(cls, config: Config, service: CacheService) -> DiskMover:
+        config.disk_dir.mkdir(parents=True, exist_ok=True)
+        tier = DiskTier.open(config.disk_dir, config.disk_capacity, reset=config.reset_disk,
+                             durability=config.durability)
+        if config.reset_disk and (Path(config.state_dir) / NAMESPACES_FILE).exists():
+            (Path(config.state_dir) / NAMESPACES_FILE).unlink()
+        mover = cls(config, service, tier, asyncio.get_running_loop())
+        t0 = time.monotonic()
+        n = mover.rebuild()
+        log.info("disk tier: %d pages restored in %.2fs (%s used of %s)", n, time.monotonic() - t0,
+                 tier.used_bytes, config.disk_capacity)
+        return mover
+
+    # -- namespaces sidecar --------------------------------------------------------
+    def _read_namespaces(self) -> dict[bytes, dict]:
+        try:
+            data = self._ns_file.read_bytes()
+        except FileNotFoundError:
+            return {}
+        try:
+            table = msgpack.unpackb(data, raw=False)
+            return {bytes.fromhex(k): v for k, v in table.items()}
+        except Exception:
+            log.warning("%s is unreadable; disk pages of unknown namespaces will be dropped", self._ns_file)
+            return {}
+
+    def _remember(self, ns: NamespaceState) -> None:
+        if ns.salt in self._known_ns:
+            return
+        n = ns.namespace
+        self._known_ns[ns.salt] = {"model": n.model, "layout": n.layout.to_dict(), "tp_rank": n.tp_rank,
+                                   "tp_size": n.tp_size, "extra_key": n.extra_key}
+        tmp = self._ns_file.with_suffix(".tmp")
+        tmp.write_bytes(msgpack.packb({k.hex(): v for k, v in self._known_ns.items()}))
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, self._ns_file)
+
+    def rebuild(self) -> int:
+        """Restore the disk part of each namespace's tree from the page metadata."""
+        by_salt: dict[bytes, list[tuple]] = {}
+        for rec in self.tier.iter_meta():
+            parent = rec.parent_key if rec.parent_key is not None else rec.salt
+            by_salt.setdefault(rec.salt, []).append((rec.key, parent, rec.tokens, rec.last_access))
+        restored = 0
+        for salt, records in by_salt.items():
+            desc = self._known_ns.get(salt)
+            ns = None
+            if desc is not None:
+                namespace = Namespace(desc["model"], KVLayout.from_dict(desc["layout"]), desc["tp_rank"],
+                                      desc["tp_size"], desc["extra_key"])
+                if namespace.salt() == salt:
+                    ns = self.service.namespace_state(namespace)
+            if ns is None:
+                log.warning("dropping %d disk pages of an unknown namespace %s", len(records), salt.hex()[:16])
+                self.tier.delete_async(r[0] for r in records)
+                continue
+            orphans: list[bytes] = []
+            restored += ns.index.restore_disk(records, orphans)
+            if orphans:
+                log.warning("dropping %d disk pages whose prefix is gone", len(orphans))
+                self.tier.delete_async(orphans)
+        return restored
+
+    # -- host -> disk ----------------------------------------------------------------
+    def _host_view(self, ns: NamespaceState) -> _PageViews:
+        return _PageViews(self.service.host.arena.array, ns.page_class.page_bytes)
+
+    def _make_room(self, ns: NamespaceState, nbytes: int) -> bool:
+        """Evict disk LRU leaves (any namespace) until nbytes more fit the budget."""
+        while self.tier.used_bytes + self.inflight_bytes + nbytes > self.capacity_bytes:
+            over = self.tier.used_bytes + self.inflight_bytes + nbytes - self.capacity_bytes
+            if self.service.evict_tier(Tier.DISK, over) == 0:
+                return False
+        return True
+
+    def write_through(self, ns: NamespaceState, nodes: list[TreeNode]) -> None:
+        todo = [n for n in nodes if not n.on_disk and n.host is not None]
+        if not todo:
+            return
+        self._remember(ns)
+        view = self._host_view(ns)
+        page_bytes = ns.page_class.page_bytes
+        for node in todo:
+            nbytes = node.n_pages * page_bytes
+            if not self._make_room(ns, nbytes):
+                self.skipped_writes += node.n_pages
+                continue
+            pos = path_with_offsets(node)[-1][1]
+            self._wid += 1
+            wid = self._wid
+            write = _Write(ns, node, pos, pos + node.n_pages, node.n_pages)
+            ns.index.lock(node, Tier.HOST)
+            self.writes[wid] = write
+            self.inflight_bytes += nbytes
+            parent = node.parent.keys[-1] if node.parent is not None and node.parent.keys else None
+            for i, key in enumerate(node.keys):
+                slot = int(node.host[i])
+                toks = node.tokens[i * ns.index.page_size:(i + 1) * ns.index.page_size]
+                done = self._done_cb(wid, page_bytes)
+                if not self.tier.put_async(ns.salt, key, parent, toks, view.page_view(slot), done):
+                    self.skipped_writes += 1
+                    done(key, False)
+                parent = key
+
+    def _done_cb(self, wid: int, page_bytes: int):
+        def done(key: bytes, ok: bool) -> None:
+            self.loop.call_soon_threadsafe(self._page_written, wid, ok, page_bytes)
+        return done
+
+    def _page_written(self, wid: int, ok: bool, page_bytes: int) -> None:
+        write = self.writes.get(wid)
+        if write is None:
+            return
+        self.inflight_bytes -= page_bytes
+        write.ok &= ok
+        write.remaining -= 1
+        if write.remaining:
+            return
+        del self.writes[wid]
+        index = write.ns.index
+        if write.ok and not write.node.removed:
+            # covers the node even if it was split meanwhile (its lower part keeps the identity)
+            index.set_disk(write.node, True, write.end - write.start)
+            self.service.emit_nodes("stored", Tier.DISK, None, [write.node], write.ns)
+        index.unlock(write.node, Tier.HOST)
+        self.service.reap(write.ns)
+
+    def demote(self, ns: NamespaceState, num_pages: int) -> None:
+        """Before host eviction: copy victims that are not on disk yet into the write queue."""
+        victims = [v for v in ns.index.select_victims(Tier.HOST, num_pages) if not v.on_disk]
+        if not victims:
+            return
+        self._remember(ns)
+        view = self._host_view(ns)
+        page_bytes = ns.page_class.page_bytes
+        for node in victims:
+            if not self._make_room(ns, node.n_pages * page_bytes):
+                self.skipped_writes += node.n_pages
+                continue
+            parent = node.parent.keys[-1] if node.parent is not None and node.parent.keys else None
+            queued = 0
+            for i, key in enumerate(node.keys):
+                toks = node.tokens[i * ns.index.page_size:(i + 1) * ns.index.page_size]
+                data = bytes(view.page_view(int(node.host[i])))  # the slot is reused right after this
+                self.inflight_bytes += page_bytes
+                ok = self.tier.put_async(ns.salt, key, parent, toks, data, self._demote_cb(page_bytes))
+                if not ok:
+                    self.inflight_bytes -= page_bytes
+                    self.skipped_writes += 1
+                    break
+                queued += 1
+                parent = key
+            if queued == node.n_pages:
+                # Flagged now so the node survives losing its host copy; a write that fails
+                # later shows up as a disk miss at prefetch, which clears the flag.
+                ns.index.set_disk(node, True)
+                self.demoted_pages += queued
+
+    def _demote_cb(self, page_bytes: int):
+        def done(key: bytes, ok: bool) -> None:
+            self.loop.call_soon_threadsafe(self._demote_done, page_bytes)
+        return done
+
+    def _demote_done(self, page_bytes: int) -> None:
+        self.inflight_bytes -= page_bytes
+
+    def delete(self, ns: NamespaceState, keys: list[bytes]) -> None:
+        self.tier.delete_async(keys)
+
+    # -- disk -> host --------------------------------------------------------------------
+    def prefetch(self, pin: Pin, disk_nodes: list[TreeNode]) -> None:
+        """Start reading the disk part of a match into fresh host pages."""
+        ns = pin.engine.ns
+        if not disk_nodes:
+            return
+        # A node keeps its lower half when split, so its end position stays valid.
+        nodes, end = [], 0
+        for node in disk_nodes:
+            end += node.n_pages
+            nodes.append((node, end))
+        n_pages = end
+        host_pages = self.service.alloc_host(ns, n_pages)
+        if host_pages is None:
+            return
+        ns.index.lock(disk_nodes[-1], Tier.DISK)
+        pin.locks.append((disk_nodes[-1], Tier.DISK))
+        view = self._host_view(ns)
+        keys = [k for node in disk_nodes for k in node.keys]
+        outs = [view.page_view(int(slot)) for slot in host_pages]
+        pf = Prefetch(nodes, host_pages, None)
+        pin.prefetch = pf
+        fut = asyncio.wrap_future(self.tier.get_many_async(ns.salt, keys, outs), loop=self.loop)
+        pf.future = fut
+        fut.add_done_callback(lambda f: self._prefetched(pin, f))
+
+    def _prefetched(self, pin: Pin, fut: asyncio.Future) -> None:
+        pf = pin.prefetch
+        ns = pin.engine.ns
+        index = ns.index
+        pf.done = True
+        try:
+            hits = fut.result()
+        except Exception:
+            log.exception("disk prefetch failed")
+            hits = [False] * len(pf.host_pages)
+        if pin.pin_id not in self.service.pins:  # released (or its engine left) meanwhile
+            ns.page_class.free(pf.host_pages)
+            return
+        hits_arr = np.asarray(hits, dtype=bool)
+        first_miss = int(np.argmin(hits_arr)) if not hits_arr.all() else len(hits_arr)
+        used = 0
+        last = None
+        stored: list[TreeNode] = []
+        for node, end in pf.nodes:  # whole nodes whose every page arrived
+            if end > first_miss or node.removed:
+                break
+            used, last = end, node
+            stored.append(node)
+        if last is not None:
+            # pages some other path brought to host meanwhile come back as duplicates: spare
+            dups = index.set_host(last, pf.host_pages[:used].copy())
+            if len(dups):
+                ns.page_class.free(dups)
+        if used < len(pf.host_pages):
+            ns.page_class.free(pf.host_pages[used:])
+        if first_miss < len(hits_arr):
+            self.prefetch_misses += 1
+            missing = next(n for n, end in pf.nodes if end > first_miss)
+            # a page the index thought was on disk is not (failed write, corrupt page): forget it
+            self.service.drop_disk_copy(ns, missing)
+        self.prefetched_pages += used
+        pf.loaded_pages = used
+        pf.last_node = last
+        if last is not None:
+            index.lock(last, Tier.HOST)
+            pin.locks.append((last, Tier.HOST))
+        if stored:
+            self.service.emit_nodes("stored", Tier.HOST, None, stored, ns)
+
+    async def wait_prefetch(self, pin: Pin, policy: str, timeout_s: float) -> None:
+        pf = pin.prefetch
+        if pf is None or pf.done or pf.future is None:
+            return
+        if policy == "wait_complete":
+            await asyncio.shield(pf.future)
+        elif policy == "timeout":
+            try:
+                await asyncio.wait_for(asyncio.shield(pf.future), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        if not pf.done:  # the callback runs on the next loop turn after the future resolves
+            await asyncio.sleep(0)
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        st = self.tier.stats()
+        return {"capacity_bytes": self.capacity_bytes, "used_bytes": st["used_bytes"], "pages": st["num_pages"],
+                "queue_depth": st["queue_depth"], "skipped_writes": self.skipped_writes + st["skipped_queue_full"],
+                "demoted_pages": self.demoted_pages, "prefetched_pages": self.prefetched_pages,
+                "prefetch_misses": self.prefetch_misses, "corrupt_pages": st["corrupt_pages"],
+                "bytes_written": st["bytes_written"], "bytes_read": st["bytes_read"],
+                "evicted_pages": st["evicted_pages"], "last_write_time": st["last_write_time"],
+                "durability": st["durability"], "rejected_budget": st["rejected_budget"]}
+
+    def close(self) -> None:
+        self.tier.flush(timeout_s=60)
+        self.tier.close()
