@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from hicache.daemon.host_tier import HostTier, PageClass
-from hicache.index.keys import KEY_BYTES, Namespace
+from hicache.index.keys import KeyList, Namespace
 from hicache.index.node import Freed, IndexStateError, Tier, TreeNode
 from hicache.index.radix import RadixIndex
 from hicache.rpc.protocol import Code, RpcError
@@ -181,9 +181,10 @@ class CacheService:
     # -- validation helpers -------------------------------------------------
     @staticmethod
     def split_keys(blob: Any) -> list[bytes]:
-        if not isinstance(blob, bytes) or len(blob) % KEY_BYTES:
-            raise RpcError(Code.BAD_PARAMS, f"keys must be packed {KEY_BYTES}-byte page keys")
-        return [blob[i:i + KEY_BYTES] for i in range(0, len(blob), KEY_BYTES)]
+        try:
+            return KeyList.from_blob(blob)
+        except ValueError as e:
+            raise RpcError(Code.BAD_PARAMS, str(e)) from None
 
     @staticmethod
     def check_device_pages(rec: EngineRecord, pages: np.ndarray, n: int) -> None:

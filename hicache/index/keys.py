@@ -41,6 +41,20 @@ class Namespace:
         return h.digest()
 
 
+class KeyList(list):
+    """Page keys already known to be 16-byte `bytes` (split from a packed blob);
+    the index skips re-checking them on the match path."""
+
+    __slots__ = ()
+
+    @classmethod
+    def from_blob(cls, blob: bytes) -> KeyList:
+        if not isinstance(blob, bytes) or len(blob) % KEY_BYTES:
+            raise ValueError(f"keys must be packed {KEY_BYTES}-byte page keys")
+        # numpy's fixed-size void items come back as exact `bytes`, ~6x faster than slicing
+        return cls(np.frombuffer(blob, dtype=f"V{KEY_BYTES}").tolist())
+
+
 def as_tokens(tokens: object) -> np.ndarray:
     """Token ids as a contiguous little-endian int32 array (no copy when already one)."""
     arr = np.ascontiguousarray(np.asarray(tokens), dtype="<i4")

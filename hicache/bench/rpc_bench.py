@@ -1,0 +1,209 @@
+"""`hicache bench rpc`: match / insert round trips for an 8K-token prompt, against
+two baselines measured in the same run with the same payload sizes:
+
+- a bare echo server with hicache's framing (asyncio + uvloop, 4-byte length +
+  msgpack), which is the floor any RPC over this socket can reach;
+- redis-server GET over a Unix socket (when redis-server is installed).
+
+Each client is its own process with a blocking socket, as engine schedulers are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hicache.bench.report import row
+from hicache.client.connection import RpcConnection
+from hicache.index.keys import page_keys
+from hicache.layout import KVLayout
+from hicache.rpc.framing import ids_to_bytes, pack_frame
+
+LAYOUT = KVLayout("mha", num_layers=32, page_size=16, dtype="bfloat16", num_kv_heads=8, head_dim=128)
+
+
+# -- the echo baseline ------------------------------------------------------------------
+def echo_server(path: str) -> None:
+    """Answer every frame with a frame holding the same msgpack body, as a daemon would."""
+    from hicache.rpc.framing import FrameDecoder, unpack_body
+
+    class Echo(asyncio.Protocol):
+        def connection_made(self, transport):  # type: ignore[no-untyped-def]
+            self.t = transport
+            self.dec = FrameDecoder(64 << 20)
+
+        def data_received(self, data: bytes) -> None:
+            for body in self.dec.feed(data):
+                msg = unpack_body(body)
+                self.t.write(pack_frame({"id": msg["id"], "result": msg.get("params")}))
+
+    async def main() -> None:
+        server = await asyncio.get_running_loop().create_unix_server(Echo, path=path)
+        async with server:
+            await server.serve_forever()
+
+    try:
+        import uvloop
+        factory = uvloop.new_event_loop
+    except ImportError:
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(main())
+
+
+def _wait_socket(path: str, proc: subprocess.Popen, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"server for {path} did not start")
+        time.sleep(0.02)
+
+
+# -- clients --------------------------------------------------------------------------------
+def _pct(xs: np.ndarray, q: float) -> float:
+    return float(np.percentile(xs, q)) * 1e6
+
+
+def _hicache_client(path: str, kind: str, n: int, tokens: np.ndarray, q: mp.Queue) -> None:
+    conn = RpcConnection.connect(path, timeout_s=30)
+    conn.hello(want_arena=False)
+    reg = conn.call("register", {"model": "bench", "layout": LAYOUT.to_dict(), "device_pages": 4096})
+    engine, salt = reg["engine"], reg["salt"]
+    keys = b"".join(page_keys(salt, tokens, LAYOUT.page_size))
+    pages = ids_to_bytes(np.arange(1, len(tokens) // LAYOUT.page_size + 1))
+    insert = {"engine": engine, "keys": keys, "tokens": tokens.tobytes(), "device_pages": pages}
+    r = conn.call("insert", insert)
+    if r["backup"]:
+        conn.call("backup_done", {"backup": r["backup"]["id"]})
+    lat = np.empty(n)
+    for i in range(n + 20):
+        t0 = time.perf_counter()
+        if kind == "match":
+            m = conn.call("match", {"engine": engine, "keys": keys})
+            dt = time.perf_counter() - t0
+            conn.call("release", {"pin": m["pin"]})
+        else:
+            conn.call("insert", insert)
+            dt = time.perf_counter() - t0
+        if i >= 20:
+            lat[i - 20] = dt
+    q.put(lat)
+    conn.close()
+
+
+def _echo_client(path: str, payload: dict, n: int, q: mp.Queue) -> None:
+    conn = RpcConnection.connect(path, timeout_s=30)
+    lat = np.empty(n)
+    for i in range(n + 20):
+        t0 = time.perf_counter()
+        conn.call("echo", payload)
+        if i >= 20:
+            lat[i - 20] = time.perf_counter() - t0
+    q.put(lat)
+    conn.close()
+
+
+def _redis_client(path: str, nbytes: int, n: int, q: mp.Queue) -> None:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    key = f"k{os.getpid()}".encode()
+    value = os.urandom(nbytes)
+    s.sendall(b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(key), key, len(value), value))
+    assert s.recv(64).startswith(b"+OK")
+    get = b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(key), key)
+    want = len(f"${nbytes}\r\n") + nbytes + 2
+    buf = bytearray(want)
+    view = memoryview(buf)
+    lat = np.empty(n)
+    for i in range(n + 20):
+        t0 = time.perf_counter()
+        s.sendall(get)
+        got = 0
+        while got < want:
+            got += s.recv_into(view[got:])
+        if i >= 20:
+            lat[i - 20] = time.perf_counter() - t0
+    q.put(lat)
+    s.close()
+
+
+def _run_clients(target, args_for, clients: int) -> np.ndarray:
+    ctx = mp.get_context("fork")
+    q: mp.Queue = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*args_for(i), q)) for i in range(clients)]
+    for p in procs:
+        p.start()
+    lats = [q.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(60)
+    return np.concatenate(lats)
+
+
+# -- the benchmark --------------------------------------------------------------------------
+def run(socket_path: str | None = None, prompt_tokens: int = 8192, requests: int = 2000,
+        client_counts: tuple[int, ...] = (1, 8)) -> list[dict]:
+    tmp = Path(tempfile.mkdtemp(prefix="hicache-rpc-bench-"))
+    procs: list[subprocess.Popen] = []
+    try:
+        daemon_path = socket_path
+        if daemon_path is None:
+            daemon_path = str(tmp / "hicache.sock")
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "hicache.cli", "serve", "--socket", daemon_path, "--state-dir",
+                 str(tmp / "state"), "--host-capacity", "1GiB", "--no-disk"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            _wait_socket(daemon_path, procs[-1])
+        echo_path = str(tmp / "echo.sock")
+        procs.append(subprocess.Popen([sys.executable, "-c", f"from hicache.bench.rpc_bench import echo_server; "
+                                       f"echo_server({echo_path!r})"]))
+        _wait_socket(echo_path, procs[-1])
+        redis_path = None
+        if shutil.which("redis-server"):
+            redis_path = str(tmp / "redis.sock")
+            procs.append(subprocess.Popen(["redis-server", "--port", "0", "--unixsocket", redis_path,
+                                           "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL))
+            _wait_socket(redis_path, procs[-1])
+
+        rng = np.random.default_rng(0)
+        rows: list[dict] = []
+        n_pages = prompt_tokens // LAYOUT.page_size
+        payloads = {  # what each call carries, for echo and redis of the same size
+            "match": {"engine": 1, "keys": bytes(16 * n_pages)},
+            "insert": {"engine": 1, "keys": bytes(16 * n_pages), "tokens": bytes(4 * prompt_tokens),
+                       "device_pages": bytes(4 * n_pages)},
+        }
+        for clients in client_counts:
+            per = max(100, requests // clients)
+            for kind in ("match", "insert"):
+                toks = [rng.integers(0, 1 << 30, prompt_tokens, dtype=np.int32) for _ in range(clients)]
+                hc = _run_clients(_hicache_client, lambda i: (daemon_path, kind, per, toks[i]), clients)
+                echo = _run_clients(_echo_client, lambda i: (echo_path, payloads[kind], per), clients)
+                size = len(pack_frame({"id": 1, "method": kind, "params": payloads[kind]}))
+                label = f"{kind} {prompt_tokens} tokens, {clients} client{'s' if clients > 1 else ''}"
+                for q in (50, 99):
+                    rows.append(row(f"{label} p{q}", _pct(hc, q), "us", baseline=_pct(echo, q),
+                                    baseline_name="echo"))
+                if redis_path:
+                    red = _run_clients(_redis_client, lambda i: (redis_path, size, per), clients)
+                    for q in (50, 99):
+                        rows.append(row(f"{label} p{q} vs redis GET {size}B", _pct(hc, q), "us",
+                                        baseline=_pct(red, q), baseline_name="redis"))
+        return rows
+    finally:
+        for p in procs:
+            p.terminate()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
