@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_json(p)
     p.add_argument("--tier", choices=["host", "disk"], required=True)
 
+    from hicache.bench.cli import add_parser as add_bench
+
+    add_bench(sub)
+
     p = sub.add_parser("demo", help="start a daemon with embedded defaults and run a demo workload through it")
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--host-capacity", default="256MiB")
@@ -169,7 +173,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-COMMANDS = {"serve": cmd_serve, "stats": cmd_stats, "ls": cmd_ls, "evict": cmd_evict, "flush": cmd_flush,
+def cmd_bench(args: argparse.Namespace) -> int:
+    from hicache.bench.cli import run
+
+    return run(args)
+
+
+COMMANDS = {"bench": cmd_bench, "serve": cmd_serve, "stats": cmd_stats, "ls": cmd_ls, "evict": cmd_evict, "flush": cmd_flush,
             "demo": cmd_demo}
 
 

@@ -1,0 +1,86 @@
+"""`hicache bench NAME`: argument parsing and dispatch for every benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from pathlib import Path
+
+from hicache.bench.report import print_rows
+
+DEFAULT_TRACE = str(Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mooncake_conversation_trace.jsonl")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks, each next to a baseline measured in the same run")
+    benches = p.add_subparsers(dest="bench", required=True)
+
+    def bench(name: str, helptext: str) -> argparse.ArgumentParser:
+        b = benches.add_parser(name, help=helptext)
+        b.add_argument("--json", action="store_true", help="one JSON object with a `results` list")
+        return b
+
+    b = bench("rpc", "match / insert round trips vs a bare echo server and redis-server")
+    b.add_argument("--socket", dest="socket_path", help="a running daemon (default: start one)")
+    b.add_argument("--prompt-tokens", type=int, default=8192)
+    b.add_argument("--requests", type=int, default=2000)
+    b.add_argument("--clients", type=int, nargs="+", default=[1, 8])
+
+    b = bench("transfer", "per-layer load and all-layer backup vs a contiguous copy")
+    b.add_argument("--page-sizes", type=int, nargs="+", default=[16, 64])
+    b.add_argument("--repeats", type=int, default=9)
+    b.add_argument("--target-mib", type=int, default=1024)
+
+    b = bench("disk", "disk tier put / get vs raw py-lmdb and dd")
+    b.add_argument("--total-mib", type=int, default=512)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--workdir")
+    b.add_argument("--rebuild-records", type=int, default=1_000_000)
+
+    b = bench("index", "radix match + insert pages/s replaying a trace")
+    b.add_argument("--trace", default=DEFAULT_TRACE)
+    b.add_argument("--limit", type=int)
+    b.add_argument("--capacity", type=int, default=None, help="device budget in pages (default: unbounded)")
+
+    b = bench("trace", "replay a Mooncake trace against a real daemon: hit rate per tier")
+    b.add_argument("--trace", default=DEFAULT_TRACE)
+    b.add_argument("--socket", dest="socket_path", help="a running daemon (default: start one)")
+    b.add_argument("--host-capacity", default="2GiB")
+    b.add_argument("--disk-capacity", default="8GiB")
+    b.add_argument("--device-pages", type=int, default=2048)
+    b.add_argument("--limit", type=int)
+    b.add_argument("--page-bytes", type=int, default=64 << 10, help="bytes per 512-token block page")
+
+    b = bench("multiturn", "the reference engine serving multi-turn conversations")
+    b.add_argument("--conversations", type=int, default=12)
+    b.add_argument("--turns", type=int, default=4)
+
+
+def run(args: argparse.Namespace) -> int:
+    t0 = time.time()
+    if args.bench == "rpc":
+        from hicache.bench.rpc_bench import run as go
+        rows = go(args.socket_path, args.prompt_tokens, args.requests, tuple(args.clients))
+    elif args.bench == "transfer":
+        from hicache.bench.transfer_bench import run as go
+        rows = go(tuple(args.page_sizes), repeats=args.repeats, target_bytes=args.target_mib << 20)
+    elif args.bench == "disk":
+        from hicache.bench.disk_bench import run as go
+        rows = go(total_bytes=args.total_mib << 20, workdir=args.workdir, repeats=args.repeats,
+                  rebuild_records=args.rebuild_records)
+    elif args.bench == "index":
+        from hicache.bench.index_bench import run as go
+        rows = go(args.trace, limit=args.limit, capacity_pages=args.capacity)
+    elif args.bench == "trace":
+        from hicache.bench.trace_bench import run as go
+        rows = go(args)
+    elif args.bench == "multiturn":
+        from hicache.bench.multiturn_bench import run as go
+        rows = go(args)
+    else:  # pragma: no cover - argparse restricts the choices
+        raise SystemExit(f"unknown bench {args.bench}")
+    meta = {"machine": f"{platform.machine()} {platform.node()}", "seconds": round(time.time() - t0, 1),
+            "date": time.strftime("%Y-%m-%d")}
+    print_rows(args.bench, rows, args.json, meta)
+    return 0
