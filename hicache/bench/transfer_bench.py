@@ -6,7 +6,8 @@ N chosen so about `target_bytes` move. Baselines, timed in the same repetition
 right before each candidate: the same byte count as contiguous torch `copy_`s
 between the same kinds of memory (arena <-> ordinary tensor), with the same
 number of calls (one per layer for the load, one for the backup) and the same
-thread count. Values are medians over `repeats`; ratio = value / baseline.
+thread count. Values are medians over `repeats`; ratio is the median over
+repetitions of baseline time / candidate time (each pair timed back to back).
 
     python -m hicache.bench.transfer_bench [--page-sizes 16 64] [--repeats 7]
 """
@@ -93,15 +94,19 @@ def _bench_page_size(page_size: int, *, num_layers: int, num_kv_heads: int, head
 
     rows = []
     for kind, base in (("load_per_layer", "base_load"), ("backup_all_layer", "base_backup")):
-        value = moved / _median(times[kind.split("_")[0]]) / 1e9
+        cand = times[kind.split("_")[0]]
+        value = moved / _median(cand) / 1e9
         baseline = moved / _median(times[base]) / 1e9
+        # Paired: each candidate run against the baseline run just before it, so load
+        # from other processes on a shared machine hits both sides alike.
+        ratio = _median([b / c for b, c in zip(times[base], cand)])
         rows.append({"name": f"{kind}_ps{page_size}_t{threads}", "value": round(value, 2), "unit": "GB/s",
-                     "baseline": round(baseline, 2), "ratio": round(value / baseline, 3)})
+                     "baseline": round(baseline, 2), "ratio": round(ratio, 3)})
     return rows
 
 
 def run(page_sizes: tuple[int, ...] = (16, 64), *, num_layers: int = 32, num_kv_heads: int = 8,
-        head_dim: int = 128, dtype: str = "float16", target_bytes: int = 1 << 30, repeats: int = 7,
+        head_dim: int = 128, dtype: str = "float16", target_bytes: int = 1 << 30, repeats: int = 9,
         threads: tuple[int, ...] | None = None, backend: str = "memcpy", seed: int = 0) -> list[dict]:
     """Rows {"name", "value", "unit", "baseline", "ratio"}: load and backup GB/s per page
     size and thread count (default: 1 and torch's intra-op count)."""
@@ -120,7 +125,7 @@ def run(page_sizes: tuple[int, ...] = (16, 64), *, num_layers: int = 32, num_kv_
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--page-sizes", type=int, nargs="+", default=[16, 64])
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--threads", type=int, nargs="+", default=None)
     ap.add_argument("--target-mib", type=int, default=1024)
     ap.add_argument("--backend", default="memcpy", choices=["memcpy", "torch"])

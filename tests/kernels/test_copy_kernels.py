@@ -61,7 +61,7 @@ def test_chunk_copier_matches_numpy(threads):
     d_off[10:20] = np.arange(10) * chunk  # a run on the device side...
     start = min(s_off[10], (blocks - 10) * chunk)
     s_off[10:20] = start + np.arange(10) * chunk  # ...and the host side: one merged copy
-    copier = kcopy.ChunkCopier(threads, min_split_bytes=1)
+    copier = kcopy.ChunkCopier(threads, min_split_bytes=1, min_chunk_bytes=1)
     copier.copy(src_buf.ctypes.data + s_off, dst_buf.ctypes.data + d_off, np.full(n, chunk, dtype=np.int64))
     want = np.zeros_like(dst_buf)
     for s, d in zip(s_off, d_off):
