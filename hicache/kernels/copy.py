@@ -13,13 +13,20 @@ Every function here trusts its indices: `HostKVCache` validates them (range,
 lengths, duplicate destinations) before calling in. The memcpy path works on
 raw addresses, so that validation is what keeps it inside its buffers.
 
-Why two CPU paths. The twin moves rows through `index_select` + `index_copy_`
-on wide (int64) views: correct on any device, but it makes two passes over
-the bytes (gather into a temporary, scatter out of it). The memcpy path calls
-libc `memmove` once per chunk through ctypes, which releases the GIL and
-costs well under a microsecond per call, so with chunks of tens of KiB it runs
-at the speed of a contiguous copy; per-chunk torch `copy_` costs several
-microseconds of dispatch per call and loses on pages below ~64 KiB.
+Why two CPU paths (measured on the 2-core dev VM, 32 layers x 8 heads x 128
+fp16, 1 GiB of random pages, `python -m hicache.bench.transfer_bench`). The
+twin moves rows through `index_select` + `index_copy_` on wide (int64) views:
+correct on any device, but two passes over the bytes (gather into a
+temporary, scatter out of it), ~0.45-0.55x a contiguous `copy_`; blocking it
+into cache-sized batches did not help. The memcpy path calls libc `memmove`
+once per chunk through ctypes (releasing the GIL, ~1 us per call here), a
+single pass at glibc speed: 0.85-0.93x at 32 KiB chunks (page 16), >= 1x at
+128 KiB (page 64). Per-chunk torch `copy_` costs several microseconds of
+dispatch per call; numpy take/put on void rows ran at ~2 GB/s;
+process_vm_readv and preadv/pwritev on the memfd were slower than memmove.
+Page-first host pages make every per-layer chunk a separate run (layer `l` of
+page `h+1` is a whole page away from that of page `h`), so coalescing merges
+chunks only where both sides really continue (one-layer MLA, whole pages).
 """
 
 from __future__ import annotations

@@ -145,7 +145,9 @@ class HostArena:
         self._check_open()
         if self.cuda_registered or not torch.cuda.is_available():
             return
-        rc = torch.cuda.cudart().cudaHostRegister(self.address, self.nbytes, 0)
+        # Portable | Mapped: every context may use it, and with unified addressing the
+        # host address is the device address kernels read.
+        rc = torch.cuda.cudart().cudaHostRegister(self.address, self.nbytes, 3)
         if int(rc) != 0:
             raise HiCacheError(f"cudaHostRegister of the host arena failed with CUDA error {int(rc)}")
         self.cuda_registered = True

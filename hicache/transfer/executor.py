@@ -99,18 +99,19 @@ class LoadHandle:
 class CudaLoadHandle(LoadHandle):
     """Progress of one per-layer load on the load stream: one CUDA event per layer."""
 
-    __slots__ = ("_cuda_events", "_plan")
+    __slots__ = ("_cuda_events", "_plan", "_device")
 
     def __init__(self, cuda_events: list[torch.cuda.Event], plan: PagePlan) -> None:
         super().__init__(0)
         self.num_layers = len(cuda_events)
         self._cuda_events = cuda_events
         self._plan = plan  # keeps the page-id tensors alive while kernels read them
+        self._device = plan.pool.device
 
     def wait_layer(self, layer_id: int) -> None:
         """Make the current stream wait for layer `layer_id` (no host synchronization)."""
         self._check_layer(layer_id)
-        torch.cuda.current_stream().wait_event(self._cuda_events[layer_id])
+        torch.cuda.current_stream(self._device).wait_event(self._cuda_events[layer_id])
 
     def layer_ready(self, layer_id: int) -> bool:
         self._check_layer(layer_id)
@@ -122,7 +123,7 @@ class CudaLoadHandle(LoadHandle):
     def wait(self) -> None:
         """Block the host until every layer is in place, and order the current stream after it."""
         self._cuda_events[-1].synchronize()
-        torch.cuda.current_stream().wait_event(self._cuda_events[-1])
+        torch.cuda.current_stream(self._device).wait_event(self._cuda_events[-1])
 
 
 class BackupHandle:

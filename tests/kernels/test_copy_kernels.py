@@ -176,3 +176,14 @@ def test_triton_kernels_equal_twin_on_cuda(name, n):
     if n * layout.page_bytes > 2 << 30:
         n = max(13, (2 << 30) // layout.page_bytes)
     _compare_backends(layout, n, ("triton", "torch"), device="cuda")
+
+
+def test_transfer_bench_rows_are_well_formed():
+    from hicache.bench import transfer_bench
+
+    rows = transfer_bench.run(page_sizes=(4,), num_layers=2, num_kv_heads=2, head_dim=64,
+                              target_bytes=1 << 20, repeats=1, threads=(1,))
+    assert [r["name"] for r in rows] == ["load_per_layer_ps4_t1", "backup_all_layer_ps4_t1"]
+    for r in rows:
+        assert set(r) == {"name", "value", "unit", "baseline", "ratio"}
+        assert r["unit"] == "GB/s" and r["value"] > 0 and r["baseline"] > 0 and r["ratio"] > 0
