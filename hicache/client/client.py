@@ -47,8 +47,9 @@ class Match:
     keys: list[bytes]
     device_pages: np.ndarray  # this engine's pages that already hold the prefix
     host_pages: np.ndarray  # host pages holding the next part
-    disk_len: int
+    disk_len: int  # pages on disk not brought to host in time (per the daemon's load policy)
     epoch: int
+    from_disk: int = 0  # of host_pages, how many the daemon just read from disk
 
     @property
     def device_len(self) -> int:
@@ -86,6 +87,7 @@ class HiCacheClient:
         self.arena_bytes = 0
         self.on_reconnect: list[Any] = []  # callbacks(epoch) run after each (re)connect
         self.misses_while_away = 0
+        self.refusals = 0
 
     # -- connection management -------------------------------------------------
     @property
@@ -144,7 +146,11 @@ class HiCacheClient:
         self._backoff_s = min(self._backoff_s * 2, self.backoff_max_s)
 
     def _call(self, method: str, params: dict) -> Any:
-        """One RPC; raises DaemonUnavailable (connection dropped) or ClientError (daemon said no)."""
+        """One RPC; raises DaemonUnavailable when the daemon is away or refused the call.
+
+        A refusal (ClientError) on the engine cycle means a bug on one side; the engine
+        must keep serving, so it is logged and treated like an absent daemon: a miss,
+        a skipped store."""
         if not self._ensure():
             raise DaemonUnavailable("daemon unavailable")
         assert self.conn is not None
@@ -154,6 +160,10 @@ class HiCacheClient:
             self.conn = None
             self._schedule_retry(time.monotonic(), str(e))
             raise
+        except ClientError as e:
+            self.refusals += 1
+            log.error("hicache daemon refused %s: %s", method, e)
+            raise DaemonUnavailable(f"{method} refused: {e}") from e
 
     def close(self) -> None:
         if self.conn is not None:
@@ -180,13 +190,16 @@ class HiCacheClient:
         if r is None:
             return Match(None, keys, EMPTY, EMPTY, 0, self.epoch)
         host_pages, disk_len = bytes_to_ids(r["host_pages"]), int(r["disk_len"])
+        from_disk = 0
         if disk_len:  # the daemon is bringing that part to host: ask for the plan (it waits per policy)
             try:
                 ld = self._call("load", {"pin": r["pin"]})
+                from_disk = len(ld["host_pages"]) // 4 - len(host_pages)
                 host_pages, disk_len = bytes_to_ids(ld["host_pages"]), int(ld["disk_len"])
-            except (DaemonUnavailable, ClientError):
+            except DaemonUnavailable:
                 pass
-        return Match(int(r["pin"]), keys, bytes_to_ids(r["device_pages"]), host_pages, disk_len, self.epoch)
+        return Match(int(r["pin"]), keys, bytes_to_ids(r["device_pages"]), host_pages, disk_len, self.epoch,
+                     from_disk)
 
     def load_done(self, match: Match, device_pages: np.ndarray) -> np.ndarray | None:
         """Report the host part copied into `device_pages`. Returns pages to free, or
@@ -250,7 +263,9 @@ class HiCacheClient:
         return bytes_to_ids(r["free_pages"]), self._plan(r["backup"])
 
     def stats(self) -> dict:
-        return self._call("stats", {})
+        if not self._ensure():
+            raise DaemonUnavailable("daemon unavailable")
+        return self.conn.call("stats", {})
 
 
 def map_arena(fd: int, nbytes: int) -> mmap.mmap:

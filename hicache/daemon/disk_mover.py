@@ -290,7 +290,7 @@ class DiskMover:
         if host_pages is None:
             return
         ns.index.lock(disk_nodes[-1], Tier.DISK)
-        pin.locks.append((disk_nodes[-1], Tier.DISK))
+        pin.locks.append((disk_nodes[-1], Tier.DISK, None))
         view = self._host_view(ns)
         keys = [k for node in disk_nodes for k in node.keys]
         outs = [view.page_view(int(slot)) for slot in host_pages]
@@ -340,7 +340,7 @@ class DiskMover:
         pf.last_node = last
         if last is not None:
             index.lock(last, Tier.HOST)
-            pin.locks.append((last, Tier.HOST))
+            pin.locks.append((last, Tier.HOST, None))
         if stored:
             self.service.emit_nodes("stored", Tier.HOST, None, stored, ns)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -36,8 +37,15 @@ class DaemonProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.read_log()}")
-            if os.path.exists(self.socket):
-                return
+            if os.path.exists(self.socket):  # a stale file from a killed daemon may still be there
+                probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    probe.connect(self.socket)
+                    return
+                except OSError:
+                    pass
+                finally:
+                    probe.close()
             time.sleep(0.02)
         raise TimeoutError(f"daemon did not come up:\n{self.read_log()}")
 

@@ -1,0 +1,51 @@
+"""The disk tier through a real daemon: demotion, prefetch, persistence across restarts."""
+
+from __future__ import annotations
+
+from tests.daemon.test_cycle import run_worker
+
+
+def test_pages_demoted_to_disk_come_back_byte_exact(daemon_factory):
+    # a host tier of ~1 MiB holds 64 slabs of 16 KiB: a few pages of 768 B each ... so make it tight:
+    d = daemon_factory("--host-capacity", "1MiB", "--disk-capacity", "256MiB",
+                       env={"HICACHE_LOAD_POLICY": "wait_complete"}).start()
+    # 12 conversations of 40 pages each: far more than the host tier holds
+    ops = [f"store:{i}:160" for i in range(1, 13)]
+    run_worker(d.socket, *ops)
+    first = run_worker(d.socket, "load:1:160")[0]
+    assert first["bad_pages"] == 0
+    assert first["loaded"] == 40, first  # host + disk together cover the whole prefix
+    assert first["disk_len"] == 0
+
+
+def test_disk_pages_survive_a_restart(daemon_factory):
+    d = daemon_factory("--host-capacity", "64MiB", "--disk-capacity", "256MiB",
+                       env={"HICACHE_LOAD_POLICY": "wait_complete"}).start()
+    run_worker(d.socket, "store:7:64", "store:8:64")
+    assert d.stop() == 0  # clean stop flushes the write queue
+    d.start()
+    (b,) = run_worker(d.socket, "load:7:64")
+    assert b["loaded"] == 16 and b["bad_pages"] == 0 and b["host_len"] == 16
+
+
+def test_disk_pages_survive_kill9(daemon_factory):
+    d = daemon_factory("--host-capacity", "64MiB", "--disk-capacity", "256MiB",
+                       env={"HICACHE_LOAD_POLICY": "wait_complete"}).start()
+    run_worker(d.socket, "store:9:64")
+    # wait until the write-through committed, then kill -9
+    import time
+
+    from hicache.client.connection import RpcConnection
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        c = RpcConnection.connect(d.socket)
+        c.hello(want_arena=False)
+        st = c.call("stats")
+        c.close()
+        if st["tiers"]["disk"]["pages"] >= 16 and st["tiers"]["disk"]["queue_depth"] == 0:
+            break
+        time.sleep(0.05)
+    d.kill9()
+    d.start()
+    (b,) = run_worker(d.socket, "load:9:64")
+    assert b["loaded"] == 16 and b["bad_pages"] == 0
