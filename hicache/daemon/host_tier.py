@@ -16,7 +16,7 @@ import logging
 import numpy as np
 
 from hicache.errors import HiCacheError
-from hicache.tiers.host import HostArena, HostSlotAllocator
+from hicache.tiers.arena import HostArena, HostSlotAllocator
 
 log = logging.getLogger(__name__)
 
