@@ -91,12 +91,13 @@ def default_host_capacity() -> int:
 
 
 def default_disk_capacity(state_dir: Path) -> int:
-    """A fifth of the free space where state lives, between 256 MiB and 256 GiB."""
+    """A tenth of the free space where state lives, between 256 MiB and 64 GiB (LMDB reserves
+    1.5x of it up front, see hicache/tiers/disk.py)."""
     probe = state_dir
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     free = shutil.disk_usage(probe).free
-    return max(256 << 20, min(free // 5, 256 << 30))
+    return max(256 << 20, min(free // 10, 64 << 30))
 
 
 @dataclass(frozen=True)
