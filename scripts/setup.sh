@@ -27,3 +27,9 @@ if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
 fi
 
 "$PY" -m pip install -q -e ".[test]"
+
+# Triton: the kernels' tests run it in interpreter mode on CPU (TRITON_INTERPRET=1)
+# and compile them for sm_90 ahead of time. Best effort: those tests skip without it.
+if ! "$PY" -c "import triton" 2>/dev/null && [ "$(uname -m)" = x86_64 ]; then
+    "$PY" -m pip install -q "triton==3.9.0" || echo "setup: triton unavailable; its tests will skip" >&2
+fi
