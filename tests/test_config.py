@@ -1,0 +1,57 @@
+from pathlib import Path
+
+import pytest
+
+from hicache.config import Config, load_config, parse_size
+from hicache.errors import ConfigError
+
+
+@pytest.mark.parametrize("text,value", [("512MiB", 512 << 20), ("4GiB", 4 << 30), ("1.5G", 1_500_000_000),
+                                        ("1048576", 1 << 20), (" 2 kib ", 2048), (7, 7)])
+def test_sizes(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("bad", ["", "12XB", "-1", "GiB", True, -5])
+def test_bad_sizes(bad):
+    with pytest.raises(ConfigError):
+        parse_size(bad)
+
+
+def test_precedence_defaults_toml_env_flags(tmp_path: Path):
+    toml = tmp_path / "h.toml"
+    toml.write_text('[hicache]\nhost_capacity = "1GiB"\nwrite_policy = "write_back"\nmax_inflight = 9\n')
+    cfg = load_config(toml, environ={"HICACHE_HOST_CAPACITY": "2GiB", "HICACHE_MAX_INFLIGHT": "11",
+                                     "HICACHE_STATE_DIR": str(tmp_path)},
+                      overrides={"host_capacity": "3GiB", "socket_path": None})
+    assert cfg.host_capacity == 3 << 30  # flag wins
+    assert cfg.max_inflight == 11  # env beats TOML
+    assert cfg.write_policy == "write_back"  # TOML beats the default
+    assert cfg.state_dir == tmp_path
+
+
+def test_embedded_defaults_need_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.delenv("STATE_DIRECTORY", raising=False)
+    monkeypatch.delenv("RUNTIME_DIRECTORY", raising=False)
+    cfg = Config()
+    assert cfg.socket_path == tmp_path / "run" / "hicache.sock"
+    assert cfg.state_dir == tmp_path / "state" / "hicache"
+    assert cfg.host_capacity >= 64 << 20 and cfg.disk_capacity >= 256 << 20
+
+
+@pytest.mark.parametrize("key,value", [("write_policy", "sometimes"), ("load_policy", "eager"),
+                                       ("max_inflight", 0), ("metrics_port", 70000), ("durability", "paranoid")])
+def test_bad_values_are_refused(key, value):
+    with pytest.raises(ConfigError):
+        load_config(environ={}, overrides={key: value})
+
+
+def test_unknown_toml_key_and_bad_toml(tmp_path):
+    (tmp_path / "a.toml").write_text("hostcapacity = 5\n")
+    with pytest.raises(ConfigError, match="unknown setting"):
+        load_config(tmp_path / "a.toml", environ={})
+    (tmp_path / "b.toml").write_text("host_capacity = [\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(tmp_path / "b.toml", environ={})
