@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from hicache.daemon.host_tier import HostTier, PageClass
-from hicache.index.keys import KeyList, Namespace
+from hicache.index.keys import Namespace, PackedKeys
 from hicache.index.node import Freed, IndexStateError, Tier, TreeNode
 from hicache.index.radix import RadixIndex
 from hicache.rpc.protocol import Code, RpcError
@@ -180,9 +180,9 @@ class CacheService:
 
     # -- validation helpers -------------------------------------------------
     @staticmethod
-    def split_keys(blob: Any) -> list[bytes]:
+    def split_keys(blob: Any) -> PackedKeys:
         try:
-            return KeyList.from_blob(blob)
+            return PackedKeys(blob)
         except ValueError as e:
             raise RpcError(Code.BAD_PARAMS, str(e)) from None
 
@@ -192,7 +192,7 @@ class CacheService:
             raise RpcError(Code.BAD_PARAMS, f"expected {n} device pages, got {len(pages)}")
         if n and (pages.min() < 1 or pages.max() > rec.device_pages):
             raise RpcError(Code.BAD_PARAMS, f"device pages must be in 1..{rec.device_pages}")
-        if n and len(np.unique(pages)) != n:
+        if n > 1 and np.bincount(pages).max() > 1:  # ids are bounded by the pool: cheaper than unique
             raise RpcError(Code.BAD_PARAMS, "device pages repeat")
 
     # -- match / load / release -------------------------------------------

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hicache.errors import HiCacheError
-from hicache.index.keys import KEY_BYTES, KeyList, as_tokens, page_keys
+from hicache.index.keys import KEY_BYTES, PackedKeys, as_tokens, page_keys
 
 
 class IndexInputError(HiCacheError, ValueError):
@@ -235,8 +235,8 @@ def not_own(theirs: np.ndarray, own: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------- argument checks
 
 def check_keys(keys: object) -> list[bytes]:
-    if type(keys) is KeyList:
-        return keys  # validated when it was split from its blob
+    if type(keys) is PackedKeys:
+        return keys  # validated when it was built from its blob
     if type(keys) is not list:
         if not isinstance(keys, (list, tuple)):
             raise IndexInputError("keys must be a list of bytes")
