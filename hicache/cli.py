@@ -61,8 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tier", choices=["host", "disk"], required=True)
 
     from hicache.bench.cli import add_parser as add_bench
+    from hicache.cli_admin import add_parsers as add_admin
 
     add_bench(sub)
+    add_admin(sub)  # doctor, export, import
 
     p = sub.add_parser("demo", help="start a daemon with embedded defaults and run a demo workload through it")
     p.add_argument("--requests", type=int, default=48)
@@ -173,6 +175,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def cmd_admin(args: argparse.Namespace) -> int:
+    from hicache.cli_admin import run
+
+    return run(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from hicache.bench.cli import run
 
@@ -180,7 +188,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"bench": cmd_bench, "serve": cmd_serve, "stats": cmd_stats, "ls": cmd_ls, "evict": cmd_evict, "flush": cmd_flush,
-            "demo": cmd_demo}
+            "demo": cmd_demo, "doctor": cmd_admin, "export": cmd_admin, "import": cmd_admin}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,12 +6,17 @@ request is answered with BAD_PARAMS and changes nothing.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import resource
+import shutil
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hicache import __version__
+from hicache.daemon.portable import portable_handlers
 from hicache.errors import LayoutError
 from hicache.index.keys import Namespace
 from hicache.index.radix import Tier
@@ -155,7 +160,25 @@ def build_handlers(daemon: Daemon) -> dict[str, Any]:
         conn.subscribed = True
         return True
 
+    async def doctor(conn: Connection, p: dict) -> Any:
+        """What only the daemon can see, for `hicache doctor` (reads only)."""
+        cfg, host = daemon.config, daemon.host
+        soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        disk = None
+        if daemon.disk is not None:
+            tier = daemon.disk.tier
+            disk = {**tier.stats(), **daemon.disk.stats(), **await asyncio.to_thread(tier.reader_health),
+                    "max_queue_pages": tier.config.max_queue_pages, "path": str(tier.path)}
+        fs = await asyncio.to_thread(shutil.disk_usage, cfg.state_dir)
+        unlimited = resource.RLIM_INFINITY
+        return {"pid": os.getpid(), "version": __version__, "uid": os.getuid(), "gid": os.getgid(),
+                "time": time.time(), "uptime_s": time.time() - daemon.started_at, "state_dir": str(cfg.state_dir),
+                "memlock_limit": [None if x == unlimited else x for x in (soft, hard)],
+                "host": {"capacity_bytes": host.capacity_bytes, "slab_bytes": host.slab_bytes,
+                         "locked": host.arena.locked, "mlock": cfg.mlock},
+                "disk": disk, "state_fs": {"total_bytes": fs.total, "free_bytes": fs.free}}
+
     return {"hello": hello, "register": register, "unregister": unregister, "match": match,
             "load": load, "load_done": load_done, "release": release, "insert": insert, "backup_done": backup_done,
             "evict": evict, "stats": stats, "flush": flush, "evict_tier": evict_tier, "ls": ls,
-            "subscribe": subscribe}
+            "subscribe": subscribe, "doctor": doctor, **portable_handlers(daemon)}

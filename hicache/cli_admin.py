@@ -1,0 +1,486 @@
+"""Admin commands beyond one RPC: `hicache doctor`, `hicache export`, `hicache import`.
+
+doctor  checks the socket (reachable, mode 0660, owner), the daemon (pid,
+        version), memlock (the daemon's RLIMIT_MEMLOCK against its arena, and
+        whether the arena is mlocked), shared memory (the arena's memfd mapped
+        here as an engine maps it, /dev/shm, vm.overcommit), the LMDB disk tier
+        (use, corrupt pages, write errors, queue depth, reader slots, map use),
+        free space where the state lives, and the age of the last disk commit.
+        Each check is ok / warn / fail with one line; exit 1 if any fails, 2
+        when the daemon cannot be reached.
+export  streams a namespace's disk pages into a portable file (format in
+        hicache/daemon/portable.py), written to FILE.part and renamed when
+        complete, so a failed export leaves no half file.
+import  verifies the WHOLE file first (checksums, key chain, order, totals),
+        so a damaged or foreign file is refused before the daemon sees any of
+        it; then streams it in chunks, which the daemon verifies again.
+
+File I/O goes through aiofiles and the RPCs through AsyncRpcConnection, so
+reading the file overlaps the daemon's work on the previous chunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import grp
+import json
+import mmap
+import os
+import pwd
+import stat
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import aiofiles
+
+from hicache import __version__
+from hicache.config import default_socket_path, format_size, parse_size
+from hicache.daemon.portable import (
+    FILE_HEAD, TAG_END, ExportHeader, PathEntry, PathStack, PortableFormatError,
+    decode_header, head_size, header_length, parse_records, record_rest,
+)
+from hicache.errors import DaemonUnavailable, HiCacheError
+
+SYSTEM_SOCKET = "/run/hicache/hicache.sock"  # where hicache.socket listens
+CHUNK_BYTES = 8 << 20
+READ_BLOCK_BYTES = 4 << 20
+EXPORT_OPEN_TIMEOUT_S = 600.0  # reads every page record of the disk tier
+CHUNK_TIMEOUT_S = 300.0
+
+# doctor thresholds
+LOW_FREE_BYTES = 1 << 30
+CRITICAL_FREE_BYTES = 64 << 20
+SHM_LOW_BYTES = 64 << 20
+MAP_FULL_WARN = 0.9
+QUEUE_FULL_WARN = 0.8
+READERS_FULL_WARN = 0.9
+WRITER_STALL_S = 60.0  # pages queued and no commit for this long: the writer is stuck
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--socket", dest="socket_path", help="daemon socket (default: as `hicache serve`)")
+        p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    def chunk(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--chunk-bytes", type=parse_size, default=CHUNK_BYTES, metavar="SIZE",
+                       help="page bytes per RPC (default 8MiB; at least one page goes in each)")
+
+    p = sub.add_parser("doctor", help="check the daemon, its socket, memlock, shared memory and disk tier")
+    common(p)
+    p = sub.add_parser("export", help="write a namespace's disk pages to a portable file")
+    common(p)
+    p.add_argument("--namespace", required=True, metavar="NS", help="salt hex prefix (as `hicache ls`) or model")
+    chunk(p)
+    p.add_argument("file", help="output file")
+    p = sub.add_parser("import", help="load a file written by `hicache export` into the disk tier")
+    common(p)
+    chunk(p)
+    p.add_argument("file", help="input file")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.command == "doctor":
+        return cmd_doctor(args)
+    if args.command == "export":
+        return asyncio.run(cmd_export(args))
+    return asyncio.run(cmd_import(args))
+
+
+def socket_path(args: argparse.Namespace) -> str:
+    return args.socket_path or os.environ.get("HICACHE_SOCKET_PATH") or str(default_socket_path())
+
+
+def _emit(args: argparse.Namespace, result: dict, text: str) -> None:
+    print(json.dumps(result) if args.json else text)
+
+
+# -- doctor ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    name: str
+    status: str  # ok | warn | fail
+    detail: str
+
+
+def _owner(st: os.stat_result) -> str:
+    try:
+        user = pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        user = str(st.st_uid)
+    try:
+        group = grp.getgrgid(st.st_gid).gr_name
+    except KeyError:
+        group = str(st.st_gid)
+    return f"{user}:{group}"
+
+
+def socket_check(path: str) -> Check:
+    """The socket file itself; DaemonUnavailable when there is none to connect to."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        hint = ""
+        if path != SYSTEM_SOCKET and os.path.exists(SYSTEM_SOCKET):
+            hint = f"; the system service listens on {SYSTEM_SOCKET}: pass --socket {SYSTEM_SOCKET}"
+        raise DaemonUnavailable(f"no socket at {path}{hint}") from None
+    except OSError as e:
+        raise DaemonUnavailable(f"cannot stat {path}: {e.strerror}") from None
+    if not stat.S_ISSOCK(st.st_mode):
+        raise DaemonUnavailable(f"{path} exists but is not a socket")
+    mode = stat.S_IMODE(st.st_mode)
+    detail = f"{path}: mode {mode:04o}, owner {_owner(st)}"
+    if mode & 0o007:
+        return Check("socket", "warn", f"{detail}: other users can connect (expected 0660; peer uids are "
+                                       "still checked)")
+    if mode != 0o660:
+        return Check("socket", "warn", f"{detail} (expected 0660: engines reach it through the group)")
+    return Check("socket", "ok", detail)
+
+
+def arena_check(fds: list[int], nbytes: int) -> Check:
+    """Map the daemon's arena as an engine does: the memfd passed over the socket."""
+    if not fds:
+        return Check("arena", "fail", "the daemon sent no arena descriptor with hello")
+    try:
+        size = os.fstat(fds[0]).st_size
+        if size < nbytes:
+            return Check("arena", "fail", f"the arena memfd holds {size} bytes, the daemon announced {nbytes}")
+        with mmap.mmap(fds[0], nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as m:
+            m[0], m[nbytes - 1]  # noqa: B018 - touch both ends
+    except (OSError, ValueError) as e:
+        return Check("arena", "fail", f"cannot map the {format_size(nbytes)} arena memfd: {e}: engines cannot "
+                                      "either")
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return Check("arena", "ok", f"the {format_size(nbytes)} arena memfd maps here as in an engine")
+
+
+def _meminfo() -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts:
+                    out[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    except OSError:
+        pass
+    return out
+
+
+def host_checks(arena_bytes: int) -> list[Check]:
+    """Shared-memory limits of this machine (the daemon's, when run on its host)."""
+    checks: list[Check] = []
+    try:
+        vfs = os.statvfs("/dev/shm")
+        size, free = vfs.f_blocks * vfs.f_frsize, vfs.f_bavail * vfs.f_frsize
+        detail = f"/dev/shm {format_size(size)}, {format_size(free)} free (engines' NCCL/torch IPC; the arena is a memfd)"
+        checks.append(Check("shm", "warn" if free < SHM_LOW_BYTES else "ok", detail))
+    except OSError as e:
+        checks.append(Check("shm", "warn", f"/dev/shm unusable ({e.strerror}): engines' NCCL/torch IPC need it"))
+    try:
+        mode = int(Path("/proc/sys/vm/overcommit_memory").read_text())
+    except (OSError, ValueError):
+        checks.append(Check("overcommit", "ok", "vm.overcommit_memory unreadable; skipped"))
+        return checks
+    if mode == 2:
+        info = _meminfo()
+        room = info.get("CommitLimit", 0) - info.get("Committed_AS", 0)
+        status = "warn" if room < arena_bytes else "ok"
+        checks.append(Check("overcommit", status, f"vm.overcommit_memory=2 (strict): {format_size(max(room, 0))} "
+                                                  "left to commit; engines' large allocations may fail"))
+    else:
+        checks.append(Check("overcommit", "ok", f"vm.overcommit_memory={mode}"))
+    return checks
+
+
+def daemon_checks(facts: dict) -> list[Check]:
+    """Checks on what the daemon reported (its `doctor` RPC); pure, so it is testable."""
+    checks: list[Check] = []
+    version = facts["version"]
+    detail = f"pid {facts['pid']}, hicache {version}, up {facts['uptime_s']:.0f}s, uid {facts['uid']}"
+    if version != __version__:
+        checks.append(Check("daemon", "warn", f"{detail}; this CLI is {__version__}"))
+    else:
+        checks.append(Check("daemon", "ok", detail))
+
+    host = facts["host"]
+    soft = facts["memlock_limit"][0]
+    limit = "unlimited" if soft is None else format_size(soft)
+    arena = format_size(host["capacity_bytes"])
+    if host["locked"]:
+        why = "" if soft is None or soft >= host["capacity_bytes"] else ", not binding: CAP_IPC_LOCK"
+        checks.append(Check("memlock", "ok", f"arena of {arena} mlocked (RLIMIT_MEMLOCK {limit}{why})"))
+    elif not host["mlock"]:
+        checks.append(Check("memlock", "warn", f"mlock disabled in the config: the {arena} arena may be swapped out"))
+    else:
+        checks.append(Check("memlock", "warn", f"arena of {arena} not mlocked: RLIMIT_MEMLOCK is {limit}; "
+                                               "set LimitMEMLOCK=infinity (or ulimit -l) for the daemon"))
+
+    disk = facts.get("disk")
+    if disk is None:
+        checks.append(Check("disk", "ok", "no disk tier (--no-disk)"))
+    else:
+        checks.extend(_disk_checks(disk, facts["time"]))
+
+    fs = facts["state_fs"]
+    free, total = fs["free_bytes"], fs["total_bytes"]
+    detail = f"{facts['state_dir']}: {format_size(free)} free of {format_size(total)}"
+    if free < CRITICAL_FREE_BYTES:
+        checks.append(Check("free disk", "fail", f"{detail}: the namespaces sidecar and logs cannot be written"))
+    elif free < min(LOW_FREE_BYTES, total // 20):
+        checks.append(Check("free disk", "warn", f"{detail}: low"))
+    else:
+        checks.append(Check("free disk", "ok", detail))
+    return checks
+
+
+def _disk_checks(disk: dict, now: float) -> list[Check]:
+    checks: list[Check] = []
+    used, cap = disk["used_bytes"], disk["capacity_bytes"]
+    detail = (f"{disk['pages']} pages, {format_size(used)} of {format_size(cap)} "
+              f"({disk['durability']} durability), queue {disk['queue_depth']}/{disk['max_queue_pages']}")
+    problems = []
+    if disk["corrupt_pages"]:
+        problems.append(f"{disk['corrupt_pages']} corrupt pages dropped since start (check the storage)")
+    if disk.get("write_errors"):
+        problems.append(f"{disk['write_errors']} failed write transactions")
+    if disk["queue_depth"] >= QUEUE_FULL_WARN * disk["max_queue_pages"]:
+        problems.append("the write queue is nearly full (writes are being skipped)")
+    map_use = disk["map_used_bytes"] / max(1, disk["map_size"])
+    if map_use >= MAP_FULL_WARN:
+        problems.append(f"the LMDB map is {map_use:.0%} used")
+    checks.append(Check("lmdb", "warn" if problems else "ok", "; ".join([detail, *problems])))
+
+    readers, slots = disk["num_readers"], disk["max_readers"]
+    detail = f"{readers} of {slots} reader slots in use"
+    if disk["stale_readers_cleared"]:
+        checks.append(Check("lmdb readers", "warn", f"{detail}; cleared {disk['stale_readers_cleared']} stale "
+                                                    "slots of dead processes"))
+    elif readers >= READERS_FULL_WARN * slots:
+        checks.append(Check("lmdb readers", "warn", f"{detail}: nearly exhausted"))
+    else:
+        checks.append(Check("lmdb readers", "ok", detail))
+
+    last = disk["last_write_time"]
+    if not last:
+        status = "fail" if disk["queue_depth"] else "ok"
+        detail = "no disk commit since the daemon started" + (f", {disk['queue_depth']} queued" if status == "fail"
+                                                               else "")
+        checks.append(Check("last write", status, detail))
+    else:
+        age = max(0.0, now - last)
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last))
+        if disk["queue_depth"] and age > WRITER_STALL_S:
+            checks.append(Check("last write", "fail", f"last commit {age:.0f}s ago ({when}) with "
+                                                      f"{disk['queue_depth']} writes queued: the writer is stuck"))
+        else:
+            checks.append(Check("last write", "ok", f"last commit {age:.0f}s ago ({when})"))
+    return checks
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from hicache.client.connection import RpcConnection
+
+    path = socket_path(args)
+    checks = [socket_check(path)]
+    try:
+        conn = RpcConnection.connect(path, timeout_s=10.0)
+    except DaemonUnavailable as e:
+        if not os.access(path, os.R_OK | os.W_OK):
+            st = os.stat(path)
+            raise DaemonUnavailable(f"{e.message} (socket owner {_owner(st)}, mode "
+                                    f"{stat.S_IMODE(st.st_mode):04o}: join its group)") from None
+        raise
+    try:
+        hello, fds = conn.hello(want_arena=True)
+        checks.append(arena_check(fds, hello["arena_bytes"]))
+        facts = conn.call("doctor")
+    finally:
+        conn.close()
+    reported = daemon_checks(facts)
+    # socket, daemon, memlock, arena, shared memory, then the disk: the order an operator reads
+    checks = [checks[0], *reported[:2], checks[1], *host_checks(facts["host"]["capacity_bytes"]), *reported[2:]]
+    failures = sum(c.status == "fail" for c in checks)
+    warnings = sum(c.status == "warn" for c in checks)
+    if args.json:
+        print(json.dumps({"socket": path, "checks": [asdict(c) for c in checks], "failures": failures,
+                          "warnings": warnings, "daemon": facts}))
+    else:
+        width = max(len(c.name) for c in checks)
+        for c in checks:
+            print(f"{c.status:<5} {c.name:<{width}}  {c.detail}")
+        print(f"{failures} failed, {warnings} warnings")
+    return 1 if failures else 0
+
+
+# -- export / import -----------------------------------------------------------------------
+
+class _Reader:
+    """Exact reads over an aiofiles file, in big blocks (one thread hop per block, not per record)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.buf = bytearray()
+        self.offset = 0  # of buf[0] in the file
+        self.eof = False
+
+    async def read_exact(self, n: int, what: str, at_boundary: bool = False) -> bytes | None:
+        """n bytes; None at the end of the file when at_boundary (where a record may
+        start); PortableFormatError when the file ends inside `what`."""
+        while len(self.buf) < n and not self.eof:
+            block = await self.f.read(max(READ_BLOCK_BYTES, n - len(self.buf)))
+            if not block:
+                self.eof = True
+            self.buf += block
+        if at_boundary and not self.buf:
+            return None
+        if len(self.buf) < n:
+            raise PortableFormatError(f"the file is truncated inside {what} at byte {self.offset + len(self.buf)}")
+        out = bytes(self.buf[:n])
+        del self.buf[:n]
+        self.offset += n
+        return out
+
+
+async def _read_header(reader: _Reader) -> tuple[bytes, ExportHeader]:
+    prefix = await reader.read_exact(FILE_HEAD.size, "the file header", at_boundary=True)
+    if prefix is None:
+        raise PortableFormatError("the file is empty")
+    raw = prefix + await reader.read_exact(header_length(prefix) - FILE_HEAD.size, "the file header")
+    return raw, decode_header(raw)
+
+
+async def _chunks(reader: _Reader, max_bytes: int) -> AsyncIterator[bytes]:
+    """Whole records, about max_bytes at a time; the last chunk holds the end record."""
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        tag = await reader.read_exact(1, "a record", at_boundary=True)
+        if tag is None:
+            raise PortableFormatError("the file is truncated: no end record")
+        head = tag + await reader.read_exact(head_size(tag) - 1, "a record header")
+        body = await reader.read_exact(record_rest(head), "a record")
+        parts.append(head + body)
+        size += len(head) + len(body)
+        if tag == TAG_END:
+            if await reader.read_exact(1, "the end", at_boundary=True) is not None:
+                raise PortableFormatError("data after the end record")
+            yield b"".join(parts)
+            return
+        if size >= max_bytes:
+            yield b"".join(parts)
+            parts, size = [], 0
+
+
+async def verify_file(path: str) -> tuple[bytes, ExportHeader, int]:
+    """Check a whole export file (checksums, key chain, order, totals); (header, descriptor, pages)."""
+    async with aiofiles.open(path, "rb") as f:
+        reader = _Reader(f)
+        raw, header = await _read_header(reader)
+        stack = PathStack()
+        pages = 0
+        async for chunk in _chunks(reader, CHUNK_BYTES):
+            records, end = await asyncio.to_thread(parse_records, chunk, header, pages + 1)
+            for r in records:
+                stack.place(PathEntry(r.key, r.parent, None))
+            pages += len(records)
+            if end is not None and end != (pages, pages * header.page_bytes):
+                raise PortableFormatError(f"the end record counts {end[0]} pages, the file holds {pages}")
+    return raw, header, pages
+
+
+async def cmd_export(args: argparse.Namespace) -> int:
+    from hicache.client.async_client import AsyncRpcConnection
+
+    out = Path(args.file)
+    tmp = out.with_name(out.name + ".part")
+    conn = await AsyncRpcConnection.connect(socket_path(args))
+    pending: asyncio.Future | None = None
+    try:
+        opened = await conn.call("export_open", {"namespace": args.namespace}, timeout_s=EXPORT_OPEN_TIMEOUT_S)
+        params = {"export": opened["export"], "max_bytes": max(1, args.chunk_bytes)}
+        try:
+            async with aiofiles.open(tmp, "wb") as f:
+                await f.write(opened["header"])
+                pending = asyncio.ensure_future(conn.call("export_next", params, timeout_s=CHUNK_TIMEOUT_S))
+                while True:
+                    r = await pending
+                    pending = None
+                    if not r["done"]:  # the daemon reads the next chunk while this one is written
+                        pending = asyncio.ensure_future(conn.call("export_next", params, timeout_s=CHUNK_TIMEOUT_S))
+                    await f.write(r["data"])
+                    if r["done"]:
+                        break
+                await f.flush()
+                await asyncio.to_thread(os.fsync, f.fileno())
+            os.replace(tmp, out)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise HiCacheError(f"cannot write {tmp}: {e.strerror or e}") from None
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    finally:
+        if pending is not None:
+            pending.cancel()
+        await conn.close()
+    size = out.stat().st_size
+    sent, skipped = r["sent_pages"], r["skipped_pages"]
+    result = {"file": str(out), "namespace": opened["namespace"], "model": opened["model"], "pages": sent,
+              "skipped_pages": skipped, "file_bytes": size}
+    note = f", {skipped} left out (evicted meanwhile)" if skipped else ""
+    _emit(args, result, f"exported {sent} pages of {opened['namespace'][:16]} ({opened['model']}) to {out} "
+                        f"({format_size(size)}){note}")
+    return 0
+
+
+async def cmd_import(args: argparse.Namespace) -> int:
+    from hicache.client.async_client import AsyncRpcConnection
+
+    try:
+        raw, header, total = await verify_file(args.file)  # refuse a bad file before touching the daemon
+    except OSError as e:
+        raise HiCacheError(f"cannot read {args.file}: {e.strerror or e}") from None
+    except PortableFormatError as e:
+        raise PortableFormatError(f"{args.file}: {e}; nothing was imported") from None
+    conn = await AsyncRpcConnection.connect(socket_path(args))
+    try:
+        opened = await conn.call("import_open", {"header": raw})
+        async with aiofiles.open(args.file, "rb") as f:
+            reader = _Reader(f)
+            await _read_header(reader)
+            chunks = _chunks(reader, max(1, min(args.chunk_bytes, opened["max_chunk_bytes"])))
+            data: bytes | None = await anext(chunks)
+            read: asyncio.Future | None = None
+            try:
+                while True:
+                    call = asyncio.ensure_future(conn.call("import_pages", {"import": opened["import"], "data": data},
+                                                            timeout_s=CHUNK_TIMEOUT_S))
+                    read = asyncio.ensure_future(anext(chunks, None))  # reads while the daemon writes
+                    r = await call
+                    if r["done"]:
+                        break
+                    data, read = await read, None
+                    if data is None:
+                        raise PortableFormatError(f"{args.file} changed during the import")
+            finally:
+                if read is not None:
+                    read.cancel()
+    finally:
+        await conn.close()
+    n = header.namespace
+    result = {"file": args.file, "namespace": opened["namespace"], "model": n.model, "pages": total,
+              "imported_pages": r["imported_pages"], "skipped_pages": r["skipped_pages"]}
+    note = f", {r['skipped_pages']} skipped (disk budget or queue)" if r["skipped_pages"] else ""
+    _emit(args, result, f"imported {r['imported_pages']} of {total} pages into {opened['namespace'][:16]} "
+                        f"({n.model} tp{n.tp_rank}/{n.tp_size}){note}")
+    return 0

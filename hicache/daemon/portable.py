@@ -1,0 +1,598 @@
+"""Portable export files: one namespace's disk tier, streamed out of one daemon and into another.
+
+A fresh node is warmed by importing what another node exported
+(`hicache export --namespace NS FILE`, then `hicache import FILE`).
+
+File format (version 1; every integer little-endian, no pickle)::
+
+    file header  magic b"HICACHEX" | version u16 | flags u16 (0) | n u32
+                 | descriptor: n bytes of msgpack | crc32 u32 of everything before it
+    page record  b"P" | key 16 | parent 16 (zeros for a first page) | has_parent u8
+                 | n_tokens u32 | page_len u32 | tokens int32 x n_tokens | page bytes
+                 | crc32 u32 of everything before it in the record
+    end record   b"E" | pages u64 | page bytes u64 | crc32 u32 of everything before it
+
+The descriptor is a map: ``model``, ``layout`` (KVLayout.to_dict), ``tp_rank``,
+``tp_size``, ``extra_key``, ``page_bytes``, ``salt`` (16 bytes) and, for humans,
+``hicache_version`` and ``created`` (unix seconds). The salt must be the one the
+descriptor hashes to, and ``page_bytes`` the layout's.
+
+Page records come parents first, depth first: every page's parent is either
+absent (the page starts a sequence) or on the path from a root to the page
+before it. So an importer checks and indexes each chunk as it arrives, keeping
+only that path. A page is verified by its checksum AND by its key: the key must
+be the chained hash of (parent key, tokens) under the namespace's salt
+(hicache.index.keys.page_keys), so tokens and parent links cannot be wrong
+unnoticed. The end record carries the totals, so a truncated file is detected.
+
+Daemon side (RPC methods, registered in handlers.py):
+
+- ``export_open {namespace}``: the namespace by salt hex prefix or model name;
+  its disk pages' metadata is read on a worker thread and ordered depth first.
+  Returns the encoded file header. ``export_next {export, max_bytes}`` reads the
+  next pages on the disk tier's reader pool and returns them encoded as file
+  records (the last chunk ends with the end record); the client appends the bytes
+  to its file as they come. A page evicted since ``export_open`` is left out with
+  its descendants. Nothing of this changes the cache (reads do not touch LRU).
+- ``import_open {header}`` checks the descriptor (format, layout, the page fits a
+  host slab and a frame, a disk tier exists) and changes nothing.
+  ``import_pages {import, data}`` parses and verifies the whole chunk first (a bad
+  chunk is refused and changes nothing), then creates the namespace if needed
+  (remembered in the disk mover's namespaces sidecar), writes the pages through
+  the disk tier's writer under the disk budget, and once they are committed adds
+  them to the index as on-disk. Chunks go one at a time per import.
+
+Indexing a chunk uses RadixIndex.restore_disk with the chunk's pages plus the
+path above them (already indexed by earlier chunks, merged as a no-op). If the
+disk budget is so small that the import evicts its own earlier pages, such a
+path page is flagged on disk again although its bytes are gone; the first
+prefetch of it is then a miss, which clears the flag (DiskMover._prefetched).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import struct
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+import numpy as np
+
+from hicache import __version__
+from hicache.errors import HiCacheError, LayoutError
+from hicache.index.keys import KEY_BYTES, Namespace, page_keys
+from hicache.layout import KVLayout
+from hicache.rpc.protocol import Code, RpcError
+
+if TYPE_CHECKING:
+    from hicache.daemon.app import Daemon
+    from hicache.daemon.service import NamespaceState
+    from hicache.rpc.server import Connection
+    from hicache.tiers.disk import DiskRecord, DiskTier
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"HICACHEX"
+FORMAT_VERSION = 1
+FILE_HEAD = struct.Struct("<8sHHI")  # magic, version, flags, descriptor length
+CRC = struct.Struct("<I")
+PAGE_HEAD = struct.Struct("<c16s16sBII")  # tag, key, parent, has_parent, n_tokens, page_len
+END = struct.Struct("<cQQ")  # tag, pages, page bytes
+TAG_PAGE = b"P"
+TAG_END = b"E"
+NO_PARENT = bytes(KEY_BYTES)
+MAX_DESCRIPTOR_BYTES = 1 << 16
+DEFAULT_CHUNK_BYTES = 8 << 20
+MAX_EXPORT_CHUNK_BYTES = 64 << 20
+QUEUE_FULL_WAIT_S = 60.0  # a disk queue that stays full this long fails the rest of a chunk
+
+
+class PortableFormatError(HiCacheError):
+    """An export file (or chunk) is not a valid hicache export, or not one this daemon can take."""
+
+
+# -- codec (shared by the CLI and the daemon) ---------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class ExportHeader:
+    namespace: Namespace
+    page_bytes: int
+    salt: bytes
+
+    @property
+    def page_size(self) -> int:
+        return self.namespace.layout.page_size
+
+    @classmethod
+    def for_namespace(cls, namespace: Namespace) -> ExportHeader:
+        return cls(namespace, namespace.layout.page_bytes, namespace.salt())
+
+    def encode(self) -> bytes:
+        n = self.namespace
+        desc = msgpack.packb({"model": n.model, "layout": n.layout.to_dict(), "tp_rank": n.tp_rank,
+                              "tp_size": n.tp_size, "extra_key": n.extra_key, "page_bytes": self.page_bytes,
+                              "salt": self.salt, "hicache_version": __version__, "created": time.time()},
+                             use_bin_type=True)
+        head = FILE_HEAD.pack(MAGIC, FORMAT_VERSION, 0, len(desc)) + desc
+        return head + CRC.pack(zlib.crc32(head))
+
+
+def header_length(prefix: bytes) -> int:
+    """Total length of the file header, given its first FILE_HEAD.size bytes."""
+    if len(prefix) < FILE_HEAD.size or prefix[:len(MAGIC)] != MAGIC:
+        raise PortableFormatError("not a hicache export file (bad magic)")
+    _, version, _, n = FILE_HEAD.unpack_from(prefix)
+    if version != FORMAT_VERSION:
+        raise PortableFormatError(f"export format version {version}; this hicache reads version {FORMAT_VERSION}")
+    if n > MAX_DESCRIPTOR_BYTES:
+        raise PortableFormatError(f"export header of {n} bytes is implausible (damaged file?)")
+    return FILE_HEAD.size + n + CRC.size
+
+
+def decode_header(buf: bytes) -> ExportHeader:
+    """Parse and check a whole file header (exactly header_length bytes)."""
+    total = header_length(buf[:FILE_HEAD.size])
+    if len(buf) != total:
+        raise PortableFormatError(f"export header is {len(buf)} bytes, expected {total} (truncated file?)")
+    (crc,) = CRC.unpack_from(buf, total - CRC.size)
+    if zlib.crc32(buf[:total - CRC.size]) != crc:
+        raise PortableFormatError("export header checksum mismatch (damaged file)")
+    try:
+        desc = msgpack.unpackb(buf[FILE_HEAD.size:total - CRC.size], raw=False)
+        layout = KVLayout.from_dict(desc["layout"])
+        namespace = Namespace(desc["model"], layout, desc["tp_rank"], desc["tp_size"], desc["extra_key"])
+        page_bytes, salt = desc["page_bytes"], desc["salt"]
+        if not (isinstance(namespace.model, str) and isinstance(namespace.extra_key, str)
+                and all(type(x) is int for x in (namespace.tp_rank, namespace.tp_size, page_bytes))):
+            raise TypeError("descriptor fields have the wrong types")
+    except (LayoutError, TypeError, KeyError, ValueError, AttributeError, msgpack.UnpackException) as e:
+        raise PortableFormatError(f"export header descriptor is malformed: {e}") from None
+    if not 0 <= namespace.tp_rank < namespace.tp_size:
+        raise PortableFormatError("export header: need 0 <= tp_rank < tp_size")
+    if page_bytes != layout.page_bytes:
+        raise PortableFormatError(f"export header: page_bytes {page_bytes} != the layout's {layout.page_bytes}")
+    if salt != namespace.salt():
+        raise PortableFormatError("export header: the namespace salt does not match its descriptor")
+    return ExportHeader(namespace, page_bytes, salt)
+
+
+def encode_page(key: bytes, parent: bytes | None, tokens: bytes, page: bytes | bytearray | memoryview) -> bytes:
+    head = PAGE_HEAD.pack(TAG_PAGE, key, parent or NO_PARENT, parent is not None, len(tokens) // 4, len(page))
+    crc = zlib.crc32(page, zlib.crc32(tokens, zlib.crc32(head)))
+    return b"".join((head, tokens, page, CRC.pack(crc)))
+
+
+def encode_end(num_pages: int, page_bytes_total: int) -> bytes:
+    body = END.pack(TAG_END, num_pages, page_bytes_total)
+    return body + CRC.pack(zlib.crc32(body))
+
+
+def record_rest(head: bytes) -> int:
+    """Bytes after a record's fixed head (PAGE_HEAD, or END for an end record) up to its end."""
+    if head[:1] == TAG_PAGE:
+        _, _, _, _, n_tokens, page_len = PAGE_HEAD.unpack_from(head)
+        return n_tokens * 4 + page_len + CRC.size
+    return CRC.size
+
+
+def head_size(tag: bytes) -> int:
+    if tag == TAG_PAGE:
+        return PAGE_HEAD.size
+    if tag == TAG_END:
+        return END.size
+    raise PortableFormatError(f"unknown record tag {tag!r} (damaged file)")
+
+
+@dataclass(slots=True)
+class PageRecord:
+    key: bytes
+    parent: bytes | None
+    tokens: np.ndarray  # int32, a view over the chunk
+    page: memoryview  # a view over the chunk
+
+
+def parse_records(buf: bytes, header: ExportHeader, first: int = 1
+                  ) -> tuple[list[PageRecord], tuple[int, int] | None]:
+    """Parse and verify a run of records (numbered from `first` in messages): checksums,
+    sizes and the key chain. Returns the pages and the end record's totals when the run
+    ends with one. Raises PortableFormatError."""
+    mv = memoryview(buf)
+    pages: list[PageRecord] = []
+    end: tuple[int, int] | None = None
+    pos = 0
+    while pos < len(buf):
+        where = f"record {first + len(pages)}"
+        if end is not None:
+            raise PortableFormatError(f"{where}: data after the end record")
+        size = head_size(bytes(mv[pos:pos + 1]))
+        if pos + size > len(buf):
+            raise PortableFormatError(f"{where}: truncated")
+        total = size + record_rest(bytes(mv[pos:pos + size]))
+        if pos + total > len(buf):
+            raise PortableFormatError(f"{where}: truncated")
+        rec = mv[pos:pos + total]
+        (crc,) = CRC.unpack_from(rec, total - CRC.size)
+        if zlib.crc32(rec[:total - CRC.size]) != crc:
+            raise PortableFormatError(f"{where}: checksum mismatch (damaged file)")
+        if size == END.size and rec[:1] == TAG_END:
+            _, n, nbytes = END.unpack_from(rec)
+            end = (n, nbytes)
+        else:
+            _, key, parent, has_parent, n_tokens, page_len = PAGE_HEAD.unpack_from(rec)
+            if n_tokens != header.page_size or page_len != header.page_bytes:
+                raise PortableFormatError(f"{where}: {n_tokens} tokens / {page_len} bytes, but the namespace's "
+                                          f"pages hold {header.page_size} tokens / {header.page_bytes} bytes")
+            tok_end = PAGE_HEAD.size + n_tokens * 4
+            tokens = np.frombuffer(rec[PAGE_HEAD.size:tok_end], dtype="<i4")
+            parent_key = parent if has_parent else None
+            if page_keys(header.salt, tokens, header.page_size, parent=parent_key)[0] != key:
+                raise PortableFormatError(f"{where}: key {key.hex()[:16]} is not the hash of its parent and tokens")
+            pages.append(PageRecord(key, parent_key, tokens, rec[tok_end:tok_end + page_len]))
+        pos += total
+    return pages, end
+
+
+@dataclass(slots=True, eq=False)
+class PathEntry:
+    key: bytes
+    parent: bytes | None
+    tokens: np.ndarray | None
+    ok: bool | None = None  # None: in the chunk being written; False: not written or orphaned
+
+
+class PathStack:
+    """The root path of the last page seen. Depth-first order puts every page's parent on it."""
+
+    def __init__(self) -> None:
+        self.entries: list[PathEntry] = []
+        self._pos: dict[bytes, int] = {}
+
+    def copy(self) -> PathStack:
+        other = PathStack()
+        other.entries = list(self.entries)
+        other._pos = dict(self._pos)
+        return other
+
+    def place(self, entry: PathEntry) -> PathEntry | None:
+        """Put `entry` below its parent, dropping the branch left; returns the parent entry."""
+        if entry.parent is None:
+            depth, parent = 0, None
+        else:
+            i = self._pos.get(entry.parent)
+            if i is None:
+                raise PortableFormatError(f"page {entry.key.hex()[:16]} comes before its parent "
+                                          f"{entry.parent.hex()[:16]} (records out of order)")
+            depth, parent = i + 1, self.entries[i]
+        for gone in self.entries[depth:]:
+            self._pos.pop(gone.key, None)
+        del self.entries[depth:]
+        self.entries.append(entry)
+        self._pos[entry.key] = depth
+        return parent
+
+
+# -- export (daemon) ------------------------------------------------------------------------
+
+def ordered_disk_records(tier: DiskTier, salt: bytes) -> tuple[list[DiskRecord], int]:
+    """The namespace's page metadata, parents first and depth first; plus how many
+    records were unreachable from the salt (left out). Runs on a worker thread."""
+    children: dict[bytes, list[DiskRecord]] = {}
+    n = 0
+    for rec in tier.iter_meta():
+        if rec.salt == salt:
+            children.setdefault(rec.parent_key if rec.parent_key is not None else salt, []).append(rec)
+            n += 1
+    out: list[DiskRecord] = []
+    stack = sorted(children.pop(salt, []), key=lambda r: r.key, reverse=True)
+    while stack:
+        rec = stack.pop()
+        out.append(rec)
+        stack.extend(sorted(children.pop(rec.key, []), key=lambda r: r.key, reverse=True))
+    return out, n - len(out)
+
+
+def _encode_chunk(records: list[DiskRecord], outs: list[bytearray], hits: list[bool],
+                  missing: set[bytes]) -> tuple[bytes, int, int]:
+    """Encode the pages read (a page missed, or under a missed one, is left out)."""
+    parts: list[bytes] = []
+    nbytes = 0
+    for rec, out, hit in zip(records, outs, hits):
+        if not hit or (rec.parent_key is not None and rec.parent_key in missing):
+            missing.add(rec.key)
+            continue
+        parts.append(encode_page(rec.key, rec.parent_key, rec.tokens.astype("<i4", copy=False).tobytes(), out))
+        nbytes += len(out)
+    return b"".join(parts), len(parts), nbytes
+
+
+@dataclass(slots=True, eq=False)
+class _Export:
+    export_id: int
+    ns: NamespaceState
+    records: list[DiskRecord]
+    pos: int = 0
+    pages: int = 0
+    page_bytes_total: int = 0
+    skipped: int = 0
+    missing: set[bytes] = field(default_factory=set)
+    busy: bool = False
+
+
+# -- import (daemon) ------------------------------------------------------------------------
+
+@dataclass(slots=True, eq=False)
+class _Import:
+    import_id: int
+    header: ExportHeader
+    stack: PathStack = field(default_factory=PathStack)
+    ns: NamespaceState | None = None
+    pages: int = 0  # pages received
+    imported: int = 0  # pages now on disk and in the index
+    skipped: int = 0
+    busy: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class _Batch:
+    """One chunk's pages in the disk writer; finished on the loop when the last one reports."""
+
+    session: _Import
+    entries: list[PathEntry]
+    bridge: list[PathEntry]  # the indexed path above the chunk
+    future: asyncio.Future
+    results: dict[int, bool] = field(default_factory=dict)
+    queued: int = 0
+    sealed: bool = False
+
+
+class Portable:
+    """The export_* / import_* RPC methods of one daemon."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self._ids = itertools.count(1)
+
+    def handlers(self) -> dict[str, Any]:
+        return {"export_open": self.export_open, "export_next": self.export_next,
+                "import_open": self.import_open, "import_pages": self.import_pages}
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _mover(self) -> Any:
+        if self.daemon.disk is None:
+            raise RpcError(Code.BAD_PARAMS, "this daemon runs without a disk tier (--no-disk): "
+                                            "export and import need one")
+        return self.daemon.disk
+
+    def resolve(self, query: str) -> NamespaceState:
+        """A namespace by salt hex prefix or, failing that, by model name; unambiguous only."""
+        spaces = list(self.daemon.service.namespaces.values())
+        q = query.strip().lower()
+        found = [ns for ns in spaces if q and ns.salt.hex().startswith(q)]
+        if not found:
+            found = [ns for ns in spaces if ns.namespace.model == query]
+        if not found:
+            raise RpcError(Code.NOT_FOUND, f"no namespace matches {query!r} (see `hicache ls`)")
+        if len(found) > 1:
+            names = ", ".join(f"{ns.salt.hex()[:16]} ({ns.namespace.model} tp{ns.namespace.tp_rank}/"
+                              f"{ns.namespace.tp_size} extra_key={ns.namespace.extra_key!r})" for ns in found)
+            raise RpcError(Code.BAD_PARAMS, f"{query!r} is ambiguous: {names}; pass a salt prefix")
+        return found[0]
+
+    @staticmethod
+    def _session(conn: Connection, kind: str, p: dict) -> Any:
+        sid = p.get(kind)
+        sess = conn.state.get(kind + "s", {}).get(sid) if type(sid) is int else None
+        if sess is None:
+            raise RpcError(Code.NOT_FOUND, f"no open {kind} {sid!r} on this connection")
+        if sess.busy:
+            raise RpcError(Code.BAD_PARAMS, f"{kind} {sid} is busy: send its requests one at a time")
+        return sess
+
+    # -- export ------------------------------------------------------------------------------
+    async def export_open(self, conn: Connection, p: dict) -> dict:
+        query = p.get("namespace")
+        if not isinstance(query, str):
+            raise RpcError(Code.BAD_PARAMS, "parameter 'namespace' must be a string")
+        mover = self._mover()
+        ns = self.resolve(query)
+        records, orphans = await asyncio.to_thread(ordered_disk_records, mover.tier, ns.salt)
+        if not records:
+            raise RpcError(Code.NOT_FOUND, f"namespace {ns.salt.hex()[:16]} ({ns.namespace.model}) "
+                                           "has no pages on disk: nothing to export")
+        if orphans:
+            log.warning("export of %s: %d disk pages unreachable from the namespace root left out",
+                        ns.salt.hex()[:16], orphans)
+        sess = _Export(next(self._ids), ns, records, skipped=orphans)
+        conn.state.setdefault("exports", {})[sess.export_id] = sess
+        log.info("export %d of namespace %s (%s): %d pages", sess.export_id, ns.salt.hex()[:16],
+                 ns.namespace.model, len(records))
+        return {"export": sess.export_id, "header": ExportHeader.for_namespace(ns.namespace).encode(),
+                "namespace": ns.salt.hex(), "model": ns.namespace.model, "pages": len(records),
+                "bytes": sum(r.size for r in records)}
+
+    async def export_next(self, conn: Connection, p: dict) -> dict:
+        sess: _Export = self._session(conn, "export", p)
+        max_bytes = p.get("max_bytes", DEFAULT_CHUNK_BYTES)
+        if type(max_bytes) is not int or max_bytes < 1:
+            raise RpcError(Code.BAD_PARAMS, "max_bytes must be a positive int")
+        max_bytes = min(max_bytes, MAX_EXPORT_CHUNK_BYTES)
+        tier = self._mover().tier
+        batch: list[DiskRecord] = []
+        size = 0
+        for rec in itertools.islice(sess.records, sess.pos, None):
+            if batch and size + rec.size > max_bytes:
+                break
+            batch.append(rec)
+            size += rec.size
+        sess.busy = True
+        try:
+            outs = [bytearray(r.size) for r in batch]
+            hits = await asyncio.wrap_future(tier.get_many_async(sess.ns.salt, [r.key for r in batch], outs))
+            data, n, nbytes = await asyncio.to_thread(_encode_chunk, batch, outs, hits, sess.missing)
+        finally:
+            sess.busy = False
+        sess.pos += len(batch)
+        sess.pages += n
+        sess.page_bytes_total += nbytes
+        sess.skipped += len(batch) - n
+        done = sess.pos >= len(sess.records)
+        if done:
+            data += encode_end(sess.pages, sess.page_bytes_total)
+            del conn.state["exports"][sess.export_id]
+            log.info("export %d done: %d pages, %d left out", sess.export_id, sess.pages, sess.skipped)
+        return {"data": data, "pages": n, "skipped": len(batch) - n, "done": done,
+                "sent_pages": sess.pages, "skipped_pages": sess.skipped}
+
+    # -- import ------------------------------------------------------------------------------
+    def import_open(self, conn: Connection, p: dict) -> dict:
+        raw = p.get("header")
+        if not isinstance(raw, bytes):
+            raise RpcError(Code.BAD_PARAMS, "parameter 'header' must be bytes")
+        self._mover()
+        try:
+            header = decode_header(raw)
+        except PortableFormatError as e:
+            raise RpcError(Code.BAD_PARAMS, str(e)) from None
+        host, cfg = self.daemon.host, self.daemon.config
+        if header.page_bytes > host.slab_bytes:
+            raise RpcError(Code.BAD_PARAMS, f"pages of {header.page_bytes} bytes do not fit this daemon's host "
+                                            f"slab of {host.slab_bytes} bytes; raise --host-capacity")
+        record_bytes = PAGE_HEAD.size + header.page_size * 4 + header.page_bytes + CRC.size
+        if record_bytes + 4096 > cfg.max_frame_bytes:
+            raise RpcError(Code.BAD_PARAMS, f"pages of {header.page_bytes} bytes exceed this daemon's frame cap "
+                                            f"of {cfg.max_frame_bytes} bytes; raise max_frame_bytes")
+        sess = _Import(next(self._ids), header)
+        conn.state.setdefault("imports", {})[sess.import_id] = sess
+        n = header.namespace
+        log.info("import %d into namespace %s (%s tp%d/%d)", sess.import_id, header.salt.hex()[:16],
+                 n.model, n.tp_rank, n.tp_size)
+        return {"import": sess.import_id, "namespace": header.salt.hex(),
+                "max_chunk_bytes": max(record_bytes, min(DEFAULT_CHUNK_BYTES, cfg.max_frame_bytes // 2))}
+
+    async def import_pages(self, conn: Connection, p: dict) -> dict:
+        sess: _Import = self._session(conn, "import", p)
+        data = p.get("data")
+        if not isinstance(data, bytes):
+            raise RpcError(Code.BAD_PARAMS, "parameter 'data' must be bytes")
+        sess.busy = True
+        try:
+            return await self._import_chunk(conn, sess, data)
+        finally:
+            sess.busy = False
+
+    async def _import_chunk(self, conn: Connection, sess: _Import, data: bytes) -> dict:
+        # 1. verify everything before changing anything
+        try:
+            records, end = await asyncio.to_thread(parse_records, data, sess.header, sess.pages + 1)
+            stack = sess.stack.copy()
+            # tokens copied: a view would keep the whole chunk alive while the entry is on the path
+            entries = [PathEntry(r.key, r.parent, r.tokens.copy()) for r in records]
+            writable = []
+            for entry in entries:
+                parent = stack.place(entry)
+                writable.append(parent is None or parent.ok is not False)
+                if not writable[-1]:
+                    entry.ok = False  # under a page that did not make it: an orphan
+        except PortableFormatError as e:
+            raise RpcError(Code.BAD_PARAMS, str(e)) from None
+        sent = sess.pages + len(records)
+        if end is not None and end != (sent, sent * sess.header.page_bytes):
+            raise RpcError(Code.BAD_PARAMS, f"the end record counts {end[0]} pages, {sent} were sent "
+                                            "(truncated or spliced file)")
+        bridge = [e for e in itertools.takewhile(lambda e: e.ok, sess.stack.entries)]
+        # 2. write: the namespace, then the pages under the disk budget
+        sess.stack = stack
+        sess.pages += len(records)
+        batch = _Batch(sess, entries, bridge, asyncio.get_running_loop().create_future())
+        if records:
+            await self._write(sess, batch, records, writable)
+        else:
+            batch.sealed = True
+            self._finish(batch)
+        result = await asyncio.shield(batch.future)
+        if end is not None:
+            del conn.state["imports"][sess.import_id]
+            log.info("import %d done: %d pages imported, %d skipped", sess.import_id, sess.imported, sess.skipped)
+        return {**result, "done": end is not None, "imported_pages": sess.imported, "skipped_pages": sess.skipped}
+
+    def _namespace(self, sess: _Import) -> NamespaceState:
+        if sess.ns is None:
+            sess.ns = self.daemon.service.namespace_state(sess.header.namespace)
+            self._mover()._remember(sess.ns)
+        return sess.ns
+
+    async def _write(self, sess: _Import, batch: _Batch, records: list[PageRecord], writable: list[bool]) -> None:
+        mover = self._mover()
+        ns = self._namespace(sess)
+        loop = asyncio.get_running_loop()
+        page_bytes = sess.header.page_bytes
+        try:
+            for i, (rec, ok) in enumerate(zip(records, writable)):
+                if not ok or not mover._make_room(ns, page_bytes):
+                    batch.results[i] = False
+                    continue
+                done = self._done_cb(loop, batch, i, page_bytes)
+                mover.inflight_bytes += page_bytes
+                deadline = loop.time() + QUEUE_FULL_WAIT_S
+                while not mover.tier.put_async(ns.salt, rec.key, rec.parent, rec.tokens, rec.page, done):
+                    if loop.time() > deadline:  # the writer is stuck: fail the page
+                        mover.inflight_bytes -= page_bytes
+                        batch.results[i] = False
+                        break
+                    await asyncio.sleep(0.005)  # the queue is full of earlier pages: let it drain
+                else:
+                    batch.queued += 1
+        finally:  # even when cancelled (the client went away): what was queued gets indexed
+            batch.sealed = True
+            self._finish(batch)
+
+    def _done_cb(self, loop: asyncio.AbstractEventLoop, batch: _Batch, i: int,
+                 page_bytes: int) -> Callable[[bytes, bool], None]:
+        def done(key: bytes, ok: bool) -> None:  # on the writer thread
+            loop.call_soon_threadsafe(self._page_done, batch, i, ok, page_bytes)
+        return done
+
+    def _page_done(self, batch: _Batch, i: int, ok: bool, page_bytes: int) -> None:
+        self._mover().inflight_bytes -= page_bytes
+        batch.results[i] = ok
+        batch.queued -= 1
+        self._finish(batch)
+
+    def _finish(self, batch: _Batch) -> None:
+        """Once every queued page reported: index what was written; orphans leave the disk."""
+        if not batch.sealed or batch.queued or batch.future.done():
+            return
+        sess = batch.session
+        for i, entry in enumerate(batch.entries):
+            if entry.ok is None:
+                entry.ok = batch.results.get(i, False)
+        now = time.time()
+        written = [e for e in batch.entries if e.ok]
+        imported: list[bytes] = []
+        if written:
+            ns = sess.ns
+            records = [(e.key, e.parent or sess.header.salt, e.tokens, now) for e in (*batch.bridge, *written)]
+            orphans: list[bytes] = []
+            ns.index.restore_disk(records, orphans)
+            lost = set(orphans)
+            if lost:  # under a page that failed in this chunk (the disk tier rejected it)
+                self._mover().tier.delete_async(lost)
+                for e in written:
+                    e.ok = e.key not in lost
+            imported = [e.key for e in written if e.ok]
+            if imported:
+                self.daemon.service.emit({"type": "stored", "tier": "disk", "engine": None,
+                                          "namespace": ns.salt.hex(), "keys": imported})
+        sess.imported += len(imported)
+        sess.skipped += len(batch.entries) - len(imported)
+        batch.future.set_result({"pages": len(imported), "skipped": len(batch.entries) - len(imported)})
+
+
+def portable_handlers(daemon: Daemon) -> dict[str, Any]:
+    return Portable(daemon).handlers()
