@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from typing import Any
 
-from hicache.config import default_socket_path, format_size, load_config
+from hicache.config import admin_socket_path, format_size, load_config
 from hicache.errors import ClientError, ConfigError, DaemonUnavailable, HiCacheError
 
 
@@ -76,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _admin_call(args: argparse.Namespace, method: str, params: dict[str, Any] | None = None) -> Any:
     from hicache.client.connection import RpcConnection
 
-    path = args.socket_path or os.environ.get("HICACHE_SOCKET_PATH") or str(default_socket_path())
+    path = admin_socket_path(args.socket_path)
     conn = RpcConnection.connect(path, timeout_s=10.0)
     try:
         conn.hello(want_arena=False)

@@ -38,7 +38,7 @@ from typing import Any
 import aiofiles
 
 from hicache import __version__
-from hicache.config import default_socket_path, format_size, parse_size
+from hicache.config import admin_socket_path, format_size, parse_size
 from hicache.daemon.portable import (
     FILE_HEAD, TAG_END, ExportHeader, PathEntry, PathStack, PortableFormatError,
     decode_header, head_size, header_length, parse_records, record_rest,
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def socket_path(args: argparse.Namespace) -> str:
-    return args.socket_path or os.environ.get("HICACHE_SOCKET_PATH") or str(default_socket_path())
+    return admin_socket_path(args.socket_path)
 
 
 def _emit(args: argparse.Namespace, result: dict, text: str) -> None:

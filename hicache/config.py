@@ -66,6 +66,22 @@ def default_socket_path() -> Path:
     return Path(tempfile.gettempdir()) / f"hicache-{os.getuid()}" / "hicache.sock"
 
 
+SERVICE_SOCKET = Path("/run/hicache/hicache.sock")  # where systemd/hicache.socket listens
+
+
+def admin_socket_path(explicit: str | None = None) -> str:
+    """The socket admin commands talk to: --socket, HICACHE_SOCKET_PATH, this user's
+    default, or the system service's when only that one exists."""
+    if explicit:
+        return explicit
+    if os.environ.get("HICACHE_SOCKET_PATH"):
+        return os.environ["HICACHE_SOCKET_PATH"]
+    mine = default_socket_path()
+    if not mine.exists() and SERVICE_SOCKET.exists():
+        return str(SERVICE_SOCKET)
+    return str(mine)
+
+
 def default_state_dir() -> Path:
     state = os.environ.get("STATE_DIRECTORY")
     if state:
@@ -162,7 +178,7 @@ def _coerce(name: str, value: Any) -> Any:
             return Path(os.path.expanduser(str(value)))
         if name in ("allowed_uids", "allowed_gids"):
             items = value.split(",") if isinstance(value, str) else list(value)
-            return tuple(int(x) for x in items if str(x).strip() != "")
+            return tuple(_principal(name, str(x).strip()) for x in items if str(x).strip() != "")
         if kind == "bool":
             if isinstance(value, bool):
                 return value
@@ -181,6 +197,19 @@ def _coerce(name: str, value: Any) -> Any:
         return str(value)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"bad value for {name}: {value!r}") from e
+
+
+def _principal(name: str, item: str) -> int:
+    """A uid / gid given as a number or as a user / group name."""
+    if item.isdigit():
+        return int(item)
+    import grp
+    import pwd
+
+    try:
+        return pwd.getpwnam(item).pw_uid if name == "allowed_uids" else grp.getgrnam(item).gr_gid
+    except KeyError:
+        raise ConfigError(f"{name}: no such {'user' if name == 'allowed_uids' else 'group'} {item!r}") from None
 
 
 def load_config(config_file: str | Path | None = None, overrides: dict[str, Any] | None = None,

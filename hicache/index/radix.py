@@ -242,6 +242,31 @@ class RadixIndex:
             new_nodes.append(leaf)
         return InsertResult(present, concat_pages(dup_dev), concat_pages(dup_host), path, new_nodes)
 
+    def node_ending_at(self, keys: list[bytes]) -> TreeNode | None:
+        """The node whose path from the root is exactly `keys`, splitting the node the
+        path ends inside (so a hybrid-model checkpoint can sit at that node's end);
+        None when the keys leave the tree or are empty. No residency changes."""
+        keys = check_keys(keys)
+        node, i, n = self.root, 0, len(keys)
+        while i < n:
+            child = node.children.get(keys[i])
+            if child is None:
+                return None
+            j = _common_pages(child.keys, keys, i)
+            if i + j < n and j < len(child.keys):
+                return None  # diverges inside the node
+            if j < len(child.keys):
+                return self._split(child, j)  # the new upper part ends where the keys do
+            node, i = child, i + j
+        return node if node is not self.root else None
+
+    def take_removed_states(self) -> list[object]:
+        """The `state` of every node removed since the last call (hybrid-model
+        checkpoints whose KV went away): the caller frees what they hold."""
+        out = self._ledger.removed_states
+        self._ledger.removed_states = []
+        return out
+
     def _split(self, node: TreeNode, j: int) -> TreeNode:
         """Split `node` after its first j pages; return the new upper node."""
         ps = self.page_size
@@ -504,7 +529,7 @@ class RadixIndex:
             orphans.extend(left_out)
         if left_out:
             logger.warning("restore_disk: %d records skipped (orphan, corrupt or malformed)", len(left_out))
-        logger.info("restore_disk: %d pages restored", restored)
+        logger.debug("restore_disk: %d pages restored", restored)
         return restored
 
     # ------------------------------------------------------------------ introspection

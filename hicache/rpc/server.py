@@ -50,6 +50,17 @@ def peer_credentials(fd: int) -> PeerCred:
     return PeerCred(*struct.unpack("3i", raw))
 
 
+def _supplementary_groups(pid: int) -> set[int]:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    return {int(g) for g in line.split()[1:]}
+    except (OSError, ValueError):
+        pass
+    return set()
+
+
 class Connection(asyncio.Protocol):
     def __init__(self, server: RpcServer) -> None:
         self.server = server
@@ -246,7 +257,11 @@ class RpcServer:
     def allowed(self, peer: PeerCred | None) -> bool:
         if peer is None:
             return False
-        return peer.uid in self.allowed_uids or peer.gid in self.allowed_gids
+        if peer.uid in self.allowed_uids or peer.gid in self.allowed_gids:
+            return True
+        # SO_PEERCRED carries the primary group only; members of an allowed group by
+        # supplementary membership are found in /proc (where the daemon may look).
+        return bool(self.allowed_gids) and not self.allowed_gids.isdisjoint(_supplementary_groups(peer.pid))
 
     async def start(self, path: str | None = None, sock: socket.socket | None = None) -> None:
         loop = asyncio.get_running_loop()
