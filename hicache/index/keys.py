@@ -17,6 +17,7 @@ from typing import NewType
 import numpy as np
 
 from hicache.layout import KVLayout
+from hicache.state_layout import StateLayout
 
 PageKey = NewType("PageKey", bytes)
 KEY_BYTES = 16
@@ -31,11 +32,14 @@ class Namespace:
     tp_rank: int = 0
     tp_size: int = 1
     extra_key: str = ""  # LoRA id, tenant salt, ...
+    state: StateLayout | None = None  # hybrid models: the recurrent state checkpointed beside the KV
 
     def salt(self) -> bytes:
         h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"hicache-ns")
-        for part in (self.model, self.layout.fingerprint().hex(), str(self.tp_rank),
-                     str(self.tp_size), self.extra_key):
+        parts = [self.model, self.layout.fingerprint().hex(), str(self.tp_rank), str(self.tp_size), self.extra_key]
+        if self.state is not None:  # absent: the salt of every pure-attention namespace is unchanged
+            parts.append(self.state.fingerprint().hex())
+        for part in parts:
             data = part.encode()
             h.update(len(data).to_bytes(4, "little"))  # length-prefixed: no ambiguity
             h.update(data)

@@ -125,13 +125,14 @@ class ResidencyLedger:
     subtree). The ledger re-queues a node whenever one of these may have turned true.
     """
 
-    __slots__ = ("root", "resident", "protected", "candidates")
+    __slots__ = ("root", "resident", "protected", "candidates", "removed_states")
 
     def __init__(self, root: TreeNode, policy: EvictionPolicy) -> None:
         self.root = root
         self.resident: dict[int, int] = {HOST_LANE: 0, DISK_LANE: 0}
         self.protected: dict[int, int] = {HOST_LANE: 0, DISK_LANE: 0}
         self.candidates = CandidateHeaps(policy, self.is_candidate)
+        self.removed_states: list[object] = []  # checkpoints of removed nodes, for their owner to free
 
     def is_candidate(self, node: TreeNode, lane: int) -> bool:
         if node.removed or not node.resident_in(lane):
@@ -218,6 +219,9 @@ class ResidencyLedger:
                 res[DISK_LANE] -= n
                 acc.add(DISK_LANE, x.keys, None)
             stack.extend(x.children.values())
+            if x.state is not None:
+                self.removed_states.append(x.state)
+                x.state = None
             # Stale holders must not see freed slot ids.
             x.removed = True
             x.parent = None
