@@ -135,12 +135,34 @@ class Daemon:
         task.add_done_callback(self._background.discard)
 
     async def _refresh_metrics(self) -> None:
-        """Tier gauges are sampled once a second rather than updated per request."""
+        """Gauges and counters are sampled once a second from the daemon's own counters,
+        rather than updated per request on the hot path."""
+        last: dict[str, int] = {}
+
+        def delta(key: str, now: int) -> int:
+            d = now - last.get(key, 0)
+            last[key] = now
+            return max(0, d)
+
+        m = self.metrics
         while True:
             st = self.stats()
+            c = self.service.counters
             for name, t in st["tiers"].items():
-                self.metrics.set_tier(name, t.get("capacity_bytes", 0), t.get("used_bytes", 0), t.get("pages", 0))
-            self.metrics.set_engines(len(st["engines"]))
+                m.set_tier(name, t.get("capacity_bytes", 0), t.get("used_bytes", 0), t.get("pages", 0))
+            for tier in ("device", "host", "disk"):
+                m.add_hits(tier, delta(f"hit.{tier}", c.matched_pages[tier]))
+                m.add_evictions(tier, delta(f"evict.{tier}", c.evicted_pages[tier]))
+            m.add_misses(delta("miss", c.requested_pages - sum(c.matched_pages[t] for t in ("device", "host", "disk"))))
+            m.add_bytes_moved("host", "device", delta("h2d", c.bytes_host_to_device))
+            m.add_bytes_moved("device", "host", delta("d2h", c.bytes_device_to_host))
+            if self.disk is not None:
+                disk = self.disk.tier.stats()
+                m.add_bytes_moved("host", "disk", delta("h2s", disk["bytes_written"]))
+                m.add_bytes_moved("disk", "host", delta("s2h", disk["bytes_read"]))
+                for op, seconds in self.disk.take_latencies():
+                    m.observe_disk(op, seconds)
+            m.set_engines(len(st["engines"]))
             if self.disk is not None:
                 self.metrics.set_queue_depth("disk_write", st["tiers"]["disk"].get("queue_depth", 0))
             await asyncio.sleep(1.0)

@@ -66,6 +66,7 @@ class _Write:
     end: int
     remaining: int
     ok: bool = True
+    started: float = 0.0
 
 
 @dataclass(slots=True, eq=False)
@@ -96,6 +97,7 @@ class DiskMover:
         self.demoted_pages = 0
         self.prefetched_pages = 0
         self.prefetch_misses = 0
+        self._latencies: list[tuple[str, float]] = []  # (op, seconds) for the metrics sampler
         self._ns_file = Path(config.state_dir) / NAMESPACES_FILE
         self._known_ns: dict[bytes, dict] = self._read_namespaces()
         service.on_host_stored = self.write_through
@@ -195,7 +197,7 @@ class DiskMover:
             pos = path_with_offsets(node)[-1][1]
             self._wid += 1
             wid = self._wid
-            write = _Write(ns, node, pos, pos + node.n_pages, node.n_pages)
+            write = _Write(ns, node, pos, pos + node.n_pages, node.n_pages, started=time.monotonic())
             ns.index.lock(node, Tier.HOST)
             self.writes[wid] = write
             self.inflight_bytes += nbytes
@@ -224,6 +226,8 @@ class DiskMover:
         if write.remaining:
             return
         del self.writes[wid]
+        if len(self._latencies) < 10000:
+            self._latencies.append(("write", time.monotonic() - write.started))
         index = write.ns.index
         if write.ok and not write.node.removed:
             # covers the node even if it was split meanwhile (its lower part keeps the identity)
@@ -300,8 +304,14 @@ class DiskMover:
         pf.future = fut
         fut.add_done_callback(lambda f: self._prefetched(pin, f))
 
+    def take_latencies(self) -> list[tuple[str, float]]:
+        out, self._latencies = self._latencies, []
+        return out
+
     def _prefetched(self, pin: Pin, fut: asyncio.Future) -> None:
         pf = pin.prefetch
+        if len(self._latencies) < 10000:
+            self._latencies.append(("prefetch", time.monotonic() - pf.started))
         ns = pin.engine.ns
         index = ns.index
         pf.done = True

@@ -108,6 +108,8 @@ class Counters:
     backups_skipped_no_space: int = 0
     evicted_pages: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
     loaded_pages: int = 0
+    bytes_host_to_device: int = 0  # reported by engines' load_done / backup_done
+    bytes_device_to_host: int = 0
 
 
 def path_with_offsets(node: TreeNode) -> list[tuple[TreeNode, int]]:
@@ -296,6 +298,7 @@ class CacheService:
         pin.locks.append((pin.host_node, Tier.DEVICE, rec.engine_id))
         self._unlock_one(pin, pin.host_node, Tier.HOST, None)
         self.counters.loaded_pages += pin.host_len
+        self.counters.bytes_host_to_device += pin.host_len * rec.ns.page_class.page_bytes
         self.emit_nodes("stored", Tier.DEVICE, rec, [n for n, p in path_with_offsets(pin.host_node)
                                                      if start <= p < end])
         return dups
@@ -420,6 +423,8 @@ class CacheService:
                 freed.extend(self._drop_device(rec, [part.last_node]))
         if unused:
             ns.page_class.free(np.concatenate(unused))
+        if ok:
+            self.counters.bytes_device_to_host += len(backup.host_pages) * ns.page_class.page_bytes
         self.reap(ns)
         if stored:
             self.emit_nodes("stored", Tier.HOST, None, stored, ns)

@@ -247,6 +247,13 @@ def test_metrics_port_serves_hicache_metrics(tmp_path, procs):
         assert time.monotonic() < deadline, "tier gauges never showed the stored pages"
         time.sleep(0.1)
         samples = _scrape(port)
+    # counters sampled from the daemon: the load was a device hit of 10 pages (the same engine)
+    while samples.get(("hicache_hits_total", (("tier", "device"),)), 0) < 10:
+        assert time.monotonic() < deadline, "hit counters never moved"
+        time.sleep(0.1)
+        samples = _scrape(port)
+    assert samples[("hicache_misses_total", ())] >= 10  # the first store's lookup missed 10 pages
+    assert samples[("hicache_bytes_moved_total", (("dst", "host"), ("src", "device")))] == 10 * 768
     assert samples[("hicache_tier_capacity_bytes", (("tier", "host"),))] == 64 << 20
     assert samples[("hicache_tier_capacity_bytes", (("tier", "disk"),))] == 256 << 20
     proc.send_signal(signal.SIGTERM)
