@@ -23,6 +23,7 @@ from hicache.config import default_socket_path
 from hicache.errors import ClientError, DaemonUnavailable
 from hicache.index.keys import KEY_BYTES, Namespace, as_tokens, page_keys
 from hicache.layout import KVLayout
+from hicache.state_layout import StateLayout
 from hicache.rpc.framing import bytes_to_ids, ids_to_bytes
 from hicache.client.connection import RpcConnection
 
@@ -40,6 +41,32 @@ class BackupPlan:
 
 
 @dataclass(slots=True)
+class StateMatch:
+    """Hybrid models: what the request may restore. Lengths are in tokens."""
+
+    kv_len: int             # the KV match, before the daemon cut it at the checkpoint
+    length: int             # the usable prefix: the checkpoint's position (0: start from scratch)
+    host_slot: int | None   # the checkpoint's host state slot (byte offset = slot * checkpoint_bytes)
+    fork_at: int | None     # the request leaves the tree inside a node here: checkpoint it on the way
+
+    @classmethod
+    def parse(cls, d: dict) -> StateMatch:
+        return cls(int(d["kv_len"]), int(d["len"]), None if d["slot"] is None else int(d["slot"]),
+                   None if d["fork_at"] is None else int(d["fork_at"]))
+
+
+@dataclass(slots=True)
+class StateBackupPlan:
+    """Copy device state slot i into host state slot i, then report state_backup_done."""
+
+    backup_id: int
+    host_slots: list[int]
+    device_slots: list[int]
+    positions: list[int]
+    epoch: int
+
+
+@dataclass(slots=True)
 class Match:
     """What the daemon holds for a prefix. Lengths are in pages."""
 
@@ -50,6 +77,7 @@ class Match:
     disk_len: int  # pages on disk not brought to host in time (per the daemon's load policy)
     epoch: int
     from_disk: int = 0  # of host_pages, how many the daemon just read from disk
+    state: StateMatch | None = None  # hybrid namespaces only
 
     @property
     def device_len(self) -> int:
@@ -65,15 +93,16 @@ class InsertReply:
     present_pages: int
     free_pages: np.ndarray  # duplicates: the engine frees these device pages now
     backup: BackupPlan | None
+    state_backup: StateBackupPlan | None = None  # hybrid namespaces: checkpoints to copy to host
 
 
 class HiCacheClient:
     def __init__(self, layout: KVLayout, device_pages: int, *, model: str, socket_path: str | None = None,
                  tp_rank: int = 0, tp_size: int = 1, extra_key: str = "", timeout_s: float = 5.0,
-                 backoff_s: tuple[float, float] = (0.05, 2.0)) -> None:
+                 backoff_s: tuple[float, float] = (0.05, 2.0), state: StateLayout | None = None) -> None:
         self.layout = layout
         self.device_pages = device_pages
-        self.namespace = Namespace(model, layout, tp_rank, tp_size, extra_key)
+        self.namespace = Namespace(model, layout, tp_rank, tp_size, extra_key, state)
         self.salt = self.namespace.salt()
         self.socket_path = str(socket_path or os.environ.get("HICACHE_SOCKET_PATH") or default_socket_path())
         self.timeout_s = timeout_s
@@ -111,10 +140,12 @@ class HiCacheClient:
             if not fds:
                 conn.close()
                 raise DaemonUnavailable("the daemon sent no arena descriptor")
-            reply = conn.call("register", {"model": self.namespace.model, "layout": self.layout.to_dict(),
-                                           "tp_rank": self.namespace.tp_rank, "tp_size": self.namespace.tp_size,
-                                           "extra_key": self.namespace.extra_key,
-                                           "device_pages": self.device_pages})
+            params = {"model": self.namespace.model, "layout": self.layout.to_dict(),
+                      "tp_rank": self.namespace.tp_rank, "tp_size": self.namespace.tp_size,
+                      "extra_key": self.namespace.extra_key, "device_pages": self.device_pages}
+            if self.namespace.state is not None:
+                params["state"] = self.namespace.state.to_dict()
+            reply = conn.call("register", params)
         except DaemonUnavailable as e:
             self._schedule_retry(now, str(e))
             return False
@@ -151,8 +182,12 @@ class HiCacheClient:
         A refusal (ClientError) on the engine cycle means a bug on one side; the engine
         must keep serving, so it is logged and treated like an absent daemon: a miss,
         a skipped store."""
-        if not self._ensure():
-            raise DaemonUnavailable("daemon unavailable")
+        if not self.connected:
+            # Every cycle call carries ids (engine, pin, backup) of the epoch it was built
+            # in; a reconnect here would send them to a daemon that never issued them.
+            # So this call is a miss, and the (re)connect serves the next one.
+            self._ensure()
+            raise DaemonUnavailable("daemon unavailable" if not self.connected else "daemon reconnected")
         assert self.conn is not None
         try:
             return self.conn.call(method, params)
@@ -191,15 +226,18 @@ class HiCacheClient:
             return Match(None, keys, EMPTY, EMPTY, 0, self.epoch)
         host_pages, disk_len = bytes_to_ids(r["host_pages"]), int(r["disk_len"])
         from_disk = 0
-        if disk_len:  # the daemon is bringing that part to host: ask for the plan (it waits per policy)
+        state = r.get("state")
+        if disk_len or (state is not None and state["pending"]):
+            # the daemon is bringing that part to host: ask for the plan (it waits per policy)
             try:
                 ld = self._call("load", {"pin": r["pin"]})
                 from_disk = len(ld["host_pages"]) // 4 - len(host_pages)
                 host_pages, disk_len = bytes_to_ids(ld["host_pages"]), int(ld["disk_len"])
+                state = ld.get("state", state)
             except DaemonUnavailable:
                 pass
         return Match(int(r["pin"]), keys, bytes_to_ids(r["device_pages"]), host_pages, disk_len, self.epoch,
-                     from_disk)
+                     from_disk, None if state is None else StateMatch.parse(state))
 
     def load_done(self, match: Match, device_pages: np.ndarray) -> np.ndarray | None:
         """Report the host part copied into `device_pages`. Returns pages to free, or
@@ -221,8 +259,9 @@ class HiCacheClient:
             pass
 
     def insert(self, tokens: Any, device_pages: np.ndarray, *, keys: list[bytes] | None = None,
-               pin: Match | None = None) -> InsertReply | None:
-        """Offer the full pages of `tokens` (held in `device_pages`) to the cache.
+               pin: Match | None = None, states: dict[int, int] | None = None) -> InsertReply | None:
+        """Offer the full pages of `tokens` (held in `device_pages`) to the cache, and for a
+        hybrid model the state checkpoints it holds (`states`: position -> device state slot).
         None: skipped (daemon away) and the pages stay the engine's own."""
         toks = as_tokens(tokens)
         n = len(device_pages)
@@ -234,11 +273,29 @@ class HiCacheClient:
                   "tokens": toks[:n * self.layout.page_size].tobytes(), "device_pages": ids_to_bytes(device_pages)}
         if pin is not None and pin.pin is not None and pin.epoch == self.epoch:
             params["pin"] = pin.pin
+        if states:
+            params["states"] = [[int(p), int(s)] for p, s in sorted(states.items())]
         try:
             r = self._call("insert", params)
         except DaemonUnavailable:
             return None
-        return InsertReply(int(r["present_pages"]), bytes_to_ids(r["free_pages"]), self._plan(r["backup"]))
+        sb = r.get("state_backup")
+        state_plan = None if sb is None else StateBackupPlan(int(sb["id"]), list(sb["host_slots"]),
+                                                             list(sb["device_slots"]), list(sb["positions"]),
+                                                             self.epoch)
+        return InsertReply(int(r["present_pages"]), bytes_to_ids(r["free_pages"]), self._plan(r["backup"]),
+                           state_plan)
+
+    def state_backup_done(self, plan: StateBackupPlan, ok: bool = True) -> int | None:
+        """The checkpoints of `plan` are copied into their host slots (or failed: `ok`
+        False). Returns how many the daemon stored, None when it is not reachable."""
+        if plan.epoch != self.epoch:
+            return None
+        try:
+            r = self._call("state_backup_done", {"backup": plan.backup_id, "ok": ok})
+        except DaemonUnavailable:
+            return None
+        return int(r["stored"])
 
     def _plan(self, b: dict | None) -> BackupPlan | None:
         if b is None:
@@ -272,4 +329,5 @@ def map_arena(fd: int, nbytes: int) -> mmap.mmap:
     return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
-__all__ = ["HiCacheClient", "Match", "InsertReply", "BackupPlan", "KEY_BYTES", "map_arena"]
+__all__ = ["HiCacheClient", "Match", "InsertReply", "BackupPlan", "StateMatch", "StateBackupPlan", "KEY_BYTES",
+           "map_arena"]

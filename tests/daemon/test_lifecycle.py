@@ -82,3 +82,31 @@ def test_sigterm_answers_what_it_read_and_exits_0(daemon):
     assert answered == list(range(1000, 1000 + len(answered)))  # in order, none skipped
     assert daemon.proc.wait(30) == 0
     assert not os.path.exists(daemon.socket)
+
+
+def test_ids_of_an_old_daemon_never_reach_a_new_one(daemon_factory):
+    import numpy as np
+
+    from hicache.client.client import HiCacheClient
+
+    d = daemon_factory("--host-capacity", "16MiB", "--no-disk").start()
+    client = HiCacheClient(LAYOUT, 64, model="m", socket_path=d.socket, backoff_s=(0.01, 0.05))
+    assert client.connect()
+    tokens = np.arange(32, dtype=np.int32)
+    client.insert(tokens, np.arange(1, 9, dtype=np.int64))
+    old = client.match(tokens)
+    assert old.pin is not None and old.device_len == 8
+    d.kill9()
+    d.start()
+    time.sleep(0.1)
+    # the old connection is dead: this call fails on it (a skipped store) ...
+    assert client.insert(tokens, np.arange(1, 9, dtype=np.int64), pin=old) is None
+    time.sleep(0.1)  # past the backoff
+    # ... and this one reconnects but is not sent: its pin belongs to the dead daemon
+    client.release(old)
+    assert client.connected and client.epoch == 2
+    assert client.refusals == 0  # nothing stale was refused, because nothing stale was sent
+    fresh = client.match(tokens)
+    assert fresh.pin is not None and fresh.device_len == 0  # the new daemon knows nothing of ours
+    client.release(fresh)
+    client.close()
