@@ -25,6 +25,7 @@ import numpy as np
 
 from hicache.bench.report import row
 from hicache.client.connection import RpcConnection
+from hicache.daemon.launcher import LocalDaemon
 from hicache.index.keys import page_keys
 from hicache.layout import KVLayout
 from hicache.rpc.framing import ids_to_bytes, pack_frame
@@ -154,15 +155,13 @@ def run(socket_path: str | None = None, prompt_tokens: int = 8192, requests: int
         client_counts: tuple[int, ...] = (1, 8)) -> list[dict]:
     tmp = Path(tempfile.mkdtemp(prefix="hicache-rpc-bench-"))
     procs: list[subprocess.Popen] = []
+    daemon = None
     try:
         daemon_path = socket_path
+        daemon = None
         if daemon_path is None:
-            daemon_path = str(tmp / "hicache.sock")
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "hicache.cli", "serve", "--socket", daemon_path, "--state-dir",
-                 str(tmp / "state"), "--host-capacity", "1GiB", "--no-disk"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            _wait_socket(daemon_path, procs[-1])
+            daemon = LocalDaemon(tmp / "daemon", "--host-capacity", "1GiB", "--no-disk").start()
+            daemon_path = daemon.socket
         echo_path = str(tmp / "echo.sock")
         procs.append(subprocess.Popen([sys.executable, "-c", f"from hicache.bench.rpc_bench import echo_server; "
                                        f"echo_server({echo_path!r})"]))
@@ -200,6 +199,8 @@ def run(socket_path: str | None = None, prompt_tokens: int = 8192, requests: int
                                         baseline=_pct(red, q), baseline_name="redis"))
         return rows
     finally:
+        if daemon is not None:
+            daemon.stop()
         for p in procs:
             p.terminate()
             try:

@@ -14,11 +14,9 @@ it in the request was seen earlier in the trace).
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,6 +25,7 @@ from hicache.bench.report import row
 from hicache.client.client import HiCacheClient
 from hicache.client.engine_cache import EngineCache
 from hicache.config import parse_size
+from hicache.daemon.launcher import LocalDaemon
 from hicache.layout import KVLayout
 from hicache.tiers.allocator import PagedTokenToKVPoolAllocator
 from hicache.tiers.device import DevicePool
@@ -72,29 +71,6 @@ def _progress(i: int, n: int, t0: float) -> None:
         if i == n:
             sys.stderr.write("\n")
         sys.stderr.flush()
-
-
-def _start_daemon(tmp: Path, host: str, disk: str) -> tuple[subprocess.Popen, str]:
-    sock = str(tmp / "hicache.sock")
-    args = [sys.executable, "-m", "hicache.cli", "serve", "--socket", sock, "--state-dir", str(tmp / "state"),
-            "--host-capacity", host]
-    args += ["--disk-capacity", disk] if parse_size(disk) else ["--no-disk"]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=open(tmp / "daemon.log", "wb"),
-                            env={**__import__("os").environ, "HICACHE_LOAD_POLICY": "wait_complete"})
-    deadline = time.monotonic() + 60
-    import socket as _socket
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError((tmp / "daemon.log").read_text())
-        try:
-            s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
-            s.connect(sock)
-            s.close()
-            return proc, sock
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
 
 
 def replay(sock: str, trace: list[dict], device_pages: int, page_bytes: int) -> dict[str, Any]:
@@ -146,16 +122,18 @@ def run(args: Any) -> list[dict]:
     opt_hit, opt_total = optimum_hit_blocks(trace)
     page_bytes = args.page_bytes
     with tempfile.TemporaryDirectory(prefix="hicache-trace-") as tmp:
-        proc = None
+        daemon = None
         sock = args.socket_path
         if sock is None:
-            proc, sock = _start_daemon(Path(tmp), args.host_capacity, args.disk_capacity)
+            flags = ["--host-capacity", args.host_capacity]
+            flags += ["--disk-capacity", args.disk_capacity] if parse_size(args.disk_capacity) else ["--no-disk"]
+            daemon = LocalDaemon(tmp, *flags, env={"HICACHE_LOAD_POLICY": "wait_complete"}).start()
+            sock = daemon.socket
         try:
             res = replay(sock, trace, args.device_pages, page_bytes)
         finally:
-            if proc is not None:
-                proc.terminate()
-                proc.wait(60)
+            if daemon is not None:
+                daemon.stop()
     t = res["totals"]
     prompt = max(1, t["prompt"])
     hit = t["device"] + t["host"] + t["disk"]

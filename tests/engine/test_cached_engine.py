@@ -23,7 +23,7 @@ from hicache.client.connection import RpcConnection
 from hicache.engine.attention import EngineError
 from hicache.engine.cached import CachedEngine, Generation
 from hicache.engine.model import ModelConfig, TinyTransformer
-from hicache.demo import LocalDaemon
+from hicache.daemon.launcher import LocalDaemon
 
 PAGE = 8
 SMALL = dict(num_layers=2, hidden=64, head_dim=16, intermediate=128)
