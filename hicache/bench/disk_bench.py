@@ -1,0 +1,361 @@
+"""Disk tier throughput against raw py-lmdb and dd, measured side by side.
+
+    python -m hicache.bench.disk_bench [--total-mib 512] [--repeats 3] [--workdir DIR]
+
+Rows are {"name", "value", "unit", "baseline", "ratio"}; ratio = value / baseline
+(higher is better for GB/s, lower for seconds). Raw py-lmdb runs under the
+tier's own environment flags (writemap, sync/metasync of the durability mode)
+and its batch size, alternating with the tier so that the noise of a shared
+machine hits both; the median of `repeats` runs is reported. Puts are timed
+from the first put to the commit of the last one: "put_fresh" into a new
+environment (dominated by first-touch page faults), "put" after deleting
+those pages, so LMDB reuses them, as in a full cache that evicts as it goes. Gets read every page once
+in a shuffled order and copy it into one of 64 MiB of distinct, pre-touched
+numpy pages (as reads land in host-arena slots): "warm" right after the
+writes (page cache), "cold" after the file was evicted from the page cache
+with posix_fadvise; "noverify" is the tier with ``verify_reads=False``, to
+attribute the cost of the checksum pass. The rebuild case writes
+`rebuild_records` tiny-page records and times ``iter_meta`` after a reopen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+import lmdb
+import numpy as np
+
+from hicache.tiers.disk import DEFAULT_DURABILITY, DiskTier, DiskTierConfig
+
+_SYNC = {"none": (False, False), "batch": (True, False), "sync": (True, True)}
+GB = 1e9
+
+
+def _row(name: str, value: float, unit: str, baseline: float | None = None) -> dict:
+    ratio = None if not baseline else round(value / baseline, 3)
+    return {"name": name, "value": round(value, 4), "unit": unit,
+            "baseline": None if baseline is None else round(baseline, 4), "ratio": ratio}
+
+
+def _fresh(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+
+
+def _make_pages(size: int, count: int = 8) -> list[np.ndarray]:
+    rng = np.random.default_rng(size)
+    return [rng.integers(0, 256, size=size, dtype=np.uint8) for _ in range(count)]
+
+
+def _ring(size: int, nbytes: int = 64 << 20) -> list[np.ndarray]:
+    """Destination pages, touched once: reads land in distinct host pages, as in the arena."""
+    outs = [np.empty(size, dtype=np.uint8) for _ in range(max(1, nbytes // size))]
+    for o in outs:
+        o.fill(0)
+    return outs
+
+
+class _Clock:
+    """Wall and process-CPU time of a section: on a shared machine the CPU time
+    (all threads of this process) is far less sensitive to the neighbours."""
+
+    def __enter__(self) -> _Clock:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.perf_counter() - self.wall
+        self.cpu = time.process_time() - self.cpu
+
+    def rates(self, nbytes: int) -> tuple[float, float]:
+        return nbytes / self.wall / GB, nbytes / max(self.cpu, 1e-9) / GB
+
+
+def _raw_put_get(path: str, size: int, keys: list[bytes], shuffled: list[bytes], pages: list[np.ndarray],
+                 map_size: int, durability: str, batch: int) -> tuple[tuple[float, float], ...]:
+    """Raw py-lmdb under the tier's flags: batched puts into a fresh environment,
+    delete all, batched puts again (reusing the freed pages), then warm gets."""
+    sync, metasync = _SYNC[durability]
+    env = lmdb.open(path, map_size=map_size, writemap=True, sync=sync, metasync=metasync, max_dbs=4,
+                    meminit=False)
+    db = env.open_db(b"pages")
+
+    def put_all() -> _Clock:
+        with _Clock() as clock:
+            for i in range(0, len(keys), batch):
+                with env.begin(write=True, db=db) as txn:
+                    for j in range(i, min(len(keys), i + batch)):
+                        txn.put(keys[j], pages[j % len(pages)])
+        return clock
+
+    fresh = put_all()
+    with env.begin(write=True, db=db) as txn:
+        for k in keys:
+            txn.delete(k)
+    for i in range(2):  # LMDB reuses pages freed by transaction T from T+2 on
+        with env.begin(write=True, db=db) as txn:
+            txn.put(b"tick", bytes([i]))
+    steady = put_all()
+    outs = _ring(size)
+    for _ in range(2):  # the first pass maps the pages, the second is timed
+        with _Clock() as get:
+            for i, k in enumerate(shuffled):
+                with env.begin(db=db, buffers=True) as txn:
+                    np.copyto(outs[i % len(outs)], np.frombuffer(txn.get(k), dtype=np.uint8))
+    env.close()
+    n = len(keys) * size
+    return fresh.rates(n), steady.rates(n), get.rates(n)
+
+
+def _raw_cold_get(path: str, size: int, keys: list[bytes]) -> float:
+    env = lmdb.open(path, readonly=True, max_dbs=4, lock=False)
+    db = env.open_db(b"pages", create=False)
+    outs = _ring(size)
+    with _Clock() as get:
+        for i, k in enumerate(keys):
+            with env.begin(db=db, buffers=True) as txn:
+                np.copyto(outs[i % len(outs)], np.frombuffer(txn.get(k), dtype=np.uint8))
+    env.close()
+    return get.rates(len(keys) * size)[0]
+
+
+def _tier_put(tier: DiskTier, salt: bytes, size: int, keys: list[bytes],
+              pages: list[np.ndarray]) -> tuple[float, float]:
+    room = threading.Semaphore(tier.config.max_queue_pages)  # never overfill: no rejected puts
+    failed = []
+
+    def done(key: bytes, ok: bool) -> None:
+        if not ok:
+            failed.append(key)
+        room.release()
+
+    tokens = np.zeros(16, dtype=np.int32)
+    with _Clock() as put:
+        for i, k in enumerate(keys):
+            room.acquire()
+            if not tier.put_async(salt, k, None, tokens, pages[i % len(pages)], done):
+                raise RuntimeError("put_async refused with room in the queue")
+        tier.flush()
+    if failed:
+        raise RuntimeError(f"{len(failed)} puts rejected in the benchmark")
+    return put.rates(len(keys) * size)
+
+
+def _tier_put_twice(tier: DiskTier, salt: bytes, size: int, keys: list[bytes],
+                    pages: list[np.ndarray]) -> tuple[tuple[float, float], tuple[float, float]]:
+    """Puts into the fresh tier, delete all, puts again reusing the freed pages."""
+    fresh = _tier_put(tier, salt, size, keys, pages)
+    tier.delete_async(keys)
+    for _ in range(3):  # each flush commits: the freed pages become reusable
+        tier.flush()
+    return fresh, _tier_put(tier, salt, size, keys, pages)
+
+
+def _tier_get(tier: DiskTier, salt: bytes, size: int, keys: list[bytes], passes: int = 2) -> tuple[float, float]:
+    """`passes` passes over `keys`; the last one is timed (warm: the earlier ones map the pages)."""
+    outs = _ring(size)
+    for _ in range(passes):
+        with _Clock() as get:
+            for i, k in enumerate(keys):
+                if not tier.get_into(salt, k, outs[i % len(outs)]):
+                    raise RuntimeError("miss in the benchmark")
+    return get.rates(len(keys) * size)
+
+
+def _tier_get_many(tier: DiskTier, salt: bytes, size: int, keys: list[bytes], group: int = 32) -> float:
+    ring = _ring(size)
+    with _Clock() as get:
+        for i in range(0, len(keys), group):
+            chunk = keys[i:i + group]
+            outs = [ring[(i + j) % len(ring)] for j in range(len(chunk))]
+            if not all(tier.get_many_async(salt, chunk, outs).result()):
+                raise RuntimeError("miss in the benchmark")
+    return get.rates(len(keys) * size)[0]
+
+
+def _drop_cache(path: str) -> None:
+    """Evict the environment's file from the page cache (it is closed: nothing maps it)."""
+    fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _dd(path: str, size: int, count: int) -> float:
+    t0 = time.perf_counter()
+    res = subprocess.run(["dd", "if=/dev/zero", f"of={path}", f"bs={size}", f"count={count}",
+                          "conv=fdatasync"], capture_output=True, text=True, check=True)
+    dt = time.perf_counter() - t0
+    m = re.search(r"copied, ([0-9.eE+-]+) s", res.stderr)
+    secs = float(m.group(1)) if m else dt
+    os.unlink(path)
+    return size * count / secs / GB
+
+
+def _median(fn: Callable[[], float], prepare: Callable[[], None], repeats: int) -> float:
+    vals = []
+    for _ in range(repeats):
+        prepare()
+        vals.append(fn())
+    return statistics.median(vals)
+
+
+def run(sizes: tuple[int, ...] = (256 << 10, 1 << 20, 2 << 20), total_bytes: int = 512 << 20,
+        workdir: str | None = None, repeats: int = 3, durability: str = DEFAULT_DURABILITY,
+        durabilities: tuple[str, ...] = ("none", "batch", "sync"), rebuild_records: int = 1_000_000,
+        config: DiskTierConfig | None = None) -> list[dict]:
+    config = config or DiskTierConfig()
+    own = workdir is None
+    workdir = workdir or tempfile.mkdtemp(prefix="hicache-disk-bench-")
+    rows: list[dict] = []
+    salt = os.urandom(16)
+    try:
+        raw_dir, tier_dir = os.path.join(workdir, "raw"), os.path.join(workdir, "tier")
+        for size in sizes:
+            n = max(1, total_bytes // size)
+            pages = _make_pages(size)
+            keys = [os.urandom(16) for _ in range(n)]
+            capacity = n * size + size
+            map_size = capacity * 3 // 2 + (64 << 20)
+            label = f"{size >> 10}KiB"
+            m: dict[str, list[float]] = {}
+
+            def add(name: str, value: float) -> None:
+                m.setdefault(name, []).append(value)
+
+            order = list(np.random.default_rng(1).permutation(n))
+            shuffled = [keys[i] for i in order]
+            for _ in range(repeats):  # alternate raw and tier so that noise hits both
+                _fresh(raw_dir)
+                batch = max(1, min(config.batch_pages, config.batch_bytes // size))  # the tier's limit
+                fresh, (put_w, put_c), (get_w, get_c) = _raw_put_get(raw_dir, size, keys, shuffled, pages,
+                                                                    map_size, durability, batch)
+                add("raw_fresh", fresh[0]), add("raw_put", put_w), add("raw_put_cpu", put_c)
+                add("raw_get", get_w), add("raw_get_cpu", get_c)
+                _drop_cache(raw_dir)
+                add("raw_cold", _raw_cold_get(raw_dir, size, shuffled))
+                shutil.rmtree(raw_dir)
+                _fresh(tier_dir)
+                with DiskTier.open(tier_dir, capacity, durability=durability, config=config) as tier:
+                    fresh, (put_w, put_c) = _tier_put_twice(tier, salt, size, keys, pages)
+                    add("tier_fresh", fresh[0])
+                    get_w, get_c = _tier_get(tier, salt, size, shuffled)
+                    add("tier_put", put_w), add("tier_put_cpu", put_c), add("tier_get", get_w)
+                    add("tier_get_cpu", get_c)
+                    add("tier_many", _tier_get_many(tier, salt, size, shuffled))
+                noverify = dataclasses.replace(config, verify_reads=False)
+                with DiskTier.open(tier_dir, capacity, durability=durability, config=noverify) as tier:
+                    add("tier_get_noverify", _tier_get(tier, salt, size, shuffled)[0])
+                _drop_cache(tier_dir)
+                with DiskTier.open(tier_dir, capacity, durability=durability, config=config) as tier:
+                    add("tier_cold", _tier_get(tier, salt, size, shuffled, passes=1)[0])
+                shutil.rmtree(tier_dir)
+            med = {k: statistics.median(v) for k, v in m.items()}
+            rows.append(_row(f"put_fresh_{label}_{durability}_tier_vs_raw_lmdb", med["tier_fresh"], "GB/s",
+                             med["raw_fresh"]))
+            rows.append(_row(f"put_{label}_{durability}_tier_vs_raw_lmdb", med["tier_put"], "GB/s", med["raw_put"]))
+            rows.append(_row(f"put_{label}_{durability}_tier_vs_raw_lmdb_per_cpu_s", med["tier_put_cpu"],
+                             "GB/cpu-s", med["raw_put_cpu"]))
+            rows.append(_row(f"get_warm_{label}_tier_vs_raw_lmdb", med["tier_get"], "GB/s", med["raw_get"]))
+            rows.append(_row(f"get_warm_{label}_tier_vs_raw_lmdb_per_cpu_s", med["tier_get_cpu"], "GB/cpu-s",
+                             med["raw_get_cpu"]))
+            rows.append(_row(f"get_warm_{label}_tier_noverify_vs_raw_lmdb", med["tier_get_noverify"], "GB/s",
+                             med["raw_get"]))
+            rows.append(_row(f"get_warm_{label}_many_{config.readers}readers_vs_raw_lmdb", med["tier_many"],
+                             "GB/s", med["raw_get"]))
+            rows.append(_row(f"get_cold_{label}_tier_vs_raw_lmdb", med["tier_cold"], "GB/s", med["raw_cold"]))
+            dd_path = os.path.join(workdir, "dd.bin")
+            dd = _median(lambda: _dd(dd_path, size, n), lambda: None, repeats)
+            rows.append(_row(f"put_{label}_{durability}_tier_vs_dd_fdatasync", med["tier_put"], "GB/s", dd))
+        rows += _durability_rows(workdir, salt, durabilities, total_bytes, repeats, config)
+        if rebuild_records:
+            rows.append(_rebuild_row(os.path.join(workdir, "rebuild"), salt, rebuild_records, config))
+    finally:
+        if own:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return rows
+
+
+def _durability_rows(workdir: str, salt: bytes, modes: tuple[str, ...], total_bytes: int, repeats: int,
+                     config: DiskTierConfig) -> list[dict]:
+    """Tier puts of 1 MiB pages under each durability mode, relative to "none"."""
+    size = 1 << 20
+    n = max(1, total_bytes // size)
+    pages = _make_pages(size)
+    keys = [os.urandom(16) for _ in range(n)]
+    path = os.path.join(workdir, "dur")
+    results: dict[str, list[float]] = {m: [] for m in modes}
+    for _ in range(repeats):
+        for mode in modes:
+            _fresh(path)
+            with DiskTier.open(path, n * size + size, durability=mode, config=config) as tier:
+                results[mode].append(_tier_put(tier, salt, size, keys, pages)[0])
+            shutil.rmtree(path)
+    base = statistics.median(results["none"]) if "none" in results else None
+    return [_row(f"put_1024KiB_durability_{m}_vs_none", statistics.median(v), "GB/s", base)
+            for m, v in results.items()]
+
+
+def _rebuild_row(path: str, salt: bytes, n: int, config: DiskTierConfig) -> dict:
+    _fresh(path)
+    page = np.arange(64, dtype=np.uint8)  # 64-byte pages: the metadata is what is timed
+    tokens = np.arange(64, dtype=np.int32)
+    parent = None
+    t0 = time.perf_counter()
+    # the budget counts page bytes only; ~400 B of record + B-tree per page need map room
+    map_size = n * 1024 + (64 << 20)
+    with DiskTier.open(path, n * 64 + 64, map_size=map_size, config=config) as tier:
+        room = threading.Semaphore(config.max_queue_pages)
+        for i in range(n):
+            key = i.to_bytes(8, "big") + salt[:8]
+            room.acquire()
+            tier.put_async(salt, key, parent, tokens, page, lambda k, ok: room.release())
+            parent = key if i % 64 else None  # chains of 64 pages
+        tier.flush()
+    write_s = time.perf_counter() - t0
+    with DiskTier.open(path, n * 64 + 64, map_size=map_size, config=config) as tier:
+        t0 = time.perf_counter()
+        count = ntok = 0
+        for rec in tier.iter_meta():
+            count += 1
+            ntok += len(rec.tokens)
+        iter_s = time.perf_counter() - t0
+    shutil.rmtree(path)
+    if count != n:
+        raise RuntimeError(f"iter_meta returned {count} of {n} records")
+    row = _row(f"iter_meta_{n}_records", iter_s, "s", 10.0)
+    row["write_s"] = round(write_s, 2)
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--total-mib", type=int, default=512, help="bytes written per case (MiB)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--durability", default=DEFAULT_DURABILITY, choices=sorted(_SYNC))
+    ap.add_argument("--rebuild-records", type=int, default=1_000_000)
+    ap.add_argument("--checksum", default="auto", choices=["auto", "sum64", "crc32"])
+    args = ap.parse_args(argv)
+    rows = run(total_bytes=args.total_mib << 20, workdir=args.workdir, repeats=args.repeats,
+               durability=args.durability, rebuild_records=args.rebuild_records,
+               config=DiskTierConfig(checksum=args.checksum))
+    for r in rows:
+        print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()
