@@ -13,8 +13,19 @@ blockings for a few rows, and the last bits move), so every matmul in the
 engine goes through `rowdot`: a broadcast multiply and a sum over the
 contiguous last dimension, whose reduction order is fixed by the length of that
 dimension alone, whatever the number of rows or threads. It trades BLAS speed
-for that guarantee, which is the right trade for a reference engine. The
-guarantee is a CPU one: CUDA's reduction kernels pick their launch shape from
+for that guarantee, which is the right trade for a reference engine.
+
+The same must hold along the sequence: a token's KV may have been computed by
+an earlier, shorter request (multi-turn reuse) or by a decode step, and must
+carry the bits a longer prefill would give it. Softmax and the probs x V sum
+reduce over the keys, and their order depends on how many keys there are, so
+`causal_attend` never reduces over "the length of this call": queries go in
+blocks of `ATTN_BLOCK` positions, and a query at position `p` reduces over
+exactly `(p // ATTN_BLOCK + 1) * ATTN_BLOCK` keys, the ones past `p` (future
+tokens or zero padding) masked to a weight of exactly zero. Every reduction's
+length is then a function of the query's absolute position alone.
+
+The guarantee is a CPU one: CUDA's reduction kernels pick their launch shape from
 the number of outputs, so on a GPU the same code is deterministic per shape but
 not batch-invariant (tests compare with a tolerance there).
 """
@@ -32,6 +43,10 @@ from hicache.tiers.device import DevicePool
 
 # Upper bound on the broadcast product `rowdot` materializes per chunk (elements).
 MAX_PRODUCT_ELEMS = 1 << 22
+# Query positions per attention block; a query at position p attends over
+# (p // ATTN_BLOCK + 1) * ATTN_BLOCK keys. Part of the numerics: changing it
+# changes the bits of every KV cached so far.
+ATTN_BLOCK = 64
 
 
 class EngineError(HiCacheError):
@@ -128,18 +143,41 @@ def causal_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     """Attention of the last `n` tokens of a sequence over all `L` of its tokens.
 
     q `[n, H, dk]`, k `[L, H, dk]`, v `[L, H, dv]` (heads already matched) ->
-    `[n, H, dv]`. Query `i` sits at position `L - n + i` and sees keys
-    `0 .. L - n + i`. Masked scores stay in the row as -inf, so a query's
-    softmax always runs over the same `L` columns in the same order, whether
-    the prefix was computed in this call or loaded.
+    `[n, H, dv]`. Query `i` sits at position `p = L - n + i` and sees keys
+    `0 .. p`. Its scores row spans `attention_width(p)` keys, whatever `L` is:
+    keys past `p` are masked to -inf (weight exactly 0), and keys past `L` are
+    zero padding, so prefill, extend over a loaded prefix and decode all run
+    the same reductions for the same position.
     """
     n, length = q.shape[0], k.shape[0]
-    scores = rowdot(q.transpose(0, 1), k.transpose(0, 1)) * scale  # [H, n, L]
-    q_pos = torch.arange(length - n, length, device=q.device).unsqueeze(1)
-    k_pos = torch.arange(length, device=q.device).unsqueeze(0)
-    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return rowdot(probs, v.permute(1, 2, 0)).transpose(0, 1)  # [n, H, dv]
+    if not 1 <= n <= length or v.shape[0] != length:
+        raise EngineError(f"causal_attend: {n} queries over {length} keys and {v.shape[0]} values")
+    first = length - n
+    widest = attention_width(length - 1)
+    if widest > length:
+        # Zeros, not uninitialized memory: a zero weight times NaN/inf garbage is NaN.
+        k = torch.cat([k, k.new_zeros((widest - length, *k.shape[1:]))])
+        v = torch.cat([v, v.new_zeros((widest - length, *v.shape[1:]))])
+    k_heads = k.transpose(0, 1)  # [H, W, dk]
+    v_heads = v.permute(1, 2, 0)  # [H, dv, W]
+    outs = []
+    pos = first
+    while pos < length:
+        width = attention_width(pos)
+        stop = min(length, width)  # queries pos .. stop-1 share this block's width
+        qb = q[pos - first:stop - first].transpose(0, 1)  # [H, m, dk]
+        scores = rowdot(qb, k_heads[:, :width]) * scale  # [H, m, width]
+        q_pos = torch.arange(pos, stop, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(width, device=q.device).unsqueeze(0)
+        probs = torch.softmax(scores.masked_fill(k_pos > q_pos, float("-inf")), dim=-1)
+        outs.append(rowdot(probs, v_heads[..., :width]).transpose(0, 1))  # [m, H, dv]
+        pos = stop
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def attention_width(position: int) -> int:
+    """How many keys the query at `position` reduces over (see `causal_attend`)."""
+    return (position // ATTN_BLOCK + 1) * ATTN_BLOCK
 
 
 def paged_attention_mha(q: torch.Tensor, pool: DevicePool, layer_id: int, batch: ForwardBatch,
