@@ -57,7 +57,8 @@ Durability (``durability=``; the environment always uses ``writemap=True``)
 - ``"sync"``: ``sync=True, metasync=True``: ``on_done(ok=True)`` means durable.
 - Measured (hicache/bench/disk_bench.py, 1 MiB pages, 512 MiB per run, median
   of 5, this shared 2-core VM): none 1.37 GB/s, batch 0.57 GB/s (0.42x), sync
-  0.63 GB/s (0.46x); four earlier runs gave batch 0.44-0.70x, sync 0.37-0.65x.
+  0.63 GB/s (0.46x); over seven runs batch was 0.42-0.73x and sync 0.42-0.66x
+  of none.
   Each synced commit waits for the disk (dd conv=fdatasync: ~1 GB/s here),
   while "none" writes at memory speed and lets the kernel spread the
   writeback. Since every mode survives kill -9 and the cache is disposable,
