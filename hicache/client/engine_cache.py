@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache.client.client import EMPTY, BackupPlan, HiCacheClient, Match
+from hicache.client.client import EMPTY, BackupPlan, HiCacheClient, InsertReply, Match
 from hicache.tiers.device import DevicePool
 from hicache.tiers.host import HostArena, HostKVCache
 from hicache.transfer.executor import LoadHandle, TransferExecutor
@@ -149,8 +149,12 @@ class EngineCache:
         prefix.load = None
 
     # -- store -------------------------------------------------------------------------
-    def store(self, prefix: Prefix, tokens: Any, new_pages: np.ndarray) -> None:
-        """Offer the request's full pages (prefix pages, then `new_pages`) to the cache."""
+    def store(self, prefix: Prefix, tokens: Any, new_pages: np.ndarray,
+              states: dict[int, int] | None = None) -> InsertReply | None:
+        """Offer the request's full pages (prefix pages, then `new_pages`) to the cache, and
+        for a hybrid model its state checkpoints (`states`: position -> device state slot;
+        the reply's state_backup says which to copy where). Returns the daemon's reply
+        (None: skipped)."""
         all_pages = np.concatenate([prefix.device_pages, new_pages])
         n_full = len(np.asarray(tokens)) // self.page_size
         all_pages = all_pages[:n_full]
@@ -158,10 +162,10 @@ class EngineCache:
         reply = None
         if prefix.epoch == self.client.epoch:
             reply = self.client.insert(tokens, all_pages, keys=prefix.match.keys[:n_full] if
-                                       len(prefix.match.keys) >= n_full else None, pin=prefix.match)
+                                       len(prefix.match.keys) >= n_full else None, pin=prefix.match, states=states)
         if reply is None:
             prefix.private.append(new_pages)
-            return
+            return None
         dups = reply.free_pages[~self.cached[reply.free_pages]]  # our own cached pages are no duplicates
         fresh = new_pages[~np.isin(new_pages, dups)]
         fresh = fresh[np.isin(fresh, all_pages)]
@@ -171,6 +175,12 @@ class EngineCache:
         if reply.backup is not None and self.executor is not None:
             handle = self.executor.backup(reply.backup.host_pages, reply.backup.device_pages)
             self.backups.append((reply.backup, handle, self.executor))
+        return reply
+
+    @property
+    def arena(self) -> HostArena | None:
+        """The daemon's host arena as mapped here (None before the first connect)."""
+        return self._arena
 
     def release(self, prefix: Prefix) -> None:
         """The request is done: drop its pin and refs, free its private pages."""

@@ -22,6 +22,7 @@ from hicache import __version__
 from hicache.config import Config, format_size
 from hicache.daemon.handlers import build_handlers
 from hicache.daemon.host_tier import HostTier
+from hicache.daemon.hybrid import HybridStates
 from hicache.daemon.service import CacheService
 from hicache.errors import HiCacheError
 from hicache.index.radix import Tier
@@ -63,6 +64,7 @@ class Daemon:
         self.service: CacheService | None = None
         self.server: RpcServer | None = None
         self.disk: Any = None  # DiskMover once the disk tier is up
+        self.hybrid: HybridStates | None = None  # state checkpoints of hybrid models
         self._stop: asyncio.Event | None = None
         self._bound_path: Path | None = None
         self.notifier: Notifier | None = None
@@ -94,8 +96,12 @@ class Daemon:
         self.service = CacheService(self.host, write_policy=WritePolicy(cfg.write_policy),
                                     write_hit_threshold=cfg.write_hit_threshold, emit=self._emit,
                                     clock=time.time)  # wall clock: disk LRU times survive restarts
+        # before the disk tier: its rebuild hands state checkpoint records to HybridStates
+        self.hybrid = HybridStates(self.service, disk_capacity=cfg.disk_capacity if cfg.disk_enabled else 0,
+                                   load_policy=cfg.load_policy, prefetch_timeout_s=cfg.prefetch_timeout_s)
         if cfg.disk_enabled:
             self._start_disk()
+        self.hybrid.attach_disk(self.disk.tier if self.disk is not None else None, loop)
         allowed_uids = set(cfg.allowed_uids) or {os.getuid(), 0}
         self.server = RpcServer(build_handlers(self), max_frame_bytes=cfg.max_frame_bytes,
                                 max_buffer_bytes=cfg.max_buffer_bytes, max_inflight=cfg.max_inflight,
@@ -236,7 +242,8 @@ class Daemon:
                              "inserts": c.inserts, "inserted_pages": c.inserted_pages,
                              "loaded_pages": c.loaded_pages, "backups": c.backups_planned,
                              "backup_pages": c.backup_pages, "backups_skipped_no_space": c.backups_skipped_no_space},
-                "connections": len(self.server.connections) if self.server else 0}
+                "connections": len(self.server.connections) if self.server else 0,
+                "states": self.hybrid.stats() if self.hybrid is not None else None}
 
     def tree_summary(self, depth: int) -> dict:
         svc = self.service

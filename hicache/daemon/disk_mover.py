@@ -37,6 +37,7 @@ from hicache.daemon.service import CacheService, NamespaceState, Pin, path_with_
 from hicache.index.keys import Namespace
 from hicache.index.radix import Tier, TreeNode
 from hicache.layout import KVLayout
+from hicache.state_layout import StateLayout
 from hicache.tiers.disk import DiskTier
 
 if TYPE_CHECKING:
@@ -137,7 +138,8 @@ class DiskMover:
             return
         n = ns.namespace
         self._known_ns[ns.salt] = {"model": n.model, "layout": n.layout.to_dict(), "tp_rank": n.tp_rank,
-                                   "tp_size": n.tp_size, "extra_key": n.extra_key}
+                                   "tp_size": n.tp_size, "extra_key": n.extra_key,
+                                   "state": n.state.to_dict() if n.state is not None else None}
         tmp = self._ns_file.with_suffix(".tmp")
         tmp.write_bytes(msgpack.packb({k.hex(): v for k, v in self._known_ns.items()}))
         with open(tmp, "rb") as f:
@@ -151,23 +153,30 @@ class DiskMover:
             parent = rec.parent_key if rec.parent_key is not None else rec.salt
             by_salt.setdefault(rec.salt, []).append((rec.key, parent, rec.tokens, rec.last_access))
         restored = 0
+        unknown: list[tuple[bytes, list[tuple]]] = []
         for salt, records in by_salt.items():
             desc = self._known_ns.get(salt)
             ns = None
             if desc is not None:
+                state = StateLayout.from_dict(desc["state"]) if desc.get("state") else None
                 namespace = Namespace(desc["model"], KVLayout.from_dict(desc["layout"]), desc["tp_rank"],
-                                      desc["tp_size"], desc["extra_key"])
+                                      desc["tp_size"], desc["extra_key"], state)
                 if namespace.salt() == salt:
                     ns = self.service.namespace_state(namespace)
             if ns is None:
-                log.warning("dropping %d disk pages of an unknown namespace %s", len(records), salt.hex()[:16])
-                self.tier.delete_async(r[0] for r in records)
+                unknown.append((salt, records))
                 continue
             orphans: list[bytes] = []
             restored += ns.index.restore_disk(records, orphans)
             if orphans:
                 log.warning("dropping %d disk pages whose prefix is gone", len(orphans))
                 self.tier.delete_async(orphans)
+        hybrid = self.service.hybrid
+        for salt, records in unknown:  # after the KV: state checkpoints hang on restored nodes
+            if hybrid is not None and hybrid.restore_disk(salt, records, self.tier):
+                continue
+            log.warning("dropping %d disk pages of an unknown namespace %s", len(records), salt.hex()[:16])
+            self.tier.delete_async(r[0] for r in records)
         return restored
 
     # -- host -> disk ----------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hicache import __version__
+from hicache.daemon.hybrid import state_layout_param
 from hicache.daemon.portable import portable_handlers
 from hicache.errors import LayoutError
 from hicache.index.keys import Namespace
@@ -85,19 +86,31 @@ def build_handlers(daemon: Daemon) -> dict[str, Any]:
         except (LayoutError, TypeError) as e:
             raise RpcError(Code.BAD_PARAMS, f"bad layout: {e}") from None
         ns = Namespace(model=_get(p, "model", str), layout=layout, tp_rank=_get(p, "tp_rank", int, 0),
-                       tp_size=_get(p, "tp_size", int, 1), extra_key=_get(p, "extra_key", str, ""))
+                       tp_size=_get(p, "tp_size", int, 1), extra_key=_get(p, "extra_key", str, ""),
+                       state=state_layout_param(p.get("state")))  # hybrid models: their recurrent state
         if not 0 <= ns.tp_rank < ns.tp_size:
             raise RpcError(Code.BAD_PARAMS, "need 0 <= tp_rank < tp_size")
+        if ns.state is not None and daemon.hybrid is not None:
+            daemon.hybrid.check_namespace(ns)
         rec = svc.register(conn, ns, _get(p, "device_pages", int))
-        return {"engine": rec.engine_id, "salt": rec.ns.salt, "page_bytes": layout.page_bytes,
-                "write_policy": svc.write_policy.value}
+        reply = {"engine": rec.engine_id, "salt": rec.ns.salt, "page_bytes": layout.page_bytes,
+                 "write_policy": svc.write_policy.value}
+        if ns.state is not None:
+            reply["state_bytes"] = ns.state.checkpoint_bytes
+        return reply
 
     def match(conn: Connection, p: dict) -> Any:
         keys = svc.split_keys(_get(p, "keys", bytes))
-        pin = svc.match(conn, _get(p, "engine", int), keys)
-        return {"pin": pin.pin_id, "device_pages": ids_to_bytes(pin.device_pages),
-                "host_pages": ids_to_bytes(pin.host_pages),
-                "disk_len": pin.disk_len}
+        if daemon.hybrid is not None:  # a hybrid namespace's match is cut at its usable prefix
+            pin, state = daemon.hybrid.match(conn, _get(p, "engine", int), keys)
+        else:
+            pin, state = svc.match(conn, _get(p, "engine", int), keys), None
+        reply = {"pin": pin.pin_id, "device_pages": ids_to_bytes(pin.device_pages),
+                 "host_pages": ids_to_bytes(pin.host_pages),
+                 "disk_len": pin.disk_len}
+        if state is not None:
+            reply["state"] = state
+        return reply
 
     async def load(conn: Connection, p: dict) -> Any:
         """The host plan for a match, including what the disk prefetch brought up
@@ -108,7 +121,12 @@ def build_handlers(daemon: Daemon) -> dict[str, Any]:
             if pin.pin_id not in svc.pins:
                 raise RpcError(Code.NOT_FOUND, "the match was released while loading")
             svc.take_prefetched(pin)
-        return {"host_pages": ids_to_bytes(pin.host_pages), "disk_len": pin.disk_len}
+        reply = {"host_pages": ids_to_bytes(pin.host_pages), "disk_len": pin.disk_len}
+        if daemon.hybrid is not None:
+            state = await daemon.hybrid.load(pin)
+            if state is not None:
+                reply["state"] = state
+        return reply
 
     def load_done(conn: Connection, p: dict) -> Any:
         dups = svc.load_done(conn, _get(p, "pin", int), _ids(p, "device_pages"))
@@ -123,10 +141,27 @@ def build_handlers(daemon: Daemon) -> dict[str, Any]:
         tokens = _get(p, "tokens", bytes)
         if len(tokens) % 4:
             raise RpcError(Code.BAD_PARAMS, "tokens must be packed int32")
-        present, dups, backup = svc.insert(conn, _get(p, "engine", int), keys,
-                                           np.frombuffer(tokens, dtype="<i4"), _ids(p, "device_pages"),
-                                           _get(p, "pin", int, None))
-        return {"present_pages": present, "free_pages": ids_to_bytes(dups), "backup": _backup_plan(backup)}
+        if daemon.hybrid is not None:  # hybrid namespaces: plus the state checkpoints offered
+            present, dups, backup, state_backup = daemon.hybrid.insert(
+                conn, _get(p, "engine", int), keys, np.frombuffer(tokens, dtype="<i4"), _ids(p, "device_pages"),
+                _get(p, "pin", int, None), _get(p, "states", list, None))
+        else:
+            present, dups, backup = svc.insert(conn, _get(p, "engine", int), keys,
+                                               np.frombuffer(tokens, dtype="<i4"), _ids(p, "device_pages"),
+                                               _get(p, "pin", int, None))
+            state_backup = None
+        reply = {"present_pages": present, "free_pages": ids_to_bytes(dups), "backup": _backup_plan(backup)}
+        if state_backup is not None:
+            reply["state_backup"] = {"id": state_backup.backup_id,
+                                     "host_slots": [e[2] for e in state_backup.entries],
+                                     "device_slots": [e[3] for e in state_backup.entries],
+                                     "positions": [e[1] for e in state_backup.entries]}
+        return reply
+
+    def state_backup_done(conn: Connection, p: dict) -> Any:
+        if daemon.hybrid is None:
+            raise RpcError(Code.NOT_FOUND, "no state backups on this daemon")
+        return {"stored": daemon.hybrid.backup_done(conn, _get(p, "backup", int), _get(p, "ok", bool, True))}
 
     def backup_done(conn: Connection, p: dict) -> Any:
         freed = svc.backup_done(conn, _get(p, "backup", int), _get(p, "ok", bool, True))
@@ -180,5 +215,6 @@ def build_handlers(daemon: Daemon) -> dict[str, Any]:
 
     return {"hello": hello, "register": register, "unregister": unregister, "match": match,
             "load": load, "load_done": load_done, "release": release, "insert": insert, "backup_done": backup_done,
+            "state_backup_done": state_backup_done,
             "evict": evict, "stats": stats, "flush": flush, "evict_tier": evict_tier, "ls": ls,
             "subscribe": subscribe, "doctor": doctor, **portable_handlers(daemon)}

@@ -149,6 +149,10 @@ class CacheService:
         self.before_host_evict: Callable[[NamespaceState, int], None] | None = None
         self.on_disk_freed: Callable[[NamespaceState, list[bytes]], None] | None = None
         self.on_match: Callable[[Pin, list[TreeNode]], None] | None = None  # starts disk prefetch
+        # Hybrid models: HybridStates (hicache/daemon/hybrid.py) keeps state checkpoints beside
+        # the KV; it hears of every dropped pin (its checkpoint locks go with it).
+        self.hybrid: Any = None
+        self.on_pin_dropped: Callable[[Pin], None] | None = None
 
     # -- registry ---------------------------------------------------------
     def namespace_state(self, namespace: Namespace) -> NamespaceState:
@@ -323,6 +327,8 @@ class CacheService:
             pin.engine.ns.index.unlock(node, tier, engine)
         pin.locks.clear()
         self.pins.pop(pin.pin_id, None)
+        if self.on_pin_dropped is not None:
+            self.on_pin_dropped(pin)
         self.reap(pin.engine.ns)
         self._retry_stale_disk()
 
@@ -505,6 +511,8 @@ class CacheService:
                     self.engines[f.engine].reclaim.append(f.slots)
         if disk_keys and self.on_disk_freed is not None:
             self.on_disk_freed(ns, disk_keys)
+        if self.hybrid is not None:  # removed nodes may have carried state checkpoints
+            self.hybrid.reap(ns)
         return mine
 
     # -- admin --------------------------------------------------------------
@@ -543,6 +551,8 @@ class CacheService:
             self._drop_pin(pin)
         for backup in [b for b in self.backups.values() if b.engine.owner is owner]:
             self._finish_backup(backup, ok=False)
+        if self.hybrid is not None:
+            self.hybrid.disconnect(owner)
         for rec in [r for r in self.engines.values() if r.owner is owner]:
             self.disconnect_engine(rec)
 

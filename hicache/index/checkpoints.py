@@ -206,11 +206,13 @@ class CheckpointIndex:
         return ck, spare
 
     def drop(self, ck: Checkpoint, tier: Tier) -> EvictedState | None:
-        """Forget the tier's copy (a failed disk read, an admin flush); None if it had none.
-        Dropping a locked checkpoint's copy raises IndexStateError."""
+        """Forget the tier's copy (a disk copy found missing or corrupt, an admin flush);
+        None if it had none. A locked checkpoint's host copy cannot be dropped (a request
+        may be copying it): IndexStateError. Its disk copy can: a lost copy is lost."""
+        self._check_tier(tier)
         if ck.removed or not self._has(ck, tier):
             return None
-        if ck.locks:
+        if ck.locks and tier is Tier.HOST:
             raise IndexStateError(f"{ck!r} is locked")
         return self._drop(ck, tier)
 

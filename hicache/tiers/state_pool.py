@@ -56,7 +56,7 @@ class StatePool:
         if n > len(self._free):
             return None
         slots = [self._free.pop() for _ in range(n)]
-        idx = torch.tensor(slots, device=self.device)
+        idx = torch.tensor(slots, dtype=torch.int64, device=self.device)
         for buf in self.buffers:
             buf[:, idx] = 0
         return slots

@@ -1,0 +1,593 @@
+"""HybridStates: the daemon side of hybrid-model state checkpoints.
+
+A namespace registered with a StateLayout (hicache/state_layout.py) gets a
+CheckpointIndex beside its RadixIndex (hicache/index/checkpoints.py has the
+rules). This module moves checkpoint bytes between tiers and speaks for them
+in the engine cycle; CacheService keeps doing the KV.
+
+Where a checkpoint's bytes live
+- device: the engine's StatePool slots, private to each request. The daemon
+  never tracks device copies: an engine restores a checkpoint by copying it
+  into a fresh slot of its own (copy on write, SGLang's `fork_from`).
+- host: a *state slot* of the arena: a host page class whose page is one
+  checkpoint (`checkpoint_bytes`), numbered like KV pages (byte offset = slot *
+  checkpoint_bytes), so an engine finds it in the arena it already maps.
+- disk: one record per checkpoint in the disk tier, under the namespace's
+  *state salt* (so no KV read can ever return it), keyed by
+  `checkpoint_disk_key(end page key)`, its parent field naming that end page
+  (what the rebuild after a restart hangs it on).
+
+The cycle, for a request of engine E in a hybrid namespace
+  match   -> the usable prefix: the deepest resident checkpoint on the KV
+             match. The KV part of the pin is cut there (the engine has no use
+             for KV beyond its state), and the checkpoint is locked until
+             release. A checkpoint only on disk is read into a fresh state slot
+             at once; the reply says `pending` and `load` waits for it (per the
+             load policy). `fork_at` tells the engine where the request leaves
+             the tree inside a node: the checkpoint the store rule will want.
+  insert  -> the engine offers checkpoints (position, device state slot); the
+             rule keeps those at or before its target; each kept one gets a
+             host state slot (evicting LRU checkpoints, never KV), returned as
+             a state backup plan.
+  state_backup_done -> the copies are in place: the checkpoints become
+             host-resident and, with a disk tier, are written through to disk.
+
+Budgets: checkpoints are big and each is one request's worth of state, so they
+get their own share of the host arena (`host_fraction`) and of the disk budget
+(`disk_fraction`), each under its own LRU; KV eviction never makes room for
+them and they never make room for KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hicache.daemon.host_tier import PageClass
+from hicache.daemon.service import CacheService, EngineRecord, NamespaceState, Pin
+from hicache.errors import LayoutError
+from hicache.index.checkpoints import Checkpoint, CheckpointIndex, EvictedState, checkpoint_disk_key
+from hicache.index.keys import KEY_BYTES, Namespace
+from hicache.index.node import Tier, TreeNode
+from hicache.rpc.protocol import Code, RpcError
+from hicache.state_layout import StateLayout
+
+if TYPE_CHECKING:
+    from hicache.tiers.disk import DiskTier
+
+log = logging.getLogger(__name__)
+
+NO_TOKENS = np.empty(0, dtype=np.int32)
+
+
+def state_salt(salt: bytes) -> bytes:
+    """The disk-tier salt of a namespace's checkpoints."""
+    return hashlib.blake2b(salt, digest_size=KEY_BYTES, person=b"hicache-states").digest()
+
+
+@dataclass(slots=True, eq=False)
+class NsStates:
+    """One hybrid namespace's checkpoints."""
+
+    ns: NamespaceState
+    layout: StateLayout
+    ckpts: CheckpointIndex
+    slots: PageClass  # host state slots
+    disk_salt: bytes
+
+
+@dataclass(slots=True, eq=False)
+class StatePrefetch:
+    """A disk -> host read of one checkpoint for a pin."""
+
+    ckpt: Checkpoint
+    host_slot: int
+    future: asyncio.Future | None = None
+    done: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class StatePin:
+    """The state side of one match: what the request may restore."""
+
+    pin: Pin
+    hs: NsStates
+    kv_tokens: int                 # the whole KV match, before the cut at the checkpoint
+    fork_tokens: int | None        # where the request leaves the tree inside a node
+    best: Checkpoint | None        # locked
+    fallback: Checkpoint | None    # locked: deepest host copy above a disk-only `best`
+    prefetch: StatePrefetch | None = None
+
+
+@dataclass(slots=True, eq=False)
+class StateBackup:
+    backup_id: int
+    engine: EngineRecord
+    hs: NsStates
+    entries: list[tuple[TreeNode, int, int, int]]  # (node, position, host slot, device slot)
+
+
+@dataclass(slots=True)
+class StateCounters:
+    matches: int = 0
+    usable_tokens: int = 0
+    kv_tokens: int = 0
+    stored: int = 0
+    skipped_no_space: int = 0
+    evicted: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
+    tombstones: int = 0
+    disk_writes: int = 0
+    disk_reads: int = 0
+    disk_misses: int = 0
+    restored: int = 0
+
+
+class HybridStates:
+    def __init__(self, service: CacheService, *, host_fraction: float = 0.25, disk_capacity: int = 0,
+                 disk_fraction: float = 0.25, load_policy: str = "best_effort",
+                 prefetch_timeout_s: float = 0.05) -> None:
+        self.svc = service
+        self.host_budget = int(service.host.capacity_bytes * host_fraction)
+        self.disk_budget = int(disk_capacity * disk_fraction)
+        self.load_policy = load_policy
+        self.prefetch_timeout_s = prefetch_timeout_s
+        self.by_salt: dict[bytes, NsStates] = {}
+        self.pins: dict[int, StatePin] = {}
+        self.backups: dict[int, StateBackup] = {}
+        self.counters = StateCounters()
+        self.host_bytes = 0
+        self.disk_bytes = 0
+        self.disk: DiskTier | None = None
+        self._writing: set[Checkpoint] = set()  # disk writes in flight
+        self.loop: asyncio.AbstractEventLoop | None = None
+        service.hybrid = self
+        service.on_pin_dropped = self._pin_dropped
+
+    # -- namespaces ---------------------------------------------------------
+    def check_namespace(self, namespace: Namespace) -> None:
+        """Refuse a state layout the index or the arena cannot hold (before anything changes)."""
+        st = namespace.state
+        if st is None:
+            return
+        if st.chunk_size % namespace.layout.page_size:
+            raise RpcError(Code.BAD_PARAMS, f"chunk_size {st.chunk_size} is not a multiple of the page size "
+                                            f"{namespace.layout.page_size}")
+        if st.checkpoint_bytes > self.svc.host.slab_bytes or st.checkpoint_bytes > self.host_budget:
+            raise RpcError(Code.BAD_PARAMS, f"a checkpoint of {st.checkpoint_bytes} bytes does not fit the "
+                                            f"host share for states ({self.host_budget} bytes)")
+
+    def of(self, ns: NamespaceState) -> NsStates | None:
+        """The namespace's checkpoints, or None for a pure-attention namespace."""
+        hs = self.by_salt.get(ns.salt)
+        if hs is None and ns.namespace.state is not None:
+            st = ns.namespace.state
+            hs = NsStates(ns, st, CheckpointIndex(ns.index, st.chunk_size), self.svc.host.page_class(st.checkpoint_bytes),
+                          state_salt(ns.salt))
+            self.by_salt[ns.salt] = hs
+        return hs
+
+    def attach_disk(self, tier: DiskTier | None, loop: asyncio.AbstractEventLoop) -> None:
+        self.disk = tier
+        self.loop = loop
+
+    # -- match / load / release ----------------------------------------------
+    def match(self, owner: object, engine_id: Any, keys: Any) -> tuple[Pin, dict | None]:
+        rec = self.svc.engine(owner, engine_id)
+        hs = self.of(rec.ns)
+        if hs is None:
+            return self.svc.match(owner, engine_id, keys), None
+        self.reap(rec.ns)
+        ps = rec.ns.index.page_size
+        probe = hs.ckpts.probe(keys, rec.engine_id)
+        best = probe.checkpoint
+        usable_pages = 0 if best is None else best.position // ps
+        pin = self.svc.match(owner, engine_id, keys[:usable_pages])
+        self.svc.counters.requested_pages += len(keys) - usable_pages  # match counted only the cut
+        fallback = None
+        if best is not None:
+            hs.ckpts.touch(best)
+            hs.ckpts.lock(best)
+            if best.host_slot is None:
+                fallback = self._host_checkpoint_above(best)
+                if fallback is not None:
+                    hs.ckpts.lock(fallback)
+        sp = StatePin(pin, hs, probe.kv_pages * ps, probe.fork_tokens, best, fallback)
+        self.pins[pin.pin_id] = sp
+        if best is not None and best.host_slot is None:
+            self._prefetch(sp)
+        c = self.counters
+        c.matches += 1
+        c.kv_tokens += probe.kv_pages * ps
+        return pin, self.state_reply(sp)
+
+    def state_reply(self, sp: StatePin) -> dict:
+        """What the engine may restore now: the deepest locked checkpoint with a host copy
+        within the KV it holds or loads (`pending`: call `load`, more may come)."""
+        pin, ps = sp.pin, sp.hs.ns.index.page_size
+        kv_avail = (pin.device_len + pin.host_len) * ps
+        use = None
+        for ck in (sp.best, sp.fallback):
+            if ck is not None and not ck.removed and ck.host_slot is not None and ck.position <= kv_avail:
+                use = ck
+                break
+        waiting = sp.prefetch is not None and not sp.prefetch.done
+        return {"kv_len": sp.kv_tokens, "len": 0 if use is None else use.position,
+                "slot": None if use is None else use.host_slot, "fork_at": sp.fork_tokens,
+                "pending": bool(pin.disk_len) or waiting}
+
+    async def load(self, pin: Pin) -> dict | None:
+        """For `load`: wait for the checkpoint's disk read per the load policy."""
+        sp = self.pins.get(pin.pin_id)
+        if sp is None:
+            return None
+        pf = sp.prefetch
+        if pf is not None and not pf.done and pf.future is not None:
+            if self.load_policy == "wait_complete":
+                await asyncio.shield(pf.future)
+            elif self.load_policy == "timeout":
+                try:
+                    await asyncio.wait_for(asyncio.shield(pf.future), self.prefetch_timeout_s)
+                except asyncio.TimeoutError:
+                    pass
+            if not pf.done:  # its callback runs on the loop turn after the future resolves
+                await asyncio.sleep(0)
+        if pin.pin_id not in self.pins:
+            return None
+        return self.state_reply(sp)
+
+    def _pin_dropped(self, pin: Pin) -> None:
+        sp = self.pins.pop(pin.pin_id, None)
+        if sp is None:
+            return
+        hs = sp.hs
+        reply = self.state_reply(sp)
+        self.counters.usable_tokens += reply["len"]
+        for ck in (sp.best, sp.fallback):
+            if ck is not None:
+                hs.ckpts.unlock(ck)
+        self.reap(hs.ns)
+
+    def _host_checkpoint_above(self, ck: Checkpoint) -> Checkpoint | None:
+        node = ck.node.parent
+        while node is not None and node.parent is not None:
+            st = node.state
+            if isinstance(st, Checkpoint) and st.host_slot is not None:
+                return st
+            node = node.parent
+        return None
+
+    # -- insert / backup -------------------------------------------------------
+    def insert(self, owner: object, engine_id: Any, keys: Any, tokens: np.ndarray, device_pages: np.ndarray,
+               pin_id: Any, offers: Any) -> tuple[int, np.ndarray, Any, StateBackup | None]:
+        rec = self.svc.engine(owner, engine_id)
+        hs = self.of(rec.ns)
+        if hs is None:
+            if offers:
+                raise RpcError(Code.BAD_PARAMS, "this namespace has no state layout: no checkpoints to offer")
+            return (*self.svc.insert(owner, engine_id, keys, tokens, device_pages, pin_id), None)
+        offered = self._check_offers(offers, len(keys) * rec.ns.index.page_size)
+        sp = self.pins.get(pin_id) if isinstance(pin_id, int) else None
+        # The fork the request was told about at match; without a match, the one its insert makes.
+        fork = sp.fork_tokens if sp is not None else hs.ckpts.probe(keys, rec.engine_id).fork_tokens
+        present, dups, backup = self.svc.insert(owner, engine_id, keys, tokens, device_pages, pin_id)
+        self.reap(rec.ns)
+        entries: list[tuple[TreeNode, int, int]] = []
+        for pos in hs.ckpts.positions_to_store(offered, len(keys) * rec.ns.index.page_size, fork):
+            node = hs.ckpts.node_for(keys, pos)
+            if node is None:
+                continue
+            ck = node.state
+            if isinstance(ck, Checkpoint) and ck.host_slot is not None:
+                hs.ckpts.touch(ck)  # another request stored it already
+                continue
+            entries.append((node, pos, offered[pos]))
+        state_backup = None
+        if entries:
+            slots = self._alloc_host(hs, len(entries))
+            if slots is None:
+                self.counters.skipped_no_space += 1
+            else:
+                state_backup = StateBackup(next(self.svc._ids), rec, hs,
+                                           [(n, p, int(s), d) for (n, p, d), s in zip(entries, slots)])
+                self.backups[state_backup.backup_id] = state_backup
+        return present, dups, backup, state_backup
+
+    @staticmethod
+    def _check_offers(offers: Any, seq_tokens: int) -> dict[int, int]:
+        if offers is None:
+            return {}
+        if not isinstance(offers, list):
+            raise RpcError(Code.BAD_PARAMS, "states must be a list of [position, device state slot]")
+        out: dict[int, int] = {}
+        for item in offers:
+            if (not isinstance(item, (list, tuple)) or len(item) != 2
+                    or any(type(x) is not int for x in item)):
+                raise RpcError(Code.BAD_PARAMS, "each state offer is [position, device state slot] (ints)")
+            pos, slot = item
+            if not 0 < pos <= seq_tokens or slot < 1 or pos in out:
+                raise RpcError(Code.BAD_PARAMS, f"bad state offer {item}: positions are distinct, in "
+                                                f"1..{seq_tokens}; slots >= 1")
+            out[pos] = slot
+        if len(set(out.values())) != len(out):
+            raise RpcError(Code.BAD_PARAMS, "state offers repeat a device slot")
+        return out
+
+    def backup_done(self, owner: object, backup_id: Any, ok: bool) -> int:
+        """The engine copied (or failed to copy) the checkpoints; returns how many were stored."""
+        b = self.backups.get(backup_id) if isinstance(backup_id, int) else None
+        if b is None or b.engine.owner is not owner:
+            raise RpcError(Code.NOT_FOUND, f"no state backup {backup_id!r} on this connection")
+        return self._finish(b, ok)
+
+    def _finish(self, b: StateBackup, ok: bool) -> int:
+        del self.backups[b.backup_id]
+        hs = b.hs
+        self.reap(hs.ns)
+        stored: list[Checkpoint] = []
+        spare: list[int] = []
+        for node, _pos, slot, _dev in b.entries:
+            if not ok or node.removed:
+                spare.append(slot)
+                continue
+            ck, extra = hs.ckpts.put(node, host_slot=slot)
+            if extra is None:
+                stored.append(ck)
+            else:
+                spare.append(extra)
+        self._free_host(hs, spare)
+        self.counters.stored += len(stored)
+        if stored:
+            self.svc.emit({"type": "stored", "tier": "host", "engine": None, "namespace": hs.ns.salt.hex(),
+                           "states": [[c.position, c.node.keys[-1]] for c in stored]})
+            self._write_through(hs, stored)
+        return len(stored)
+
+    def disconnect(self, owner: object) -> None:
+        for b in [b for b in self.backups.values() if b.engine.owner is owner]:
+            self._finish(b, ok=False)
+
+    # -- host slots --------------------------------------------------------------
+    def _alloc_host(self, hs: NsStates, n: int) -> np.ndarray | None:
+        """n host state slots within the states' share, evicting LRU checkpoints (any
+        hybrid namespace) as needed; None when locked ones fill it."""
+        nbytes = hs.layout.checkpoint_bytes
+        while self.host_bytes + n * nbytes > self.host_budget:
+            if not self._evict_one_host(None):
+                return None
+        slots = hs.slots.alloc(n)
+        while slots is None:  # the arena itself is full: only our own slots can make room
+            if not self._evict_one_host(hs.slots):
+                return None
+            slots = hs.slots.alloc(n)
+        self.host_bytes += n * nbytes
+        return slots
+
+    def _free_host(self, hs: NsStates, slots: Iterable[int]) -> None:
+        slots = list(slots)
+        if slots:
+            hs.slots.free(np.asarray(slots, dtype=np.int64))
+            self.host_bytes -= len(slots) * hs.layout.checkpoint_bytes
+
+    def _evict_one_host(self, cls: PageClass | None) -> bool:
+        """Drop the least recently used unlocked host checkpoint (of page class `cls`, or
+        any), demoting it to disk first when it has no disk copy."""
+        victim = self._oldest(Tier.HOST, cls)
+        if victim is None:
+            return False
+        first = next(c for c in victim.ckpts.checkpoints(Tier.HOST) if not c.locks)  # what evict takes
+        if not first.on_disk:
+            self._write_to_disk(victim, first, demote=True)
+        (ev,) = victim.ckpts.evict(Tier.HOST, 1)
+        self._drop_evicted(victim, [ev])
+        return True
+
+    def _oldest(self, tier: Tier, cls: PageClass | None) -> NsStates | None:
+        best, best_at = None, None
+        for hs in self.by_salt.values():
+            if cls is not None and hs.slots is not cls:
+                continue
+            at = hs.ckpts.peek_evictable(tier)
+            if at is not None and (best_at is None or at < best_at):
+                best, best_at = hs, at
+        return best
+
+    def _drop_evicted(self, hs: NsStates, evicted: list[EvictedState]) -> None:
+        for ev in evicted:
+            self.counters.evicted["host" if ev.tier is Tier.HOST else "disk"] += 1
+            self.counters.tombstones += ev.tombstone
+            if ev.tier is Tier.HOST and ev.host_slot is not None:
+                self._free_host(hs, [ev.host_slot])
+            elif ev.tier is Tier.DISK:
+                self._delete_disk(hs, [ev.checkpoint], force=True)  # its on_disk flag is down already
+        if evicted:
+            self.svc.emit({"type": "removed", "tier": "host" if evicted[0].tier is Tier.HOST else "disk",
+                           "engine": None, "namespace": hs.ns.salt.hex(),
+                           "states": [[e.checkpoint.position, e.checkpoint.node.keys[-1]] for e in evicted
+                                      if not e.checkpoint.node.removed]})
+
+    def reap(self, ns: NamespaceState) -> None:
+        """Free what checkpoints of removed KV nodes held."""
+        hs = self.by_salt.get(ns.salt)
+        if hs is None:
+            return
+        removed = hs.ckpts.take_removed()
+        if not removed:
+            return
+        self._free_host(hs, [c.host_slot for c in removed if c.host_slot is not None])
+        self._delete_disk(hs, [c for c in removed if c.on_disk])
+        for c in removed:
+            c.host_slot = None
+            c.on_disk = False
+
+    def host_view(self, hs: NsStates, slot: int) -> memoryview:
+        nbytes = hs.layout.checkpoint_bytes
+        return memoryview(self.svc.host.arena.array[slot * nbytes:(slot + 1) * nbytes])
+
+    # -- disk ------------------------------------------------------------------------
+    def _write_through(self, hs: NsStates, ckpts: list[Checkpoint]) -> None:
+        for ck in ckpts:
+            if not ck.on_disk and ck.host_slot is not None:
+                self._write_to_disk(hs, ck, demote=False)
+
+    def _write_to_disk(self, hs: NsStates, ck: Checkpoint, demote: bool) -> None:
+        """Queue the checkpoint's host copy for disk. The bytes are copied now (a host slot
+        may be reused before the writer gets to it). A demotion is flagged on disk at
+        once, so the checkpoint survives losing its host copy; a write-through when the
+        commit reports back."""
+        if self.disk is None or self.disk_budget <= 0:
+            return
+        if ck in self._writing:  # already queued: its bytes are on their way
+            if demote:
+                hs.ckpts.put(ck.node, on_disk=True)
+            return
+        nbytes = hs.layout.checkpoint_bytes
+        while self.disk_bytes + nbytes > self.disk_budget:
+            victim = self._oldest(Tier.DISK, None)
+            if victim is None:
+                return
+            self._drop_evicted(victim, victim.ckpts.evict(Tier.DISK, 1))
+        data = bytes(self.host_view(hs, ck.host_slot))
+        loop = self.loop
+
+        def done(key: bytes, ok: bool) -> None:  # on the writer thread
+            loop.call_soon_threadsafe(self._written, hs, ck, ok, demote)
+
+        if not self.disk.put_async(hs.disk_salt, ck.disk_key, ck.node.keys[-1], NO_TOKENS, data, done):
+            return
+        self._writing.add(ck)
+        self.disk_bytes += nbytes
+        self.counters.disk_writes += 1
+        if demote:
+            hs.ckpts.put(ck.node, on_disk=True)
+
+    def _written(self, hs: NsStates, ck: Checkpoint, ok: bool, demote: bool) -> None:
+        self._writing.discard(ck)
+        if not ok:
+            self.disk_bytes -= hs.layout.checkpoint_bytes
+            if demote and not ck.removed and ck.on_disk:  # flagged too early: forget it
+                ev = hs.ckpts.drop(ck, Tier.DISK)
+                if ev is not None:
+                    self.counters.tombstones += ev.tombstone
+            return
+        if ck.removed:  # tombstoned or its KV went away meanwhile: the record is an orphan
+            self._delete_disk(hs, [ck], force=True)
+        elif not ck.on_disk:
+            hs.ckpts.put(ck.node, on_disk=True)
+
+    def _delete_disk(self, hs: NsStates, ckpts: list[Checkpoint], force: bool = False) -> None:
+        keys = [c.disk_key for c in ckpts if c.on_disk or force]
+        if keys and self.disk is not None:
+            self.disk.delete_async(keys)
+            self.disk_bytes -= len(keys) * hs.layout.checkpoint_bytes
+
+    def _prefetch(self, sp: StatePin) -> None:
+        """Read a disk-only checkpoint into a fresh host state slot."""
+        if self.disk is None or sp.best is None:
+            return
+        hs, ck = sp.hs, sp.best
+        slots = self._alloc_host(hs, 1)
+        if slots is None:
+            return
+        pf = StatePrefetch(ck, int(slots[0]))
+        sp.prefetch = pf
+        fut = self.disk.get_many_async(hs.disk_salt, [ck.disk_key], [self.host_view(hs, pf.host_slot)])
+        pf.future = asyncio.wrap_future(fut, loop=self.loop)
+        pf.future.add_done_callback(lambda f: self._prefetched(sp, pf, f))
+        self.counters.disk_reads += 1
+
+    def _prefetched(self, sp: StatePin, pf: StatePrefetch, fut: asyncio.Future) -> None:
+        pf.done = True
+        hs, ck = sp.hs, pf.ckpt
+        try:
+            hit = bool(fut.result()[0])
+        except Exception:
+            log.exception("checkpoint read failed")
+            hit = False
+        if hit and not ck.removed:
+            _, spare = hs.ckpts.put(ck.node, host_slot=pf.host_slot)
+            if spare is not None:
+                self._free_host(hs, [spare])
+            return
+        self._free_host(hs, [pf.host_slot])
+        if not hit and not ck.removed:
+            self.counters.disk_misses += 1
+            if sp.best is ck and sp.pin.pin_id in self.pins:
+                sp.best = None  # the request falls back to a shallower checkpoint
+                hs.ckpts.unlock(ck)
+            # the record is gone or corrupt (the tier deleted it): forget the disk copy
+            self._drop_evicted(hs, [e for e in [hs.ckpts.drop(ck, Tier.DISK)] if e is not None])
+
+    def restore_disk(self, salt: bytes, records: list[tuple], tier: DiskTier) -> bool:
+        """At startup, after the KV rebuild: hang the checkpoint records of `salt`, if it
+        is some namespace's state salt, on the restored tree. Records are (key, end page
+        key, tokens, last_access); those whose end page is not in the tree, or not at a
+        chunk boundary, are deleted. False: not a state salt (nothing done)."""
+        hs = next((h for h in (self.of(ns) for ns in self.svc.namespaces.values())
+                   if h is not None and h.disk_salt == salt), None)
+        if hs is None:
+            return False
+        index = hs.ns.index
+        where: dict[bytes, tuple[TreeNode, int]] = {}  # page key -> (node, pages of the path up to it)
+        stack = [(c, 0) for c in index.root.children.values()]
+        while stack:
+            node, before = stack.pop()
+            for j, key in enumerate(node.keys):
+                where[key] = (node, before + j + 1)
+            stack.extend((c, before + node.n_pages) for c in node.children.values())
+        orphans: list[bytes] = []
+        restored = 0
+        for key, end_key, _tokens, last_access in sorted(records, key=lambda r: r[3]):  # LRU order
+            hit = where.get(end_key)
+            if hit is None or key != checkpoint_disk_key(end_key) or \
+                    (hit[1] * index.page_size) % hs.layout.chunk_size:
+                orphans.append(key)
+                continue
+            node, pages = hit
+            # a split keeps the lower half, so `node`'s path still covers the first `pages` keys
+            end = index.node_ending_at(_path_keys(node)[:pages])
+            ck, _ = hs.ckpts.put(end, on_disk=True)
+            ck.last_access = float(last_access)
+            restored += 1
+        self.disk_bytes += restored * hs.layout.checkpoint_bytes  # the reads check the size
+        self.counters.restored += restored
+        if orphans:
+            tier.delete_async(orphans)
+        log.info("restored %d state checkpoints of namespace %s (%d orphans dropped)", restored,
+                 hs.ns.salt.hex()[:16], len(orphans))
+        return True
+
+    # -- introspection -------------------------------------------------------------------
+    def stats(self) -> dict:
+        c = self.counters
+        return {"namespaces": len(self.by_salt), "host_budget_bytes": self.host_budget,
+                "host_bytes": self.host_bytes, "disk_budget_bytes": self.disk_budget, "disk_bytes": self.disk_bytes,
+                "host_checkpoints": sum(h.ckpts.count(Tier.HOST) for h in self.by_salt.values()),
+                "disk_checkpoints": sum(h.ckpts.count(Tier.DISK) for h in self.by_salt.values()),
+                "matches": c.matches, "usable_tokens": c.usable_tokens, "kv_tokens": c.kv_tokens,
+                "stored": c.stored, "skipped_no_space": c.skipped_no_space, "evicted": dict(c.evicted),
+                "tombstones": c.tombstones, "disk_writes": c.disk_writes, "disk_reads": c.disk_reads,
+                "disk_misses": c.disk_misses, "restored": c.restored, "pending_backups": len(self.backups)}
+
+
+def _path_keys(node: TreeNode) -> list[bytes]:
+    chain = []
+    while node is not None and node.parent is not None:
+        chain.append(node)
+        node = node.parent
+    return [k for n in reversed(chain) for k in n.keys]
+
+
+def state_layout_param(value: Any) -> StateLayout | None:
+    """Decode the optional `state` parameter of `register`."""
+    if value is None:
+        return None
+    try:
+        return StateLayout.from_dict(value)
+    except (LayoutError, TypeError) as e:
+        raise RpcError(Code.BAD_PARAMS, f"bad state layout: {e}") from None
