@@ -33,6 +33,9 @@ def _fmt(x: Any) -> str:
 
 def print_rows(bench: str, rows: list[dict], as_json: bool, meta: dict | None = None, out: Any = None) -> None:
     out = out or sys.stdout
+    for r in rows:  # every row with a baseline carries its ratio, whichever bench made it
+        if r.get("baseline") and "ratio" not in r:
+            r["ratio"] = float(r["value"]) / float(r["baseline"])
     if as_json:
         print(json.dumps({"bench": bench, **(meta or {}), "results": rows}), file=out)
         return
