@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -141,6 +142,7 @@ class HybridStates:
         self.pins: dict[int, StatePin] = {}
         self.backups: dict[int, StateBackup] = {}
         self.counters = StateCounters()
+        self._ids = itertools.count(1)
         self.host_bytes = 0
         self.disk_bytes = 0
         self.disk: DiskTier | None = None
@@ -293,7 +295,7 @@ class HybridStates:
             if slots is None:
                 self.counters.skipped_no_space += 1
             else:
-                state_backup = StateBackup(next(self.svc._ids), rec, hs,
+                state_backup = StateBackup(next(self._ids), rec, hs,
                                            [(n, p, int(s), d) for (n, p, d), s in zip(entries, slots)])
                 self.backups[state_backup.backup_id] = state_backup
         return present, dups, backup, state_backup
@@ -380,7 +382,7 @@ class HybridStates:
         victim = self._oldest(Tier.HOST, cls)
         if victim is None:
             return False
-        first = next(c for c in victim.ckpts.checkpoints(Tier.HOST) if not c.locks)  # what evict takes
+        first = victim.ckpts.next_victim(Tier.HOST)
         if not first.on_disk:
             self._write_to_disk(victim, first, demote=True)
         (ev,) = victim.ckpts.evict(Tier.HOST, 1)

@@ -265,14 +265,19 @@ class CheckpointIndex:
                 victims.append(ck)
         return [self._drop(ck, tier) for ck in victims]
 
-    def peek_evictable(self, tier: Tier) -> float | None:
-        """last_access of the next victim in the tier, or None: picks the namespace to
-        evict from when several share one budget."""
+    def next_victim(self, tier: Tier) -> Checkpoint | None:
+        """The checkpoint evict(tier, 1) would take, or None."""
         self._check_tier(tier)
         for ck in self._lru[tier]:
             if not ck.locks:
-                return ck.last_access
+                return ck
         return None
+
+    def peek_evictable(self, tier: Tier) -> float | None:
+        """last_access of the next victim in the tier, or None: picks the namespace to
+        evict from when several share one budget."""
+        ck = self.next_victim(tier)
+        return None if ck is None else ck.last_access
 
     def take_removed(self) -> list[Checkpoint]:
         """Checkpoints whose KV node left the tree since the last call, with their host
