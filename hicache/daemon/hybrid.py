@@ -422,7 +422,7 @@ class HybridStates:
         if not removed:
             return
         self._free_host(hs, [c.host_slot for c in removed if c.host_slot is not None])
-        self._delete_disk(hs, [c for c in removed if c.on_disk])
+        self._delete_disk(hs, removed)  # those on disk or being written
         for c in removed:
             c.host_slot = None
             c.on_disk = False
@@ -469,6 +469,8 @@ class HybridStates:
             hs.ckpts.put(ck.node, on_disk=True)
 
     def _written(self, hs: NsStates, ck: Checkpoint, ok: bool, demote: bool) -> None:
+        if ck not in self._writing:
+            return  # cancelled: its disk copy was dropped meanwhile, a delete queued behind it
         self._writing.discard(ck)
         if not ok:
             self.disk_bytes -= hs.layout.checkpoint_bytes
@@ -476,14 +478,18 @@ class HybridStates:
                 ev = hs.ckpts.drop(ck, Tier.DISK)
                 if ev is not None:
                     self.counters.tombstones += ev.tombstone
-            return
-        if ck.removed:  # tombstoned or its KV went away meanwhile: the record is an orphan
-            self._delete_disk(hs, [ck], force=True)
-        elif not ck.on_disk:
+        elif not ck.removed and not ck.on_disk:
             hs.ckpts.put(ck.node, on_disk=True)
 
     def _delete_disk(self, hs: NsStates, ckpts: list[Checkpoint], force: bool = False) -> None:
-        keys = [c.disk_key for c in ckpts if c.on_disk or force]
+        """Delete the disk records of these checkpoints (those on disk, being written, or
+        all with `force`); a write still in flight is cancelled (the delete follows it)."""
+        keys = []
+        for c in ckpts:
+            writing = c in self._writing
+            self._writing.discard(c)
+            if c.on_disk or force or writing:
+                keys.append(c.disk_key)
         if keys and self.disk is not None:
             self.disk.delete_async(keys)
             self.disk_bytes -= len(keys) * hs.layout.checkpoint_bytes

@@ -148,3 +148,37 @@ def test_bad_offers_change_nothing():
         with pytest.raises(RpcError):
             s.hyb.insert(s.owner, s.rec.engine_id, keys, seq(1), np.arange(1, 9, dtype=np.int64), None, bad)
     assert s.rec.ns.index.num_pages(Tier.DEVICE) == 0 and not s.hyb.backups
+
+
+def test_a_checkpoint_demoted_to_disk_is_read_back_at_match(tmp_path):
+    import asyncio
+
+    from hicache.tiers.disk import DiskTier
+
+    async def scenario() -> None:
+        s = Setup(budget_checkpoints=1)
+        tier = DiskTier.open(tmp_path / "disk", 64 << 20)
+        s.hyb.disk_budget = 100 * CB
+        s.hyb.load_policy = "wait_complete"
+        s.hyb.attach_disk(tier, asyncio.get_running_loop())
+        try:
+            a, b = seq(1), seq(2)
+            s.store(a, [128])
+            s.store(b, [128])  # a's checkpoint leaves host: demoted (flagged on disk at once)
+            for _ in range(200):
+                if not s.hyb._writing:
+                    break
+                await asyncio.sleep(0.01)
+            st = s.hyb.stats()
+            assert (st["host_checkpoints"], st["disk_checkpoints"], st["tombstones"]) == (1, 2, 0)
+            pin, state = s.match(a)
+            assert state["pending"] and state["len"] == 0  # not on host yet: ask `load`
+            state = await s.hyb.load(pin)
+            assert state["len"] == 128 and not state["pending"]
+            assert bytes(s.hyb.host_view(s.hs, state["slot"])) == bytes([128 % 251]) * CB
+            s.svc.release(s.owner, pin.pin_id)
+            assert s.hyb.counters.disk_reads == 1 and s.hyb.host_bytes == CB  # b's went to make room
+        finally:
+            tier.close()
+
+    asyncio.run(scenario())
