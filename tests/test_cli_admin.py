@@ -20,7 +20,7 @@ from hicache.daemon.portable import (
 from hicache.errors import ClientError
 from hicache.index.keys import Namespace, page_keys
 from hicache.layout import KVLayout
-from tests.daemon.conftest import DaemonProcess
+from tests.conftest import DaemonProcess
 from tests.daemon.engine_worker import LAYOUTS, tokens_for
 from tests.daemon.test_cycle import run_worker
 

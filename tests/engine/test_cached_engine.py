@@ -43,20 +43,6 @@ def models() -> dict[str, TinyTransformer]:
 
 
 @pytest.fixture
-def daemon_factory(tmp_path):
-    started: list[LocalDaemon] = []
-
-    def make(*flags: str, env: dict | None = None) -> LocalDaemon:
-        d = LocalDaemon(tmp_path / f"d{len(started)}", *flags, env=env)
-        started.append(d)
-        return d
-
-    yield make
-    for d in started:
-        d.stop(signal.SIGKILL)
-
-
-@pytest.fixture
 def engines():
     made: list[CachedEngine] = []
     yield made

@@ -1,9 +1,8 @@
-"""A real daemon process on a temporary socket, for tests that talk to it."""
+"""Fixtures shared by every test directory: real daemon processes on temporary sockets."""
 
 from __future__ import annotations
 
 import signal
-from pathlib import Path
 
 import pytest
 
@@ -11,21 +10,17 @@ from hicache.daemon.launcher import LocalDaemon
 
 
 class DaemonProcess(LocalDaemon):
-    def __init__(self, tmp: Path, *extra: str, env: dict | None = None) -> None:
-        super().__init__(tmp, *extra, env=env)
-        self.socket = str(tmp / "run" / "hicache.sock")
-        (tmp / "run").mkdir(parents=True, exist_ok=True)
-
     def kill9(self) -> None:
         self.stop(signal.SIGKILL)
 
 
 @pytest.fixture
 def daemon_factory(tmp_path):
+    """make(*flags, env=None) -> a DaemonProcess (not started) with its own socket and state."""
     started: list[DaemonProcess] = []
 
-    def make(*extra: str, env: dict | None = None) -> DaemonProcess:
-        d = DaemonProcess(tmp_path, *extra, env=env)
+    def make(*flags: str, env: dict | None = None) -> DaemonProcess:
+        d = DaemonProcess(tmp_path / f"d{len(started)}", *flags, env=env)
         started.append(d)
         return d
 
