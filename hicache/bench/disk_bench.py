@@ -6,7 +6,17 @@ Rows are {"name", "value", "unit", "baseline", "ratio"}; ratio = value / baselin
 (higher is better for GB/s, lower for seconds). Raw py-lmdb runs under the
 tier's own environment flags (writemap, sync/metasync of the durability mode)
 and its batch size, alternating with the tier so that the noise of a shared
-machine hits both; the median of `repeats` runs is reported. Puts are timed
+machine hits both; the median of `repeats` runs is reported.
+
+What raw does, exactly: one named database ``pages`` (``meminit=False``);
+puts are ``txn.put(key, page)`` of the same keys in the same order, from the
+same 8 source pages, ``min(batch_pages, batch_bytes // size)`` per write
+transaction; gets are one read transaction per page, ``txn.get`` with
+``buffers=True`` and ``np.copyto`` into the same destination ring, in the same
+shuffled order. Raw does NOT write a meta record, a totals record or a dedup
+lookup, and computes no checksum: the ratio charges the tier for all of its
+own work (the checksum pass is most of it: a meta record per put costs raw
+about 0-10%). Puts are timed
 from the first put to the commit of the last one: "put_fresh" into a new
 environment (dominated by first-touch page faults), "put" after deleting
 those pages, so LMDB reuses them, as in a full cache that evicts as it goes. Gets read every page once

@@ -205,8 +205,9 @@ def test_sigkill_mid_write_leaves_a_consistent_environment(tmp_path, durability)
         assert tier.num_pages == len(found) and tier.used_bytes == len(found) * size
 
 
-@pytest.mark.parametrize("size", [256 << 10, 4096])  # sum64 and (auto) crc32 records
-def test_flipped_byte_on_disk_is_a_counted_miss_and_deleted(open_tier, tmp_path, size):
+# sum64 in one pass, sum64 fused with the copy chunk by chunk, (auto) crc32 records
+@pytest.mark.parametrize("size,where", [(256 << 10, 0.5), (MiB + 4096, 0.5), (MiB + 4096, 0.9999), (4096, 0.5)])
+def test_flipped_byte_on_disk_is_a_counted_miss_and_deleted(open_tier, tmp_path, size, where):
     tier = open_tier()
     items = [(key(i), page_for(key(i), size)) for i in range(3)]
     put_all(tier, items)
@@ -216,7 +217,7 @@ def test_flipped_byte_on_disk_is_a_counted_miss_and_deleted(open_tier, tmp_path,
     blob = data_file.read_bytes()
     start = blob.find(victim[:64])
     assert start >= 0 and blob[start:start + size] == victim, "page bytes not found in data.mdb"
-    at = start + size // 2 + 3
+    at = start + int(size * where) + 3
     with open(data_file, "r+b") as f:
         f.seek(at)
         f.write(bytes([blob[at] ^ 0x40]))
@@ -533,3 +534,14 @@ def test_failing_callbacks_and_hook_do_not_kill_the_writer(open_tier):
     tier.delete_async([key(0)])
     done = put_all(tier, [(key(2), page_for(key(2), MiB))])
     assert done.results == {key(2): True}
+
+
+@pytest.mark.parametrize("size", [4096, 256 << 10, (256 << 10) + 4096, MiB, 2 * MiB + 4096, MiB + 5])
+@pytest.mark.parametrize("algo", ["sum64", "crc32"])
+def test_copy_checksum_copies_and_matches_checksum(size, algo):
+    src = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    dst = np.zeros(size, dtype=np.uint8)
+    got = fmt.copy_checksum(fmt.CHECKSUM_IDS[algo], src, dst)
+    assert np.array_equal(dst, src)
+    assert got == fmt.checksum(fmt.CHECKSUM_IDS[algo], src)
+
