@@ -22,6 +22,7 @@ reader pool only move bytes and report back through `call_soon_threadsafe`.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import time
@@ -149,9 +150,13 @@ class DiskMover:
     def rebuild(self) -> int:
         """Restore the disk part of each namespace's tree from the page metadata."""
         by_salt: dict[bytes, list[tuple]] = {}
-        for rec in self.tier.iter_meta():
-            parent = rec.parent_key if rec.parent_key is not None else rec.salt
-            by_salt.setdefault(rec.salt, []).append((rec.key, parent, rec.tokens, rec.last_access))
+        gc.disable()  # a million small tuples: cyclic-GC passes over them would find nothing
+        try:
+            for rec in self.tier.iter_meta():
+                parent = rec.parent_key if rec.parent_key is not None else rec.salt
+                by_salt.setdefault(rec.salt, []).append((rec.key, parent, rec.tokens, rec.last_access))
+        finally:
+            gc.enable()
         restored = 0
         unknown: list[tuple[bytes, list[tuple]]] = []
         for salt, records in by_salt.items():

@@ -11,6 +11,7 @@ is `HOST_LANE`, the disk tier `DISK_LANE`.
 from __future__ import annotations
 
 import operator
+from hashlib import blake2b
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import NamedTuple
@@ -18,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hicache.errors import HiCacheError
-from hicache.index.keys import KEY_BYTES, PackedKeys, as_tokens, page_keys
+from hicache.index.keys import KEY_BYTES, PackedKeys, as_tokens
 
 
 class IndexInputError(HiCacheError, ValueError):
@@ -306,6 +307,9 @@ class DiskRun:
     last_access: float  # the newest of its pages
 
 
+_LE_I4 = np.dtype("<i4")
+
+
 def disk_runs(records: object, salt: bytes, page_size: int) -> tuple[list[DiskRun], list[bytes]]:
     """Check per-page disk records (any order) and chain them into runs, each run's
     parent page in an earlier run (or the salt). A record is kept only if its key is
@@ -320,7 +324,9 @@ def disk_runs(records: object, salt: bytes, page_size: int) -> tuple[list[DiskRu
             key, parent_key, tokens, last_access = rec
             if type(key) is not bytes or len(key) != KEY_BYTES:
                 continue  # no usable key to report
-            toks = as_tokens(tokens)
+            # disk records already hold little-endian int32 arrays: skip the conversion
+            toks = tokens if type(tokens) is np.ndarray and tokens.dtype == _LE_I4 and tokens.ndim == 1 \
+                and tokens.flags.c_contiguous else as_tokens(tokens)
             la = float(last_access)
         except (TypeError, ValueError, OverflowError):
             continue
@@ -341,7 +347,7 @@ def disk_runs(records: object, salt: bytes, page_size: int) -> tuple[list[DiskRu
             prev = parent_key
             while True:  # a single-child chain becomes one run
                 key, toks, la = item
-                if page_keys(salt, toks, page_size, parent=prev)[0] != key:
+                if blake2b(prev + toks.tobytes(), digest_size=KEY_BYTES).digest() != key:  # = page_keys' chain step
                     skipped.append(key)  # corrupt: it and its descendants stay out
                     break
                 keys.append(key)
