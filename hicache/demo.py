@@ -128,6 +128,9 @@ def run_demo(args: argparse.Namespace) -> int:
                         raise HiCacheError("the demo's device pool is too small for its requests")
                     totals.add(g)
                     convs[c].answer(prompt, g.output_ids)
+                    # The user's next turn comes seconds later; by then a real engine's
+                    # scheduler loop has long reported the write-through backup.
+                    engine.wait_backups()
 
             phase1 = [(t, c) for t, c in schedule if t < turns - 1]
             phase2 = [(t, c) for t, c in schedule if t == turns - 1]

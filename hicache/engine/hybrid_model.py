@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from hicache.engine.attention import EngineError, ForwardBatch, paged_attention_mha, rowdot
-from hicache.engine.model import LayerHook, _rms_norm, _rope, _silu_rows
+from hicache.engine.model import LayerHook, _rms_norm, _rope, _silu_rows, rope_tables
 from hicache.errors import ConfigError, LayoutError
 from hicache.layout import KVLayout
 from hicache.state_layout import DEFAULT_CHUNK_SIZE, StateLayout
@@ -126,10 +126,8 @@ class HybridModel:
             self.layers.append(w)
         self.final_norm = norm_weight(c.hidden)
         self.lm_head = normal(c.vocab_size, c.hidden, fan_in=c.hidden)
-        inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
-        angles = torch.outer(torch.arange(c.max_positions, dtype=torch.float64), inv_freq)
-        self.rope_cos = angles.cos().to(device=self.device, dtype=torch.float32)
-        self.rope_sin = angles.sin().to(device=self.device, dtype=torch.float32)
+        self.rope_cos, self.rope_sin = rope_tables(c.head_dim, c.rope_theta, c.max_positions, self.device,
+                                                   torch.float32)
 
     # -- geometry ------------------------------------------------------------
     def kv_layout(self, page_size: int) -> KVLayout:

@@ -113,6 +113,14 @@ class ModelConfig:
         return self.head_dim + self.qk_rope_head_dim
 
 
+def rope_tables(rope_dim: int, theta: float, max_positions: int, device: torch.device,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One cos/sin table for all positions, indexed (an exact gather) per step."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
+    angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+    return angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
+
+
 class TinyTransformer:
     """Inference-only; weights are plain tensors (no autograd) on `device`."""
 
@@ -155,11 +163,8 @@ class TinyTransformer:
             self.layers.append(w)
         self.final_norm = norm_weight(c.hidden)
         self.lm_head = normal(c.vocab_size, c.hidden, fan_in=c.hidden)
-        # One cos/sin table for all positions, indexed (an exact gather) per step.
-        inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, c.rope_dim, 2, dtype=torch.float64) / c.rope_dim)
-        angles = torch.outer(torch.arange(c.max_positions, dtype=torch.float64), inv_freq)
-        self.rope_cos = angles.cos().to(device=self.device, dtype=self.dtype)
-        self.rope_sin = angles.sin().to(device=self.device, dtype=self.dtype)
+        self.rope_cos, self.rope_sin = rope_tables(c.rope_dim, c.rope_theta, c.max_positions, self.device,
+                                                   self.dtype)
 
     def layout(self, page_size: int) -> KVLayout:
         """The geometry of what `forward` writes into a DevicePool."""
