@@ -11,7 +11,6 @@ new epoch as "the daemon no longer tracks any of my device pages".
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import time
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ import numpy as np
 
 from hicache.config import default_socket_path
 from hicache.errors import ClientError, DaemonUnavailable
-from hicache.index.keys import KEY_BYTES, Namespace, as_tokens, page_keys
+from hicache.index.keys import Namespace, as_tokens, page_keys
 from hicache.layout import KVLayout
 from hicache.state_layout import StateLayout
 from hicache.rpc.framing import bytes_to_ids, ids_to_bytes
@@ -325,9 +324,4 @@ class HiCacheClient:
         return self.conn.call("stats", {})
 
 
-def map_arena(fd: int, nbytes: int) -> mmap.mmap:
-    return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-
-
-__all__ = ["HiCacheClient", "Match", "InsertReply", "BackupPlan", "StateMatch", "StateBackupPlan", "KEY_BYTES",
-           "map_arena"]
+__all__ = ["HiCacheClient", "Match", "InsertReply", "BackupPlan", "StateMatch", "StateBackupPlan"]
