@@ -39,7 +39,7 @@ import aiofiles
 
 from hicache import __version__
 from hicache.config import admin_socket_path, format_size, parse_size
-from hicache.daemon.portable import (
+from hicache.portable_format import (
     FILE_HEAD, TAG_END, ExportHeader, PathEntry, PathStack, PortableFormatError,
     decode_header, head_size, header_length, parse_records, record_rest,
 )

@@ -14,7 +14,7 @@ import pytest
 
 from hicache.cli_admin import daemon_checks
 from hicache.client.connection import RpcConnection
-from hicache.daemon.portable import (
+from hicache.portable_format import (
     FILE_HEAD, ExportHeader, decode_header, encode_end, encode_page, head_size, header_length, record_rest,
 )
 from hicache.errors import ClientError
