@@ -2,7 +2,8 @@
 
 Every decision (what to write, what to evict, what to prefetch) is taken on the
 event-loop thread, where the index lives; the DiskTier's writer thread and
-reader pool only move bytes and report back through `call_soon_threadsafe`.
+reader pool only move bytes and report back through `post` (batched
+`call_soon_threadsafe`).
 
 - Write-through: once pages become host-resident (a backup finished) they are
   queued for disk straight from their arena slots (no copy); the node is
@@ -25,7 +26,10 @@ import asyncio
 import gc
 import logging
 import os
+import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -100,12 +104,32 @@ class DiskMover:
         self.prefetched_pages = 0
         self.prefetch_misses = 0
         self._latencies: list[tuple[str, float]] = []  # (op, seconds) for the metrics sampler
+        self._posted: deque[tuple[Callable[..., None], tuple]] = deque()  # see post()
+        self._post_lock = threading.Lock()
+        self._drain_scheduled = False
         self._ns_file = Path(config.state_dir) / NAMESPACES_FILE
         self._known_ns: dict[bytes, dict] = self._read_namespaces()
         service.on_host_stored = self.write_through
         service.before_host_evict = self.demote
         service.on_disk_freed = self.delete
         service.on_match = self.prefetch
+
+    def post(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run fn(*args) on the event loop; callable from the disk threads. Completions
+        of one writer batch share a single loop wake-up instead of one per page."""
+        self._posted.append((fn, args))
+        with self._post_lock:
+            if self._drain_scheduled:
+                return
+            self._drain_scheduled = True
+        self.loop.call_soon_threadsafe(self._drain_posted)
+
+    def _drain_posted(self) -> None:
+        with self._post_lock:
+            self._drain_scheduled = False  # before draining: a later post schedules again
+        while self._posted:
+            fn, args = self._posted.popleft()
+            fn(*args)
 
     @classmethod
     def start(cls, config: Config, service: CacheService) -> DiskMover:
@@ -227,7 +251,7 @@ class DiskMover:
 
     def _done_cb(self, wid: int, page_bytes: int):
         def done(key: bytes, ok: bool) -> None:
-            self.loop.call_soon_threadsafe(self._page_written, wid, ok, page_bytes)
+            self.post(self._page_written, wid, ok, page_bytes)
         return done
 
     def _page_written(self, wid: int, ok: bool, page_bytes: int) -> None:
@@ -283,7 +307,7 @@ class DiskMover:
 
     def _demote_cb(self, page_bytes: int):
         def done(key: bytes, ok: bool) -> None:
-            self.loop.call_soon_threadsafe(self._demote_done, page_bytes)
+            self.post(self._demote_done, page_bytes)
         return done
 
     def _demote_done(self, page_bytes: int) -> None:
