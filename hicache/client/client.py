@@ -261,15 +261,22 @@ class HiCacheClient:
                pin: Match | None = None, states: dict[int, int] | None = None) -> InsertReply | None:
         """Offer the full pages of `tokens` (held in `device_pages`) to the cache, and for a
         hybrid model the state checkpoints it holds (`states`: position -> device state slot).
-        None: skipped (daemon away) and the pages stay the engine's own."""
+        None: skipped (daemon away) and the pages stay the engine's own.
+
+        `keys` may hold the keys of a leading part of the pages (e.g. from the match of
+        the prompt); only the pages after them are hashed, chained from the last one."""
         toks = as_tokens(tokens)
+        ps = self.layout.page_size
         n = len(device_pages)
-        if keys is None:
-            keys = page_keys(self.salt, toks[:n * self.layout.page_size], self.layout.page_size)
+        keys = list(keys or ())
+        if len(keys) > n:
+            raise ValueError(f"{n} device pages for {len(keys)} page keys")
+        if len(keys) < n:
+            keys += page_keys(self.salt, toks[len(keys) * ps:n * ps], ps, parent=keys[-1] if keys else None)
         if len(keys) != n:
             raise ValueError(f"{n} device pages for {len(keys)} full pages of tokens")
         params = {"engine": self.engine_id, "keys": b"".join(keys),
-                  "tokens": toks[:n * self.layout.page_size].tobytes(), "device_pages": ids_to_bytes(device_pages)}
+                  "tokens": toks[:n * ps].tobytes(), "device_pages": ids_to_bytes(device_pages)}
         if pin is not None and pin.pin is not None and pin.epoch == self.epoch:
             params["pin"] = pin.pin
         if states:

@@ -161,8 +161,8 @@ class EngineCache:
         self.refs[new_pages] += 1
         reply = None
         if prefix.epoch == self.client.epoch:
-            reply = self.client.insert(tokens, all_pages, keys=prefix.match.keys[:n_full] if
-                                       len(prefix.match.keys) >= n_full else None, pin=prefix.match, states=states)
+            reply = self.client.insert(tokens, all_pages, keys=prefix.match.keys[:n_full], pin=prefix.match,
+                                       states=states)
         if reply is None:
             prefix.private.append(new_pages)
             return None
