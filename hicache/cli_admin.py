@@ -38,14 +38,14 @@ from typing import Any
 import aiofiles
 
 from hicache import __version__
-from hicache.config import admin_socket_path, format_size, parse_size
+from hicache.config import SERVICE_SOCKET, admin_socket_path, format_size, parse_size
 from hicache.portable_format import (
     FILE_HEAD, TAG_END, ExportHeader, PathEntry, PathStack, PortableFormatError,
     decode_header, head_size, header_length, parse_records, record_rest,
 )
 from hicache.errors import DaemonUnavailable, HiCacheError
 
-SYSTEM_SOCKET = "/run/hicache/hicache.sock"  # where hicache.socket listens
+SYSTEM_SOCKET = str(SERVICE_SOCKET)  # where hicache.socket listens
 CHUNK_BYTES = 8 << 20
 READ_BLOCK_BYTES = 4 << 20
 EXPORT_OPEN_TIMEOUT_S = 600.0  # reads every page record of the disk tier

@@ -242,7 +242,6 @@ class CacheService:
         pin.host_len += pf.loaded_pages
         pin.disk_len -= pf.loaded_pages
         pin.host_node = pf.last_node
-        self.counters.matched_pages["disk_loaded"] = self.counters.matched_pages.get("disk_loaded", 0) + pf.loaded_pages
         pf.loaded_pages = 0
 
     def drop_disk_copy(self, ns: NamespaceState, node: TreeNode) -> None:
