@@ -11,6 +11,11 @@ Copy backends, chosen once per `HostKVCache`:
 - "memcpy": CPU pools; one libc memmove per contiguous chunk (see kernels/copy.py).
 - "triton": CUDA pools when Triton imports (or CPU under TRITON_INTERPRET).
 - "torch": the twin, any device; the reference the others are tested against.
+
+Beside the backend, `dma_min_run_pages` sends runs of at least that many
+consecutive page pairs through strided DMA copies instead (`kernels/dma.py`):
+on CUDA the copy engine, leaving the SMs to compute. Off by default until a
+GPU measurement (`hicache bench transfer --device cuda`) sets the crossover.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch
 
 from hicache.errors import LayoutError
 from hicache.kernels import copy as kcopy
-from hicache.kernels import copy_triton
+from hicache.kernels import copy_triton, dma
 from hicache.layout import KVLayout
 from hicache.tiers.arena import HostArena, HostCacheError, HostSlotAllocator
 from hicache.tiers.device import DevicePool
@@ -45,16 +50,18 @@ BACKENDS = ("memcpy", "torch", "triton")
 
 @dataclass(slots=True)
 class PagePlan:
-    """Validated page pairs for one pool, in the forms every backend needs."""
+    """Validated page pairs for one pool, in the forms every backend needs: the
+    pages the backend copies, and the long runs (if any) that go by DMA."""
 
     pool: DevicePool
     host_np: np.ndarray  # int64, CPU
     device_np: np.ndarray  # int64, CPU
     host_t: torch.Tensor  # int64 on CPU (twin) or on the pool's device (triton)
     device_t: torch.Tensor  # int64 on the pool's device
+    runs: dma.Runs | None = None
 
     def __len__(self) -> int:
-        return len(self.host_np)
+        return len(self.host_np) + (self.runs.pages if self.runs is not None else 0)
 
 
 @dataclass(slots=True)
@@ -82,7 +89,8 @@ class HostKVCache:
     """
 
     def __init__(self, layout: KVLayout, arena: HostArena, *, device: str | torch.device | None = None,
-                 backend: str | None = None, copy_threads: int | None = None) -> None:
+                 backend: str | None = None, copy_threads: int | None = None,
+                 dma_min_run_pages: int | None = None) -> None:
         self.layout = layout
         self.arena = arena
         self.page_bytes = layout.page_bytes
@@ -91,6 +99,9 @@ class HostKVCache:
             raise LayoutError(f"a host arena of {arena.nbytes} bytes holds no page of {layout.page_bytes} bytes")
         if backend is not None and backend not in BACKENDS:
             raise LayoutError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if dma_min_run_pages is not None and (not isinstance(dma_min_run_pages, int) or dma_min_run_pages < 1):
+            raise LayoutError(f"dma_min_run_pages must be a positive int or None, got {dma_min_run_pages!r}")
+        self.dma_min_run_pages = dma_min_run_pages
         self.geom = kcopy.PageGeometry.from_layout(layout)
         self._pages_np = arena.array[: self.num_slots * self.page_bytes].reshape(self.num_slots, self.page_bytes)
         self._host = kcopy.host_pages_view(torch.from_numpy(arena.array), self.geom, self.num_slots)
@@ -113,6 +124,12 @@ class HostKVCache:
             raise LayoutError(f"the triton backend cannot run for {device} here")
         if device.type == "cuda":
             self.arena.register_cuda()
+            if self.dma_min_run_pages is not None:
+                try:
+                    dma.cuda_runtime()
+                except dma.DmaUnavailable as e:
+                    log.warning("DMA copies disabled, the %s backend copies every page: %s", backend, e)
+                    self.dma_min_run_pages = None
         self.device, self.backend = device, backend
         log.debug("host cache: %d slots of %d bytes, %s pools, backend %s",
                   self.num_slots, self.page_bytes, device.type, backend)
@@ -143,6 +160,13 @@ class HostKVCache:
             # A repeated destination would make the result depend on copy order.
             if len(np.unique(h)) != len(h) or len(np.unique(d)) != len(d):
                 raise HostCacheError("a host or device page id repeats within one transfer")
+        runs = None
+        if self.dma_min_run_pages is not None and len(h):
+            runs, rest = dma.split_long_runs(h, d, self.dma_min_run_pages)
+            if len(runs):
+                h, d = h[rest], d[rest]
+            else:
+                runs = None
         dev = device_pool.device
         d_t = torch.from_numpy(d)
         h_t = torch.from_numpy(h)
@@ -150,7 +174,7 @@ class HostKVCache:
             d_t = d_t.to(dev, non_blocking=True)
             if self.backend == "triton":
                 h_t = h_t.to(dev, non_blocking=True)
-        return PagePlan(device_pool, h, d, h_t, d_t)
+        return PagePlan(device_pool, h, d, h_t, d_t, runs)
 
     def _check_pool(self, pool: DevicePool) -> None:
         self.arena._check_open()
@@ -192,8 +216,13 @@ class HostKVCache:
             return
         views = self._pool_views(plan.pool)
         dev_v = views.v[layer_id] if views.v else None
+        v_ptr = int(views.v_ptrs[layer_id]) if views.v_ptrs is not None else None
+        if plan.runs is not None:
+            self._run_dma(plan, dma.load_layer_copies(self._base, int(views.k_ptrs[layer_id]), v_ptr, plan.runs,
+                                                      layer_id, self.geom))
+        if len(plan.host_np) == 0:
+            return
         if self.backend == "memcpy":
-            v_ptr = int(views.v_ptrs[layer_id]) if views.v_ptrs is not None else None
             self._copier.copy(*kcopy.load_layer_chunks(self._base, int(views.k_ptrs[layer_id]), v_ptr,
                                                        plan.host_np, plan.device_np, layer_id, self.geom))
         elif self.backend == "triton":
@@ -209,6 +238,10 @@ class HostKVCache:
         if len(plan) == 0:
             return
         views = self._pool_views(plan.pool)
+        if plan.runs is not None:
+            self._run_dma(plan, dma.backup_copies(self._base, views.k_ptrs, views.v_ptrs, plan.runs, self.geom))
+        if len(plan.host_np) == 0:
+            return
         if self.backend == "memcpy":
             self._copier.copy(*kcopy.backup_chunks(self._base, views.k_ptrs, views.v_ptrs,
                                                    plan.host_np, plan.device_np, self.geom))
@@ -218,6 +251,13 @@ class HostKVCache:
                                                  plan.host_t, plan.device_t, self.geom)
         else:
             kcopy.backup_all_layers_torch(self._host, views.k, views.v, plan.host_t, plan.device_t, self.geom)
+
+    def _run_dma(self, plan: PagePlan, copies: dma.Copies2D) -> None:
+        if plan.pool.device.type == "cuda":
+            stream = torch.cuda.current_stream(plan.pool.device).cuda_stream
+            dma.cuda_runtime().memcpy_2d_async(copies, stream)
+        else:
+            dma.run_on_cpu(copies)
 
     def load_to_device_per_layer(self, device_pool: DevicePool, host_indices: object,
                                  device_indices: object, layer_id: int) -> None:
