@@ -1,0 +1,1 @@
+"""hicache.client: the engine-side library (RPC connection, EngineCache)."""

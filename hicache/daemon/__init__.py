@@ -1,0 +1,1 @@
+"""hicache.daemon: the asyncio daemon (lifecycle, RPC handlers, tier movers)."""
