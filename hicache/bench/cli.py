@@ -28,9 +28,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--clients", type=int, nargs="+", default=[1, 8])
 
     b = bench("transfer", "per-layer load and all-layer backup vs a contiguous copy")
+    b.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu: the memcpy path by thread count; cuda: every copy method on the GPU, "
+                        "also vs a per-page cudaMemcpyAsync loop")
     b.add_argument("--page-sizes", type=int, nargs="+", default=[16, 64])
     b.add_argument("--repeats", type=int, default=9)
     b.add_argument("--target-mib", type=int, default=1024)
+    b.add_argument("--run-pages", type=int, default=64, help="cuda: pages per run in the 'runs' pattern")
 
     b = bench("disk", "disk tier put / get vs raw py-lmdb and dd")
     b.add_argument("--total-mib", type=int, default=512)
@@ -62,6 +66,10 @@ def run(args: argparse.Namespace) -> int:
     if args.bench == "rpc":
         from hicache.bench.rpc_bench import run as go
         rows = go(args.socket_path, args.prompt_tokens, args.requests, tuple(args.clients))
+    elif args.bench == "transfer" and args.device == "cuda":
+        from hicache.bench.device_transfer_bench import run as go
+        rows = go(tuple(args.page_sizes), device="cuda", repeats=args.repeats,
+                  target_bytes=args.target_mib << 20, run_pages=args.run_pages)
     elif args.bench == "transfer":
         from hicache.bench.transfer_bench import run as go
         rows = go(tuple(args.page_sizes), repeats=args.repeats, target_bytes=args.target_mib << 20)

@@ -187,3 +187,52 @@ def test_transfer_bench_rows_are_well_formed():
     for r in rows:
         assert set(r) == {"name", "value", "unit", "baseline", "ratio"}
         assert r["unit"] == "GB/s" and r["value"] > 0 and r["baseline"] > 0 and r["ratio"] > 0
+
+
+def test_device_transfer_bench_runs_every_method_on_cpu():
+    # The GPU bench's code path on CPU pools: every method moves the bytes (the
+    # bench checks each one) and reports against the contiguous copy.
+    from hicache.bench import device_transfer_bench as dtb
+
+    rows = dtb.run(page_sizes=(4,), device="cpu", num_layers=2, num_kv_heads=2, head_dim=64,
+                   target_bytes=1 << 20, repeats=1, run_pages=8)
+    names = [r["name"] for r in rows]
+    for op in ("load_per_layer", "backup_all_layer"):
+        for pattern in dtb.PATTERNS:
+            for method in ("memcpy", "torch", "dma", "per_page_memcpy"):
+                assert f"{op}_ps4_{pattern}_{method}" in names
+    for r in rows:
+        assert r["unit"] == "GB/s" and r["value"] > 0 and r["baseline"] > 0 and r["ratio"] > 0
+        assert r["baseline_name"] == "contiguous"
+        assert ("vs_per_page" in r) == (not r["name"].endswith("per_page_memcpy"))
+
+
+@pytest.mark.parametrize("pattern", ["scattered", "runs"])
+def test_bench_page_pairs(pattern):
+    from hicache.bench import device_transfer_bench as dtb
+    from hicache.kernels import dma
+
+    rng = np.random.default_rng(1)
+    h, d = dtb.page_pairs(pattern, 40, 96, 96, 8, rng)
+    assert len(h) == len(d) == 40 and len(set(h)) == 40 and len(set(d)) == 40
+    assert h.min() >= 0 and h.max() < 96 and d.min() >= 1 and d.max() <= 96
+    runs = dma.find_runs(h, d)
+    if pattern == "scattered":
+        assert runs.length.max() == 1
+    else:
+        assert runs.length.min() >= 8
+
+
+def test_bench_catches_a_method_that_copies_wrong_bytes(monkeypatch):
+    from hicache.bench import device_transfer_bench as dtb
+    from hicache.kernels import dma
+
+    real = dma.load_layer_copies
+
+    def off_by_one_layer(host_base, k_ptr, v_ptr, runs, layer, geom):
+        return real(host_base, k_ptr, v_ptr, runs, (layer + 1) % geom.num_layers, geom)
+
+    monkeypatch.setattr(dma, "load_layer_copies", off_by_one_layer)
+    with pytest.raises(AssertionError, match="dma load"):
+        dtb.run(page_sizes=(4,), device="cpu", patterns=("runs",), num_layers=2, num_kv_heads=2, head_dim=64,
+                target_bytes=1 << 19, repeats=1, run_pages=8)
