@@ -126,11 +126,12 @@ class CachedEngine:
     @classmethod
     def create(cls, config: ModelConfig | TinyTransformer, *, page_size: int = 16, device_pages: int = 64,
                socket_path: str | None = None, use_cache: bool = True, timeout_s: float = 10.0,
-               backoff_s: tuple[float, float] = (0.05, 2.0)) -> CachedEngine:
-        """A model (or a shared one), its own device pool and, with `use_cache`, a daemon connection."""
-        model = config if isinstance(config, TinyTransformer) else TinyTransformer(config)
-        pool = DevicePool(model.layout(page_size), num_slots=device_pages * page_size)
-        allocator = PagedTokenToKVPoolAllocator(pool.num_slots, page_size)
+               backoff_s: tuple[float, float] = (0.05, 2.0), device: str | torch.device = "cpu") -> CachedEngine:
+        """A model (or a shared one), its own device pool and, with `use_cache`, a daemon
+        connection. The pool lives where the model does (`device` builds a new model there)."""
+        model = config if isinstance(config, TinyTransformer) else TinyTransformer(config, device=device)
+        pool = DevicePool(model.layout(page_size), num_slots=device_pages * page_size, device=model.device)
+        allocator = PagedTokenToKVPoolAllocator(pool.num_slots, page_size, device=model.device)
         cache = None
         if use_cache:
             client = HiCacheClient(pool.layout, pool.num_pages, model=model_name(model.config),

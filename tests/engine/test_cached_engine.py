@@ -279,3 +279,31 @@ def test_bad_requests_are_rejected(models, tmp_path, engines):
     other = CachedEngine.create(models["mha"], page_size=PAGE, device_pages=8, use_cache=False)
     with pytest.raises(EngineError):
         CachedEngine(other.model, other.pool, other.allocator, eng.cache)
+
+
+# -- on a GPU: the whole engine path with CUDA pools (registered arena, copy kernels) ------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_cuda_engines_share_a_prefix_through_the_host_tier(kind, daemon_factory, engines):
+    d = daemon_factory("--host-capacity", "8MiB", "--no-disk").start()
+    model = TinyTransformer(CONFIGS[kind], device="cuda")
+    prompt = tokens(PROMPT_LEN, 1)
+    ref = CachedEngine.create(model, page_size=PAGE, device_pages=64, use_cache=False).generate(
+        prompt, NEW_TOKENS, keep_logits=True)
+    a = CachedEngine.create(model, page_size=PAGE, device_pages=32, socket_path=d.socket, backoff_s=(0.01, 0.1))
+    b = CachedEngine.create(model, page_size=PAGE, device_pages=32, socket_path=d.socket, backoff_s=(0.01, 0.1))
+    engines += [a, b]
+    first = serve(a, prompt)
+    assert tiers(first) == (0, 0, 0, PROMPT_LEN)
+    assert a.wait_backups()
+    from_host = serve(b, prompt)
+    assert tiers(from_host) == (0, CACHED, 0, PROMPT_LEN - CACHED)
+    assert b.cache.host.backend in ("triton", "torch") and b.pool.device.type == "cuda"
+    for g in (first, from_host):
+        assert g.output_ids == ref.output_ids
+        for x, y in zip(g.logits, ref.logits):
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+    for e in (a, b):
+        assert_balanced(e)
