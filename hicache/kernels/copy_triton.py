@@ -60,24 +60,26 @@ def _kernels() -> SimpleNamespace:
     import triton
     import triton.language as tl
 
-    # Page-id tensors and offsets change with every call; specializing on their
-    # alignment or value would compile new variants mid-serving.
-    @triton.jit(do_not_specialize=["host_idx_ptr", "dev_idx_ptr", "k_off", "v_off"])
-    def load_layer_kernel(host_ptr, dev_k_ptr, dev_v_ptr, host_idx_ptr, dev_idx_ptr,
-                          page_elems, k_off, v_off, k_elems, v_elems,
+    # Page-id tensors are re-sliced and `layer` changes with every call: specializing
+    # on their alignment or value would compile new variants mid-serving. The sizes
+    # stay specializable (fixed per layout): knowing them divisible by 16 is what
+    # lets the compiler prove alignment and issue 16-byte loads and stores.
+    @triton.jit(do_not_specialize=["host_idx_ptr", "dev_idx_ptr", "layer"])
+    def load_layer_kernel(host_ptr, dev_k_ptr, dev_v_ptr, host_idx_ptr, dev_idx_ptr, layer,
+                          page_elems, layer_elems, k_elems, v_elems,
                           HAS_V: tl.constexpr, BLOCK: tl.constexpr):
         i = tl.program_id(0)
         b = tl.program_id(1)
         h = tl.load(host_idx_ptr + i).to(tl.int64)
         d = tl.load(dev_idx_ptr + i).to(tl.int64)
         offs = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        src = host_ptr + h * page_elems
+        src = host_ptr + h * page_elems + layer.to(tl.int64) * layer_elems
         mk = offs < k_elems
-        x = tl.load(src + k_off + offs, mask=mk)
+        x = tl.load(src + offs, mask=mk)
         tl.store(dev_k_ptr + d * k_elems + offs, x, mask=mk)
         if HAS_V:
             mv = offs < v_elems
-            y = tl.load(src + v_off + offs, mask=mv)
+            y = tl.load(src + k_elems + offs, mask=mv)
             tl.store(dev_v_ptr + d * v_elems + offs, y, mask=mv)
 
     @triton.jit(do_not_specialize=["host_idx_ptr", "dev_idx_ptr"])
@@ -93,12 +95,14 @@ def _kernels() -> SimpleNamespace:
         elem_ptr = tl.pointer_type(host_ptr.dtype.element_ty)
         dst = host_ptr + h * page_elems + layer.to(tl.int64) * layer_elems
         mk = offs < k_elems
-        k_base = tl.load(k_ptrs + layer).to(elem_ptr)
+        # Pool buffers start 16-byte aligned (`pointer_table` checks); said here, since
+        # an address loaded from the table tells the compiler nothing.
+        k_base = tl.multiple_of(tl.load(k_ptrs + layer).to(elem_ptr), 16)
         x = tl.load(k_base + d * k_elems + offs, mask=mk)
         tl.store(dst + offs, x, mask=mk)
         if HAS_V:
             mv = offs < v_elems
-            v_base = tl.load(v_ptrs + layer).to(elem_ptr)
+            v_base = tl.multiple_of(tl.load(v_ptrs + layer).to(elem_ptr), 16)
             y = tl.load(v_base + d * v_elems + offs, mask=mv)
             tl.store(dst + k_elems + offs, y, mask=mv)
 
@@ -119,13 +123,15 @@ def load_layer_triton(host: torch.Tensor, dev_k: torch.Tensor, dev_v: torch.Tens
         return
     k = _kernels()
     k.load_layer[(n, _blocks(geom))](
-        host, dev_k, dev_k if dev_v is None else dev_v, host_pages, device_pages,
-        geom.page_elems, geom.k_offset(layer), geom.v_offset(layer), geom.k_elems, geom.v_elems,
+        host, dev_k, dev_k if dev_v is None else dev_v, host_pages, device_pages, layer,
+        geom.page_elems, geom.layer_bytes // geom.width, geom.k_elems, geom.v_elems,
         HAS_V=dev_v is not None, BLOCK=_BLOCK)
 
 
 def pointer_table(buffers: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Addresses of per-layer pool buffers, as the int64 table `backup_all_layers_triton` reads."""
+    if any(b.data_ptr() % 16 for b in buffers):
+        raise ValueError("pool buffers must start 16-byte aligned for the backup kernel")
     return torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=device)
 
 

@@ -153,6 +153,62 @@ def test_triton_backend_refused_where_it_cannot_run():
     assert not copy_triton.triton_usable(torch.device("cpu"))
 
 
+# Compiles both copy kernels for sm_90 without a GPU (Triton ships ptxas), for
+# every element width and with/without V, and checks that with the 16-divisible
+# sizes and pointers Triton sees at run time the page data moves in 16-byte
+# vector loads and stores (the index loads stay scalar). Exit 77: this Triton
+# lacks the internal API used here.
+_AOT_RUNNER = textwrap.dedent("""
+    import re, sys
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError:
+        sys.exit(77)
+    from hicache.kernels.copy_triton import _BLOCK, _kernels
+    k = _kernels()
+    target = GPUTarget("cuda", 90, 32)
+    div = [["tt.divisibility", 16]]
+    for elem in ("i64", "i32", "i16", "i8"):
+        for has_v in (True, False):
+            consts = {"HAS_V": has_v, "BLOCK": _BLOCK}
+            sig = {"host_ptr": f"*{elem}", "dev_k_ptr": f"*{elem}", "dev_v_ptr": f"*{elem}",
+                   "host_idx_ptr": "*i64", "dev_idx_ptr": "*i64", "layer": "i64", "page_elems": "i64",
+                   "layer_elems": "i64", "k_elems": "i64", "v_elems": "i64", "HAS_V": "constexpr",
+                   "BLOCK": "constexpr"}
+            attrs = {(i,): div for i in (0, 1, 2, 6, 7, 8, 9)}
+            load = triton.compile(ASTSource(fn=k.load_layer, signature=sig, constexprs=consts, attrs=attrs),
+                                  target=target)
+            sig = {"host_ptr": f"*{elem}", "k_ptrs": "*i64", "v_ptrs": "*i64", "host_idx_ptr": "*i64",
+                   "dev_idx_ptr": "*i64", "page_elems": "i64", "layer_elems": "i64", "k_elems": "i64",
+                   "v_elems": "i64", "HAS_V": "constexpr", "BLOCK": "constexpr"}
+            attrs = {(i,): div for i in (0, 5, 6, 7, 8)}
+            backup = triton.compile(ASTSource(fn=k.backup, signature=sig, constexprs=consts, attrs=attrs),
+                                    target=target)
+            for name, c in (("load", load), ("backup", backup)):
+                assert "cubin" in c.asm, name
+                if elem == "i64":
+                    ptx = c.asm["ptx"]
+                    assert re.search(r"ld\\.global(\\.\\w+)*\\.v2\\.b64", ptx), (name, has_v)
+                    assert re.search(r"st\\.global(\\.\\w+)*\\.v2\\.b64", ptx), (name, has_v)
+""")
+
+
+def test_copy_kernels_compile_for_cuda_without_a_gpu(tmp_path):
+    import importlib.util
+
+    if not copy_triton.triton_installed() or importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("triton with its NVIDIA backend is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", _AOT_RUNNER], env=env, capture_output=True, text=True, timeout=300)
+    if proc.returncode == 77:
+        pytest.skip("this triton has no ASTSource/GPUTarget")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 GPU_LAYOUTS = {
@@ -236,3 +292,10 @@ def test_bench_catches_a_method_that_copies_wrong_bytes(monkeypatch):
     with pytest.raises(AssertionError, match="dma load"):
         dtb.run(page_sizes=(4,), device="cpu", patterns=("runs",), num_layers=2, num_kv_heads=2, head_dim=64,
                 target_bytes=1 << 19, repeats=1, run_pages=8)
+
+
+def test_pointer_table_refuses_unaligned_buffers():
+    ok = torch.zeros(64, dtype=torch.uint8)
+    assert copy_triton.pointer_table([ok], torch.device("cpu")).tolist() == [ok.data_ptr()]
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        copy_triton.pointer_table([ok, ok[1:]], torch.device("cpu"))
