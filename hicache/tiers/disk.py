@@ -1,19 +1,16 @@
 """The disk tier (L3): KV pages in one LMDB environment that survives restarts.
 
 Threads and ownership
-- One writer thread owns every write transaction (LMDB write transactions are
-  thread-bound and exclusive). ``put_async``/``delete_async`` only append to a
-  bounded in-memory queue and never block: a full queue is a ``False`` return.
-  The writer drains up to ``batch_pages``/``batch_bytes`` per transaction, in
-  queue order (a put then a delete of one key ends deleted).
+- Every write runs on one writer thread (hicache/tiers/disk_writer.py: the
+  queue, batching, the budget, error recovery). ``put_async``/``delete_async``
+  never block: a full queue is a ``False`` return.
 - ``on_done(key, ok)`` and ``evict_hook(bytes_needed)`` run ON THE WRITER
   THREAD. An asyncio owner hops back with ``loop.call_soon_threadsafe``; the
   hook must be thread-safe (or answer from a list prepared on the loop).
   Neither may call ``flush``/``close`` (the writer would wait for itself).
 - A put does not copy the page: the writer hands the caller's buffer straight
   to LMDB, so the caller keeps it unchanged until ``on_done`` fires (host-arena
-  slots stay pinned until then) or passes ``bytes``. Checksums of pages of
-  64 KiB and more run on a hasher thread, overlapping the writer's copies.
+  slots stay pinned until then) or passes ``bytes``.
 - Reads are short read transactions (``buffers=True``) that copy the page into
   the caller's buffer before the transaction ends and checksum the copy in
   the same pass (chunk by chunk, while each chunk is in L2; see
@@ -29,18 +26,13 @@ Keys and namespaces
 
 Budget
 - ``capacity_bytes`` bounds the sum of stored page bytes (records and B-tree
-  pages come on top: ~100 B + 4 B per token, per page). The tier never picks victims: when a
-  put does not fit, it asks ``evict_hook(bytes_needed)`` for keys (the radix
-  index knows LRU leaf order) and deletes them in the same transaction; keys
-  the hook returns are as good as deleted (a failed transaction retries them).
-  With no hook, or too little freed, the put is rejected (``on_done(key,
-  False)``, counted). ``map_size`` (default 1.5 x capacity + 64 MiB) leaves
-  LMDB room for B-tree pages and for pages freed by recent transactions (LMDB
-  reuses a page freed by transaction T only from T+2 on).
-- ``MapFullError`` or any other LMDB error aborts the batch; the writer then
-  evicts through the hook, commits twice so the freed pages become reusable,
-  retries the batch once and otherwise commits it op by op: what fits goes
-  in, the rest is rejected. The writer thread never dies and never stalls.
+  pages come on top: ~100 B + 4 B per token, per page). The tier never picks
+  victims: a put that does not fit asks ``evict_hook(bytes_needed)`` for keys
+  and is rejected (``on_done(key, False)``) when too little is freed; a full
+  map or an LMDB error never kills the writer (see disk_writer.py).
+- ``map_size`` (default 1.5 x capacity + 64 MiB) leaves LMDB room for B-tree
+  pages and for pages freed by recent transactions (LMDB reuses a page freed
+  by transaction T only from T+2 on).
 
 Durability (``durability=``; the environment always uses ``writemap=True``)
 - ``"none"`` (default): ``sync=False, metasync=False``; the kernel writes the
@@ -93,9 +85,7 @@ import itertools
 import logging
 import os
 import threading
-import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
@@ -106,6 +96,7 @@ import numpy as np
 from hicache.errors import ConfigError, DiskTierError
 from hicache.tiers import disk_format as fmt
 from hicache.tiers.disk_format import DiskRecord
+from hicache.tiers.disk_writer import DiskWriter, EvictHook, OnDone
 
 log = logging.getLogger(__name__)
 
@@ -113,9 +104,7 @@ __all__ = ["DiskTier", "DiskTierConfig", "DiskRecord", "Durability", "DEFAULT_DU
 
 Durability = Literal["none", "batch", "sync"]
 DEFAULT_DURABILITY: Durability = "none"
-HASH_OFFLOAD_BYTES = 64 << 10  # smaller pages are checksummed inline: a handoff costs more
-EvictHook = Callable[[int], Iterable[bytes]]
-OnDone = Callable[[bytes, bool], None]
+
 
 @dataclass(frozen=True)
 class DiskTierConfig:
@@ -145,38 +134,6 @@ class DiskTierConfig:
             raise ConfigError("DiskTierConfig.touch_interval_s must be > 0")
         if self.checksum not in fmt.CHECKSUM_NAMES:
             raise ConfigError(f"DiskTierConfig.checksum must be one of {fmt.CHECKSUM_NAMES}")
-
-
-@dataclass(slots=True)
-class _Put:
-    salt: bytes
-    key: bytes
-    parent: bytes | None
-    tokens: bytes
-    page: memoryview
-    on_done: OnDone | None
-    algo: int = 0  # checksum algorithm id, set by the writer
-    digest: tuple[int, int] | None = None
-    job: fmt.ChecksumJob | None = None  # computes `digest` on the hasher thread
-
-
-@dataclass(slots=True)
-class _Delete:
-    keys: list[bytes]
-
-
-@dataclass(slots=True)
-class _Drop:
-    """Delete corrupt entry `key` unless it was rewritten since a reader saw it
-    (its record's checksum is still `checksum`; None: the record was malformed)."""
-
-    key: bytes
-    checksum: tuple[int, int] | None
-
-
-@dataclass(slots=True)
-class _Barrier:
-    done: threading.Event
 
 
 def _check_key(name: str, value: object) -> bytes:
@@ -225,44 +182,17 @@ class DiskTier:
         self.config = config
         self._env = env = opened.env
         self._lock_fd = opened.lock_fd
-        used_bytes, num_pages = opened.used_bytes, opened.num_pages
         self._pages = env.open_db(fmt.DB_PAGES, create=False)
         self._meta = env.open_db(fmt.DB_META, create=False)
-        self._info = env.open_db(fmt.DB_INFO, create=False)
-        self._evict_hook = evict_hook
-        # Writer-owned state (read elsewhere only for stats).
-        self._used_bytes = used_bytes
-        self._num_pages = num_pages
-        self._used_bytes_tx = used_bytes  # running totals inside the open write transaction
-        self._num_pages_tx = num_pages
-        self._doomed: dict[bytes, bool] = {}  # key -> evicted?; kept until a commit succeeds
-        self._drops: dict[bytes, tuple[int, int] | None] = {}
-        self._w = dict(pages_written=0, bytes_written=0, dedup_puts=0, rejected_budget=0,
-                       rejected_errors=0, write_errors=0, evicted_pages=0, deleted_pages=0,
-                       batches=0)
-        self._last_write_time = 0.0
-        self._last_warning = -1e9
-        self._suppressed = 0
-        self._last_touch_flush = time.monotonic()
-        # Queue state, guarded by _cond.
-        self._cond = threading.Condition()
-        self._queue: deque[_Put | _Delete | _Drop | _Barrier] = deque()
-        self._queued_pages = 0
-        self._queued_bytes = 0
-        self._puts = 0
-        self._skipped_queue_full = 0
-        self._touches: dict[bytes, float] = {}
-        self._closing = False
+        info = env.open_db(fmt.DB_INFO, create=False)
         self._closed = False
         # Reader counters, guarded by _rlock.
         self._rlock = threading.Lock()
         self._r = dict(gets=0, hits=0, misses=0, corrupt_pages=0, bytes_read=0)
         self._readers = ThreadPoolExecutor(config.readers, thread_name_prefix="hicache-disk-read")
-        # Checksums of big pages run here, overlapping the writer's copies into the map:
-        # computed inline they cost the writer ~25% (a second pass over each page).
-        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="hicache-disk-hash")
-        self._writer = threading.Thread(target=self._writer_main, name="hicache-disk-writer", daemon=True)
-        self._writer.start()
+        self._writer = DiskWriter(env, self.path, pages=self._pages, meta=self._meta, info=info,
+                                  capacity_bytes=capacity_bytes, config=config, evict_hook=evict_hook,
+                                  used_bytes=opened.used_bytes, num_pages=opened.num_pages)
 
     # ----------------------------------------------------------------- open/close
 
@@ -297,14 +227,8 @@ class DiskTier:
 
     def close(self) -> None:
         """Drain the queue, commit, flush to disk, mark the environment clean. Idempotent."""
-        with self._cond:
-            first = not self._closing
-            self._closing = True
-            self._cond.notify_all()
-        self._writer.join()
-        if not first:
+        if not self._writer.stop():
             return
-        self._hasher.shutdown(wait=True)
         self._readers.shutdown(wait=True)
         try:
             self._env.sync(True)
@@ -323,7 +247,7 @@ class DiskTier:
 
     def set_evict_hook(self, hook: EvictHook | None) -> None:
         """Install the owner's victim chooser (called on the writer thread)."""
-        self._evict_hook = hook
+        self._writer.evict_hook = hook
 
     # --------------------------------------------------------------------- writes
 
@@ -341,58 +265,22 @@ class DiskTier:
             raise ValueError("tokens must be a one-dimensional integer array")
         tok_bytes = tok.astype("<i4", copy=False).tobytes()
         mv = _readable_bytes(page)
-        op = _Put(salt, key, parent_key, tok_bytes, mv, on_done)
-        with self._cond:
-            if self._closing or self._queued_pages >= self.config.max_queue_pages or \
-                    self._queued_bytes + mv.nbytes > self.config.max_queue_bytes:
-                self._skipped_queue_full += 1
-                return False
-            self._queue.append(op)
-            self._queued_pages += 1
-            self._queued_bytes += mv.nbytes
-            self._puts += 1
-            self._cond.notify()
-        return True
+        return self._writer.put(salt, key, parent_key, tok_bytes, mv, on_done)
 
     def delete_async(self, keys: Iterable[bytes]) -> None:
         """Queue deletions (not bounded by the queue limits: they carry no pages)."""
         batch = [_check_key("key", k) for k in keys]
         if batch:
-            self._enqueue(_Delete(batch))
+            self._writer.delete(batch)
 
     def touch(self, keys: Iterable[bytes]) -> None:
         """Note an access; persisted lazily, every ``touch_interval_s``."""
-        now = time.time()
-        with self._cond:
-            room = self.config.max_pending_touches - len(self._touches)
-            for k in keys:
-                if room <= 0:
-                    break
-                if k not in self._touches:
-                    room -= 1
-                self._touches[k] = now
+        self._writer.touch(keys)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Block until everything queued so far is committed (and touches
         applied); False on timeout. For shutdown and tests, not the event loop."""
-        done = threading.Event()
-        if not self._enqueue(_Barrier(done)):
-            return True
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not done.wait(0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))):
-            if not self._writer.is_alive():
-                raise DiskTierError(f"{self.path}: the disk tier's writer thread is gone")
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-        return True
-
-    def _enqueue(self, op: _Delete | _Drop | _Barrier) -> bool:
-        with self._cond:
-            if self._closing:
-                return False
-            self._queue.append(op)
-            self._cond.notify()
-        return True
+        return self._writer.flush(timeout_s)
 
     # ---------------------------------------------------------------------- reads
 
@@ -444,8 +332,8 @@ class DiskTier:
                 if status == "corrupt":
                     r["corrupt_pages"] += 1
         if status == "corrupt":
-            self._warn("corrupt page %s dropped", key.hex())
-            self._enqueue(_Drop(key, None if hdr is None else hdr.checksum))
+            self._writer.warn("corrupt page %s dropped", key.hex())
+            self._writer.drop(key, None if hdr is None else hdr.checksum)
         return status == "hit"
 
     def get_many_async(self, salt: bytes, keys: Sequence[bytes], outs: Sequence[object]) -> Future[list[bool]]:
@@ -508,14 +396,13 @@ class DiskTier:
     # ---------------------------------------------------------------------- stats
 
     def stats(self) -> dict:
-        with self._cond:
-            q = dict(queue_depth=len(self._queue), queue_bytes=self._queued_bytes, puts=self._puts,
-                     skipped_queue_full=self._skipped_queue_full, pending_touches=len(self._touches))
+        w = self._writer
+        q = w.queue_stats()
         with self._rlock:
             r = dict(self._r)
-        return dict(used_bytes=self._used_bytes, capacity_bytes=self.capacity_bytes,
-                    num_pages=self._num_pages, map_size=self.map_size, durability=self.durability,
-                    last_write_time=self._last_write_time, **q, **r, **self._w)
+        return dict(used_bytes=w.used_bytes, capacity_bytes=self.capacity_bytes,
+                    num_pages=w.num_pages, map_size=self.map_size, durability=self.durability,
+                    last_write_time=w.last_write_time, **q, **r, **w.write_counters())
 
     def reader_health(self) -> dict:
         """LMDB reader slots and map use, for `hicache doctor`. Runs ``reader_check``,
@@ -530,242 +417,8 @@ class DiskTier:
 
     @property
     def used_bytes(self) -> int:
-        return self._used_bytes
+        return self._writer.used_bytes
 
     @property
     def num_pages(self) -> int:
-        return self._num_pages
-
-    # --------------------------------------------------------------------- writer
-
-    def _writer_main(self) -> None:
-        while True:
-            try:
-                ops, stop = self._take_batch()
-                if ops or self._touch_due(stop):
-                    self._run_batch(ops, stop or any(isinstance(o, _Barrier) for o in ops))
-            except Exception:  # a bug; the writer must outlive it
-                log.exception("disk tier %s: writer loop error", self.path)
-                time.sleep(0.1)
-                continue
-            if stop:
-                return
-
-    def _touch_due(self, force: bool) -> bool:
-        if not self._touches:
-            return False
-        return force or time.monotonic() - self._last_touch_flush >= self.config.touch_interval_s
-
-    def _take_batch(self) -> tuple[list, bool]:
-        cfg = self.config
-        with self._cond:
-            while not self._queue and not self._closing:
-                if not self._cond.wait(cfg.touch_interval_s) and self._touches:
-                    return [], False
-            ops: list = []
-            n_bytes = 0
-            while self._queue and len(ops) < cfg.batch_pages and n_bytes < cfg.batch_bytes:
-                op = self._queue.popleft()
-                ops.append(op)
-                if isinstance(op, _Put):
-                    self._queued_pages -= 1
-                    self._queued_bytes -= op.page.nbytes
-                    n_bytes += op.page.nbytes
-                elif isinstance(op, _Barrier):
-                    break  # commit everything before it, then release the waiter
-            return ops, self._closing and not self._queue
-
-    def _run_batch(self, ops: list, force_touch: bool) -> None:
-        results = None
-        try:
-            results = self._write(ops, force_touch)
-        except Exception:  # a bug: reject the batch but never let the writer thread die
-            log.exception("disk tier %s: write batch failed", self.path)
-        finally:
-            if results is None:
-                results = [(op, False) for op in ops if isinstance(op, _Put)]
-            for p, ok in results:
-                if p.on_done is not None:
-                    try:
-                        p.on_done(p.key, ok)
-                    except Exception:
-                        log.exception("disk tier on_done callback failed")
-            for op in ops:
-                if isinstance(op, _Barrier):
-                    op.done.set()
-
-    def _write(self, ops: list, force_touch: bool) -> list[tuple[_Put, bool]]:
-        big = []
-        for op in ops:
-            if isinstance(op, _Put):
-                op.algo = fmt.pick_algo(self.config.checksum, op.page.nbytes)
-                if op.page.nbytes >= HASH_OFFLOAD_BYTES:
-                    big.append(op)
-        if big:
-            job = fmt.ChecksumJob(big)
-            for op in big:
-                op.job = job
-            self._hasher.submit(job.run)
-        try:
-            return self._commit(ops, force_touch)
-        except lmdb.Error as e:  # MapFullError, or an I/O error from LMDB
-            self._w["write_errors"] += 1
-            self._warn("write failed (%s); evicting and retrying", e)
-            self._make_room(sum(op.page.nbytes for op in ops if isinstance(op, _Put)))
-            try:
-                return self._commit(ops, force_touch)
-            except lmdb.Error:
-                pass
-        except Exception:
-            log.exception("disk tier %s: write batch failed; retrying op by op", self.path)
-        # Commit op by op, in order: what fits goes in, the rest is rejected.
-        results: list[tuple[_Put, bool]] = []
-        for op in ops:
-            results += self._commit_alone(op, force_touch)
-        return results
-
-    def _warn(self, msg: str, *args: object) -> None:
-        """A warning at most every 10 s (any thread; races only blur the count):
-        a full map fails every batch until space is freed."""
-        now = time.monotonic()
-        if now - self._last_warning >= 10.0:
-            log.warning("disk tier %s: " + msg + " (%d similar warnings suppressed)", self.path, *args,
-                        self._suppressed)
-            self._last_warning, self._suppressed = now, 0
-        else:
-            self._suppressed += 1
-
-    def _commit_alone(self, op: object, force_touch: bool) -> list[tuple[_Put, bool]]:
-        try:
-            return self._commit([op], force_touch)
-        except Exception as e:
-            self._w["write_errors"] += 1
-            if isinstance(op, _Put):
-                self._w["rejected_errors"] += 1
-                log.debug("disk tier %s: put %s rejected: %s", self.path, op.key.hex(), e)
-                return [(op, False)]
-            if isinstance(op, _Delete):  # not lost: the next transaction retries it
-                self._doomed.update(dict.fromkeys(op.keys, False))
-            elif isinstance(op, _Drop):
-                self._drops[op.key] = op.checksum
-            return []
-
-    def _commit(self, ops: list, force_touch: bool) -> list[tuple[_Put, bool]]:
-        """Apply leftover deletions, then `ops` in order, then due touches, in
-        ONE write transaction. Shared state changes only after the commit."""
-        self._used_bytes_tx, self._num_pages_tx = self._used_bytes, self._num_pages
-        c = dict(evicted_pages=0, deleted_pages=0, pages_written=0, bytes_written=0, dedup_puts=0,
-                 rejected_budget=0)
-        results: list[tuple[_Put, bool]] = []
-        touches = None
-        with self._env.begin(write=True, buffers=True) as txn:
-            for k, evicted in list(self._doomed.items()):
-                c["evicted_pages" if evicted else "deleted_pages"] += self._delete(txn, k)
-            for k, checksum in self._drops.items():
-                self._drop(txn, k, checksum)
-            remaining = sum(op.page.nbytes for op in ops if isinstance(op, _Put))
-            hook_dry = False
-            for op in ops:
-                if isinstance(op, _Delete):
-                    for k in op.keys:
-                        c["deleted_pages"] += self._delete(txn, k)
-                elif isinstance(op, _Drop):
-                    self._drop(txn, op.key, op.checksum)
-                elif isinstance(op, _Put):
-                    remaining -= op.page.nbytes
-                    ok, hook_dry = self._put(txn, op, remaining, hook_dry, c)
-                    results.append((op, ok))
-            if self._touches and (force_touch or self._touch_due(False)):
-                with self._cond:
-                    touches, self._touches = self._touches, {}
-                for k, t in touches.items():
-                    cur = txn.get(k, db=self._meta)
-                    if cur is not None:
-                        txn.put(k, fmt.with_last_access(bytes(cur), t), db=self._meta)
-            txn.put(fmt.INFO_TOTALS_KEY, fmt.pack_totals(self._used_bytes_tx, self._num_pages_tx),
-                    db=self._info)
-        # committed
-        if touches is not None:
-            self._last_touch_flush = time.monotonic()
-        self._doomed.clear()
-        self._drops.clear()
-        self._used_bytes, self._num_pages = self._used_bytes_tx, self._num_pages_tx
-        for name, n in c.items():
-            self._w[name] += n
-        self._w["batches"] += 1
-        self._last_write_time = time.time()
-        return results
-
-    def _put(self, txn: lmdb.Transaction, p: _Put, remaining: int, hook_dry: bool,
-             c: dict[str, int]) -> tuple[bool, bool]:
-        """One put inside the writer's transaction; (accepted, hook_dry)."""
-        size = p.page.nbytes
-        old = txn.get(p.key, db=self._meta)
-        if old is not None:
-            hdr = fmt.unpack_meta_header(old)
-            if hdr is not None and hdr.salt == p.salt and hdr.size == size:
-                c["dedup_puts"] += 1  # same key, same namespace: same content
-                return True, hook_dry
-            self._delete(txn, p.key)
-        over = self._used_bytes_tx + size - self.capacity_bytes
-        if over > 0 and not hook_dry:
-            # ask once for the rest of the batch too: one hook call per batch, typically
-            keys = self._call_hook(over + remaining)
-            hook_dry = not keys
-            for k in keys:
-                c["evicted_pages"] += self._delete(txn, k)
-        if self._used_bytes_tx + size > self.capacity_bytes:
-            c["rejected_budget"] += 1
-            return False, hook_dry
-        txn.put(p.key, p.page, db=self._pages)  # the hasher works on later pages meanwhile
-        if p.job is not None:
-            digest = p.job.digest(p)
-        else:
-            digest = p.digest or fmt.checksum(p.algo, np.frombuffer(p.page, dtype=np.uint8))
-            p.digest = digest  # kept for a retry of the batch
-        txn.put(p.key, fmt.pack_meta(p.parent, p.salt, size, digest, time.time(), p.algo, p.tokens),
-                db=self._meta)
-        self._used_bytes_tx += size
-        self._num_pages_tx += 1
-        c["pages_written"] += 1
-        c["bytes_written"] += size
-        return True, hook_dry
-
-    def _drop(self, txn: lmdb.Transaction, key: bytes, checksum: tuple[int, int] | None) -> None:
-        cur = txn.get(key, db=self._meta)
-        hdr = None if cur is None else fmt.unpack_meta_header(cur)
-        if cur is None or (hdr.checksum if hdr is not None else None) == checksum:
-            self._delete(txn, key)  # not rewritten since the reader saw it
-
-    def _delete(self, txn: lmdb.Transaction, key: bytes) -> int:
-        """Delete one entry inside the writer's transaction; the pages freed (0 or 1)."""
-        page = txn.get(key, db=self._pages)
-        had_meta = txn.delete(key, db=self._meta)
-        if page is None:
-            return int(had_meta)  # a page-less record (corruption): no bytes to account
-        self._used_bytes_tx -= len(page)
-        self._num_pages_tx -= 1
-        txn.delete(key, db=self._pages)
-        return 1
-
-    def _call_hook(self, bytes_needed: int) -> list[bytes]:
-        if self._evict_hook is None:
-            return []
-        try:
-            keys = [k for k in self._evict_hook(bytes_needed) if isinstance(k, bytes)]
-        except Exception:
-            log.exception("disk tier evict_hook failed")
-            return []
-        self._doomed.update(dict.fromkeys(keys, True))  # doomed even if this transaction aborts
-        return keys
-
-    def _make_room(self, bytes_needed: int) -> None:
-        """After a failed transaction: delete hook-chosen keys in their own
-        commit, then commit once more so the freed pages become reusable."""
-        self._call_hook(max(bytes_needed, 1))
-        try:
-            self._commit([], False)  # deletes the doomed keys (transaction T)
-            self._commit([], False)  # T+1: pages freed by T are reusable from here on
-        except lmdb.Error as e:
-            self._warn("could not free space: %s", e)
-
+        return self._writer.num_pages

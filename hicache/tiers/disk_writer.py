@@ -1,0 +1,435 @@
+"""The disk tier's writer: the one thread that runs every LMDB write
+transaction of hicache/tiers/disk.py, the queue that feeds it, and the budget.
+
+- One thread, because LMDB write transactions are thread-bound and exclusive.
+  Callers only append to a bounded in-memory queue, so a put never waits for
+  the disk. The writer drains up to ``batch_pages``/``batch_bytes`` per
+  transaction, in queue order (a put then a delete of one key ends deleted).
+- No copies: a put hands the caller's buffer straight to LMDB (see DiskTier's
+  contract on keeping it unchanged). Checksums of pages of 64 KiB and more run
+  on a hasher thread, overlapping the writer's copies into the map.
+- The tier never picks victims. When a put does not fit ``capacity_bytes``,
+  the writer asks ``evict_hook(bytes_needed)`` for keys (the radix index knows
+  LRU leaf order) and deletes them in the same transaction; keys the hook
+  returns are as good as deleted (a failed transaction retries them). With no
+  hook, or too little freed, the put is rejected (``on_done(key, False)``,
+  counted).
+- ``MapFullError`` or any other LMDB error aborts the batch; the writer then
+  evicts through the hook, commits twice so the freed pages become reusable
+  (LMDB reuses a page freed by transaction T only from T+2 on), retries the
+  batch once and otherwise commits it op by op: what fits goes in, the rest is
+  rejected. The writer thread never dies and never stalls.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import lmdb
+import numpy as np
+
+from hicache.errors import DiskTierError
+from hicache.tiers import disk_format as fmt
+
+if TYPE_CHECKING:  # for annotations only: disk.py imports this module
+    from hicache.tiers.disk import DiskTierConfig
+
+log = logging.getLogger(__name__)
+
+HASH_OFFLOAD_BYTES = 64 << 10  # smaller pages are checksummed inline: a handoff costs more
+EvictHook = Callable[[int], Iterable[bytes]]
+OnDone = Callable[[bytes, bool], None]
+
+
+@dataclass(slots=True)
+class _Put:
+    salt: bytes
+    key: bytes
+    parent: bytes | None
+    tokens: bytes
+    page: memoryview
+    on_done: OnDone | None
+    algo: int = 0  # checksum algorithm id, set by the writer
+    digest: tuple[int, int] | None = None
+    job: fmt.ChecksumJob | None = None  # computes `digest` on the hasher thread
+
+
+@dataclass(slots=True)
+class _Delete:
+    keys: list[bytes]
+
+
+@dataclass(slots=True)
+class _Drop:
+    """Delete corrupt entry `key` unless it was rewritten since a reader saw it
+    (its record's checksum is still `checksum`; None: the record was malformed)."""
+
+    key: bytes
+    checksum: tuple[int, int] | None
+
+
+@dataclass(slots=True)
+class _Barrier:
+    done: threading.Event
+
+
+class DiskWriter:
+    """The writer thread and its queue; started on construction. ``DiskTier``
+    validates arguments and owns the environment; this class owns its writes.
+    ``used_bytes``, ``num_pages`` and ``last_write_time`` change only on the
+    writer thread (others read them for stats)."""
+
+    def __init__(self, env: lmdb.Environment, path: str, *, pages: object, meta: object, info: object,
+                 capacity_bytes: int, config: DiskTierConfig, evict_hook: EvictHook | None,
+                 used_bytes: int, num_pages: int) -> None:
+        self.path = path
+        self.capacity_bytes = capacity_bytes
+        self.config = config
+        self.evict_hook = evict_hook  # the owner may replace it at any time
+        self._env = env
+        self._pages, self._meta, self._info = pages, meta, info
+        # Writer-owned state (read elsewhere only for stats).
+        self.used_bytes = used_bytes
+        self.num_pages = num_pages
+        self._used_bytes_tx = used_bytes  # running totals inside the open write transaction
+        self._num_pages_tx = num_pages
+        self._doomed: dict[bytes, bool] = {}  # key -> evicted?; kept until a commit succeeds
+        self._drops: dict[bytes, tuple[int, int] | None] = {}
+        self._w = dict(pages_written=0, bytes_written=0, dedup_puts=0, rejected_budget=0,
+                       rejected_errors=0, write_errors=0, evicted_pages=0, deleted_pages=0,
+                       batches=0)
+        self.last_write_time = 0.0
+        self._last_warning = -1e9
+        self._suppressed = 0
+        self._last_touch_flush = time.monotonic()
+        # Queue state, guarded by _cond.
+        self._cond = threading.Condition()
+        self._queue: deque[_Put | _Delete | _Drop | _Barrier] = deque()
+        self._queued_pages = 0
+        self._queued_bytes = 0
+        self._puts = 0
+        self._skipped_queue_full = 0
+        self._touches: dict[bytes, float] = {}
+        self._closing = False
+        # Checksums of big pages run here, overlapping the writer's copies into the map:
+        # computed inline they cost the writer ~25% (a second pass over each page).
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="hicache-disk-hash")
+        self._thread = threading.Thread(target=self._main, name="hicache-disk-writer", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------- any thread: the queue
+
+    def put(self, salt: bytes, key: bytes, parent: bytes | None, tokens: bytes, page: memoryview,
+            on_done: OnDone | None) -> bool:
+        """Queue one (validated) page; False (counted) when full or closing."""
+        op = _Put(salt, key, parent, tokens, page, on_done)
+        with self._cond:
+            if self._closing or self._queued_pages >= self.config.max_queue_pages or \
+                    self._queued_bytes + page.nbytes > self.config.max_queue_bytes:
+                self._skipped_queue_full += 1
+                return False
+            self._queue.append(op)
+            self._queued_pages += 1
+            self._queued_bytes += page.nbytes
+            self._puts += 1
+            self._cond.notify()
+        return True
+
+    def delete(self, keys: list[bytes]) -> None:
+        self._enqueue(_Delete(keys))
+
+    def drop(self, key: bytes, checksum: tuple[int, int] | None) -> None:
+        """Delete a corrupt entry unless it is rewritten before the writer gets to it."""
+        self._enqueue(_Drop(key, checksum))
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        now = time.time()
+        with self._cond:
+            room = self.config.max_pending_touches - len(self._touches)
+            for k in keys:
+                if room <= 0:
+                    break
+                if k not in self._touches:
+                    room -= 1
+                self._touches[k] = now
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Block until everything queued so far is committed; False on timeout."""
+        done = threading.Event()
+        if not self._enqueue(_Barrier(done)):
+            return True
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not done.wait(0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))):
+            if not self._thread.is_alive():
+                raise DiskTierError(f"{self.path}: the disk tier's writer thread is gone")
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+        return True
+
+    def stop(self) -> bool:
+        """Drain the queue, commit and end the thread. Every caller waits for the
+        thread; only the first gets True (and shuts the hasher down)."""
+        with self._cond:
+            first = not self._closing
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+        if first:
+            self._hasher.shutdown(wait=True)
+        return first
+
+    def _enqueue(self, op: _Delete | _Drop | _Barrier) -> bool:
+        with self._cond:
+            if self._closing:
+                return False
+            self._queue.append(op)
+            self._cond.notify()
+        return True
+
+    def queue_stats(self) -> dict:
+        with self._cond:
+            return dict(queue_depth=len(self._queue), queue_bytes=self._queued_bytes, puts=self._puts,
+                        skipped_queue_full=self._skipped_queue_full, pending_touches=len(self._touches))
+
+    def write_counters(self) -> dict:
+        return dict(self._w)
+
+    def warn(self, msg: str, *args: object) -> None:
+        """A warning at most every 10 s (any thread; races only blur the count):
+        a full map fails every batch until space is freed."""
+        now = time.monotonic()
+        if now - self._last_warning >= 10.0:
+            log.warning("disk tier %s: " + msg + " (%d similar warnings suppressed)", self.path, *args,
+                        self._suppressed)
+            self._last_warning, self._suppressed = now, 0
+        else:
+            self._suppressed += 1
+
+    # ------------------------------------------------------------ the writer thread
+
+    def _main(self) -> None:
+        while True:
+            try:
+                ops, stop = self._take_batch()
+                if ops or self._touch_due(stop):
+                    self._run_batch(ops, stop or any(isinstance(o, _Barrier) for o in ops))
+            except Exception:  # a bug; the writer must outlive it
+                log.exception("disk tier %s: writer loop error", self.path)
+                time.sleep(0.1)
+                continue
+            if stop:
+                return
+
+    def _touch_due(self, force: bool) -> bool:
+        if not self._touches:
+            return False
+        return force or time.monotonic() - self._last_touch_flush >= self.config.touch_interval_s
+
+    def _take_batch(self) -> tuple[list, bool]:
+        cfg = self.config
+        with self._cond:
+            while not self._queue and not self._closing:
+                if not self._cond.wait(cfg.touch_interval_s) and self._touches:
+                    return [], False
+            ops: list = []
+            n_bytes = 0
+            while self._queue and len(ops) < cfg.batch_pages and n_bytes < cfg.batch_bytes:
+                op = self._queue.popleft()
+                ops.append(op)
+                if isinstance(op, _Put):
+                    self._queued_pages -= 1
+                    self._queued_bytes -= op.page.nbytes
+                    n_bytes += op.page.nbytes
+                elif isinstance(op, _Barrier):
+                    break  # commit everything before it, then release the waiter
+            return ops, self._closing and not self._queue
+
+    def _run_batch(self, ops: list, force_touch: bool) -> None:
+        results = None
+        try:
+            results = self._write(ops, force_touch)
+        except Exception:  # a bug: reject the batch but never let the writer thread die
+            log.exception("disk tier %s: write batch failed", self.path)
+        finally:
+            if results is None:
+                results = [(op, False) for op in ops if isinstance(op, _Put)]
+            for p, ok in results:
+                if p.on_done is not None:
+                    try:
+                        p.on_done(p.key, ok)
+                    except Exception:
+                        log.exception("disk tier on_done callback failed")
+            for op in ops:
+                if isinstance(op, _Barrier):
+                    op.done.set()
+
+    def _write(self, ops: list, force_touch: bool) -> list[tuple[_Put, bool]]:
+        big = []
+        for op in ops:
+            if isinstance(op, _Put):
+                op.algo = fmt.pick_algo(self.config.checksum, op.page.nbytes)
+                if op.page.nbytes >= HASH_OFFLOAD_BYTES:
+                    big.append(op)
+        if big:
+            job = fmt.ChecksumJob(big)
+            for op in big:
+                op.job = job
+            self._hasher.submit(job.run)
+        try:
+            return self._commit(ops, force_touch)
+        except lmdb.Error as e:  # MapFullError, or an I/O error from LMDB
+            self._w["write_errors"] += 1
+            self.warn("write failed (%s); evicting and retrying", e)
+            self._make_room(sum(op.page.nbytes for op in ops if isinstance(op, _Put)))
+            try:
+                return self._commit(ops, force_touch)
+            except lmdb.Error:
+                pass
+        except Exception:
+            log.exception("disk tier %s: write batch failed; retrying op by op", self.path)
+        # Commit op by op, in order: what fits goes in, the rest is rejected.
+        results: list[tuple[_Put, bool]] = []
+        for op in ops:
+            results += self._commit_alone(op, force_touch)
+        return results
+
+    def _commit_alone(self, op: object, force_touch: bool) -> list[tuple[_Put, bool]]:
+        try:
+            return self._commit([op], force_touch)
+        except Exception as e:
+            self._w["write_errors"] += 1
+            if isinstance(op, _Put):
+                self._w["rejected_errors"] += 1
+                log.debug("disk tier %s: put %s rejected: %s", self.path, op.key.hex(), e)
+                return [(op, False)]
+            if isinstance(op, _Delete):  # not lost: the next transaction retries it
+                self._doomed.update(dict.fromkeys(op.keys, False))
+            elif isinstance(op, _Drop):
+                self._drops[op.key] = op.checksum
+            return []
+
+    def _commit(self, ops: list, force_touch: bool) -> list[tuple[_Put, bool]]:
+        """Apply leftover deletions, then `ops` in order, then due touches, in
+        ONE write transaction. Shared state changes only after the commit."""
+        self._used_bytes_tx, self._num_pages_tx = self.used_bytes, self.num_pages
+        c = dict(evicted_pages=0, deleted_pages=0, pages_written=0, bytes_written=0, dedup_puts=0,
+                 rejected_budget=0)
+        results: list[tuple[_Put, bool]] = []
+        touches = None
+        with self._env.begin(write=True, buffers=True) as txn:
+            for k, evicted in list(self._doomed.items()):
+                c["evicted_pages" if evicted else "deleted_pages"] += self._delete(txn, k)
+            for k, checksum in self._drops.items():
+                self._drop(txn, k, checksum)
+            remaining = sum(op.page.nbytes for op in ops if isinstance(op, _Put))
+            hook_dry = False
+            for op in ops:
+                if isinstance(op, _Delete):
+                    for k in op.keys:
+                        c["deleted_pages"] += self._delete(txn, k)
+                elif isinstance(op, _Drop):
+                    self._drop(txn, op.key, op.checksum)
+                elif isinstance(op, _Put):
+                    remaining -= op.page.nbytes
+                    ok, hook_dry = self._put(txn, op, remaining, hook_dry, c)
+                    results.append((op, ok))
+            if self._touches and (force_touch or self._touch_due(False)):
+                with self._cond:
+                    touches, self._touches = self._touches, {}
+                for k, t in touches.items():
+                    cur = txn.get(k, db=self._meta)
+                    if cur is not None:
+                        txn.put(k, fmt.with_last_access(bytes(cur), t), db=self._meta)
+            txn.put(fmt.INFO_TOTALS_KEY, fmt.pack_totals(self._used_bytes_tx, self._num_pages_tx),
+                    db=self._info)
+        # committed
+        if touches is not None:
+            self._last_touch_flush = time.monotonic()
+        self._doomed.clear()
+        self._drops.clear()
+        self.used_bytes, self.num_pages = self._used_bytes_tx, self._num_pages_tx
+        for name, n in c.items():
+            self._w[name] += n
+        self._w["batches"] += 1
+        self.last_write_time = time.time()
+        return results
+
+    def _put(self, txn: lmdb.Transaction, p: _Put, remaining: int, hook_dry: bool,
+             c: dict[str, int]) -> tuple[bool, bool]:
+        """One put inside the writer's transaction; (accepted, hook_dry)."""
+        size = p.page.nbytes
+        old = txn.get(p.key, db=self._meta)
+        if old is not None:
+            hdr = fmt.unpack_meta_header(old)
+            if hdr is not None and hdr.salt == p.salt and hdr.size == size:
+                c["dedup_puts"] += 1  # same key, same namespace: same content
+                return True, hook_dry
+            self._delete(txn, p.key)
+        over = self._used_bytes_tx + size - self.capacity_bytes
+        if over > 0 and not hook_dry:
+            # ask once for the rest of the batch too: one hook call per batch, typically
+            keys = self._call_hook(over + remaining)
+            hook_dry = not keys
+            for k in keys:
+                c["evicted_pages"] += self._delete(txn, k)
+        if self._used_bytes_tx + size > self.capacity_bytes:
+            c["rejected_budget"] += 1
+            return False, hook_dry
+        txn.put(p.key, p.page, db=self._pages)  # the hasher works on later pages meanwhile
+        if p.job is not None:
+            digest = p.job.digest(p)
+        else:
+            digest = p.digest or fmt.checksum(p.algo, np.frombuffer(p.page, dtype=np.uint8))
+            p.digest = digest  # kept for a retry of the batch
+        txn.put(p.key, fmt.pack_meta(p.parent, p.salt, size, digest, time.time(), p.algo, p.tokens),
+                db=self._meta)
+        self._used_bytes_tx += size
+        self._num_pages_tx += 1
+        c["pages_written"] += 1
+        c["bytes_written"] += size
+        return True, hook_dry
+
+    def _drop(self, txn: lmdb.Transaction, key: bytes, checksum: tuple[int, int] | None) -> None:
+        cur = txn.get(key, db=self._meta)
+        hdr = None if cur is None else fmt.unpack_meta_header(cur)
+        if cur is None or (hdr.checksum if hdr is not None else None) == checksum:
+            self._delete(txn, key)  # not rewritten since the reader saw it
+
+    def _delete(self, txn: lmdb.Transaction, key: bytes) -> int:
+        """Delete one entry inside the writer's transaction; the pages freed (0 or 1)."""
+        page = txn.get(key, db=self._pages)
+        had_meta = txn.delete(key, db=self._meta)
+        if page is None:
+            return int(had_meta)  # a page-less record (corruption): no bytes to account
+        self._used_bytes_tx -= len(page)
+        self._num_pages_tx -= 1
+        txn.delete(key, db=self._pages)
+        return 1
+
+    def _call_hook(self, bytes_needed: int) -> list[bytes]:
+        if self.evict_hook is None:
+            return []
+        try:
+            keys = [k for k in self.evict_hook(bytes_needed) if isinstance(k, bytes)]
+        except Exception:
+            log.exception("disk tier evict_hook failed")
+            return []
+        self._doomed.update(dict.fromkeys(keys, True))  # doomed even if this transaction aborts
+        return keys
+
+    def _make_room(self, bytes_needed: int) -> None:
+        """After a failed transaction: delete hook-chosen keys in their own
+        commit, then commit once more so the freed pages become reusable."""
+        self._call_hook(max(bytes_needed, 1))
+        try:
+            self._commit([], False)  # deletes the doomed keys (transaction T)
+            self._commit([], False)  # T+1: pages freed by T are reusable from here on
+        except lmdb.Error as e:
+            self.warn("could not free space: %s", e)
