@@ -4,7 +4,6 @@ through Triton's interpreter in a subprocess, on CUDA under the `gpu` marker."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import torch
 import hicache
 from hicache.kernels.alloc import alloc_decode_torch, alloc_extend_torch, num_new_pages_extend
 from hicache.kernels.alloc_triton import triton_installed
+from tests.kv_pages import run_triton_aot
 
 REPO_ROOT = Path(hicache.__file__).resolve().parent.parent
 
@@ -287,15 +287,7 @@ _AOT_RUNNER = textwrap.dedent("""
 
 
 def test_kernels_compile_for_cuda_without_a_gpu(tmp_path):
-    if not triton_installed() or importlib.util.find_spec("triton.backends.nvidia") is None:
-        pytest.skip("triton with its NVIDIA backend is not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", _AOT_RUNNER], env=env, capture_output=True, text=True, timeout=240)
-    if proc.returncode == 77:
-        pytest.skip("this triton has no ASTSource/GPUTarget")
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_triton_aot(_AOT_RUNNER, tmp_path)
 
 
 # ------------------------------------------------------------------ CUDA

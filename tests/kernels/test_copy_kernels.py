@@ -19,6 +19,7 @@ from hicache.kernels import copy_triton
 from hicache.layout import KVLayout
 from hicache.tiers.device import DevicePool
 from hicache.tiers.host import HostArena, HostKVCache
+from tests.kv_pages import random_pool, run_triton_aot
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -70,15 +71,6 @@ def test_chunk_copier_matches_numpy(threads):
     copier.close()
 
 
-def _random_pool(layout: KVLayout, num_pages: int, seed: int, device: str = "cpu") -> DevicePool:
-    pool = DevicePool(layout, num_pages * layout.page_size, device=device)
-    g = torch.Generator().manual_seed(seed)
-    for buf in pool.k_buffers + pool.v_buffers:
-        raw = buf.view(torch.uint8)
-        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g).to(device))
-    return pool
-
-
 def _compare_backends(layout: KVLayout, n: int, backends: tuple[str, str], device: str = "cpu") -> None:
     """Backup n random pages and load them back per layer with two backends; the
     arena bytes and the device bytes must be identical."""
@@ -87,7 +79,7 @@ def _compare_backends(layout: KVLayout, n: int, backends: tuple[str, str], devic
     host = rng.choice(slots, n, replace=False)
     dev = rng.choice(np.arange(1, pages + 1), n, replace=False)
     back = rng.choice(np.arange(1, pages + 1), n, replace=False)
-    src = _random_pool(layout, pages, seed=n, device=device)
+    src = random_pool(layout, pages, seed=n, device=device)
     results = []
     for backend in backends:
         arena = HostArena.create(slots * layout.page_bytes, mlock=False)
@@ -196,17 +188,7 @@ _AOT_RUNNER = textwrap.dedent("""
 
 
 def test_copy_kernels_compile_for_cuda_without_a_gpu(tmp_path):
-    import importlib.util
-
-    if not copy_triton.triton_installed() or importlib.util.find_spec("triton.backends.nvidia") is None:
-        pytest.skip("triton with its NVIDIA backend is not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", _AOT_RUNNER], env=env, capture_output=True, text=True, timeout=300)
-    if proc.returncode == 77:
-        pytest.skip("this triton has no ASTSource/GPUTarget")
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_triton_aot(_AOT_RUNNER, tmp_path)
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -15,6 +15,7 @@ from hicache.kernels import copy as kcopy
 from hicache.layout import KVLayout
 from hicache.tiers.device import DevicePool
 from hicache.tiers.host import HostArena, HostKVCache
+from tests.kv_pages import random_pool
 
 LAYOUTS = {
     "mha": KVLayout("mha", 3, 4, "bfloat16", num_kv_heads=2, head_dim=8, v_head_dim=4),
@@ -65,15 +66,6 @@ def test_descriptors_cover_each_page_chunk_once():
     b = dma.backup_copies(1000, ids([10**6, 3 * 10**6, 5 * 10**6]), ids([2 * 10**6, 4 * 10**6, 6 * 10**6]),
                           runs, g)
     assert len(b) == 2 * 3 * 2 and b.nbytes == 4 * g.page_bytes
-
-
-def random_pool(layout: KVLayout, num_pages: int, seed: int, device: str = "cpu") -> DevicePool:
-    pool = DevicePool(layout, num_pages * layout.page_size, device=device)
-    g = torch.Generator().manual_seed(seed)
-    for buf in pool.k_buffers + pool.v_buffers:
-        raw = buf.view(torch.uint8)
-        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g).to(device))
-    return pool
 
 
 def round_trip(layout: KVLayout, backend: str, min_run: int | None, host: list[int], dev: list[int],

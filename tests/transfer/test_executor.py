@@ -14,17 +14,9 @@ from hicache.layout import KVLayout
 from hicache.tiers.device import DevicePool
 from hicache.tiers.host import HostArena, HostCacheError, HostKVCache
 from hicache.transfer.executor import BackupHandle, LoadHandle, TransferError, TransferExecutor
+from tests.kv_pages import random_pool
 
 LAYOUT = KVLayout("mha", 6, 4, "bfloat16", num_kv_heads=2, head_dim=16)
-
-
-def random_pool(layout: KVLayout, num_pages: int, seed: int) -> DevicePool:
-    pool = DevicePool(layout, num_pages * layout.page_size)
-    g = torch.Generator().manual_seed(seed)
-    for buf in pool.k_buffers + pool.v_buffers:
-        raw = buf.view(torch.uint8)
-        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
-    return pool
 
 
 def page(pool: DevicePool, layer: int, p: int) -> list[torch.Tensor]:

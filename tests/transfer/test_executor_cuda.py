@@ -18,6 +18,7 @@ from hicache.layout import KVLayout
 from hicache.tiers.device import DevicePool
 from hicache.tiers.host import HostArena, HostKVCache
 from hicache.transfer.executor import CudaBackupHandle, CudaLoadHandle, TransferExecutor
+from tests.kv_pages import random_pool
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -30,21 +31,20 @@ LAYOUTS = {
 BACKENDS = [("triton", None), ("torch", None), (None, 4)]  # (backend, dma_min_run_pages)
 
 
-def random_pool(layout: KVLayout, num_pages: int, seed: int) -> DevicePool:
-    pool = DevicePool(layout, num_pages * layout.page_size, device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    for buf in pool.k_buffers + pool.v_buffers:
-        raw = buf.view(torch.uint8)
-        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, device="cuda", generator=g))
-    return pool
-
-
 def poll(done, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not done():
         if time.monotonic() > deadline:
             raise TimeoutError("the copy never completed")
         time.sleep(0.001)
+
+
+def queue_slow_work() -> None:
+    """Some tens of milliseconds of matmuls on the current stream, so work queued
+    after them is still pending when the next call is made."""
+    x = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):
+        x = x @ x / 64
 
 
 def make_cache(layout: KVLayout, arena: HostArena, backend: str | None, min_run: int | None) -> HostKVCache:
@@ -58,7 +58,7 @@ def make_cache(layout: KVLayout, arena: HostArena, backend: str | None, min_run:
 def test_round_trip_through_the_streams_is_exact(name, backend, min_run):
     layout = LAYOUTS[name]
     n = 40
-    src = random_pool(layout, 64, seed=1)
+    src = random_pool(layout, 64, seed=1, device="cuda")
     arena = HostArena.create(64 * layout.page_bytes, mlock=False)
     cache = make_cache(layout, arena, backend, min_run)
     rng = np.random.default_rng(0)
@@ -104,9 +104,7 @@ def test_backup_is_ordered_after_the_compute_that_wrote_the_pages():
     ids = np.arange(1, 33)
     with TransferExecutor(cache, pool) as ex:
         # Queue slow work, then the writes, on the compute stream; backup right away.
-        x = torch.randn(4096, 4096, device="cuda")
-        for _ in range(20):
-            x = x @ x / 64
+        queue_slow_work()
         for layer in range(layout.num_layers):
             pool.k_buffers[layer][16:33 * 16] = 1.0 + layer
             pool.v_buffers[layer][16:33 * 16] = -1.0 - layer
@@ -122,16 +120,14 @@ def test_backup_is_ordered_after_the_compute_that_wrote_the_pages():
 
 def test_load_is_ordered_after_compute_that_released_the_pages():
     layout = LAYOUTS["mha-fp16"]
-    src = random_pool(layout, 16, seed=2)
+    src = random_pool(layout, 16, seed=2, device="cuda")
     arena = HostArena.create(16 * layout.page_bytes, mlock=False)
     cache = HostKVCache(layout, arena)
     with TransferExecutor(cache, src) as ex:
         poll(ex.backup(np.arange(8), np.arange(1, 9)).done)
         dst = DevicePool(layout, 16 * layout.page_size, device="cuda")
         with TransferExecutor(cache, dst) as ex2:
-            x = torch.randn(4096, 4096, device="cuda")
-            for _ in range(20):
-                x = x @ x / 64
+            queue_slow_work()
             for buf in dst.k_buffers + dst.v_buffers:
                 buf.fill_(7.0)  # a late write by the previous owner of the pages
             h = ex2.load(np.arange(8), np.arange(1, 9))
@@ -146,7 +142,7 @@ def test_load_is_ordered_after_compute_that_released_the_pages():
 
 def test_layers_complete_in_order_and_are_polled():
     layout = LAYOUTS["mha-fp16"]
-    src = random_pool(layout, 512, seed=3)
+    src = random_pool(layout, 512, seed=3, device="cuda")
     arena = HostArena.create(512 * layout.page_bytes, mlock=False)
     cache = HostKVCache(layout, arena)
     with TransferExecutor(cache, src) as ex:
