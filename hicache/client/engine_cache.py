@@ -19,6 +19,7 @@ model calls right before layer l reads the pool.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from hicache.client.client import EMPTY, BackupPlan, HiCacheClient, InsertReply, Match
+from hicache.errors import HiCacheError
 from hicache.tiers.device import DevicePool
 from hicache.tiers.host import HostArena, HostKVCache
 from hicache.transfer.executor import LoadHandle, TransferExecutor
@@ -56,8 +58,20 @@ class Prefix:
 
 
 class EngineCache:
-    def __init__(self, client: HiCacheClient, device_pool: DevicePool, allocator: Any) -> None:
+    def __init__(self, client: HiCacheClient, device_pool: DevicePool, allocator: Any, *,
+                 dma_min_run_pages: int | None = None) -> None:
+        """`dma_min_run_pages` (default: $HICACHE_DMA_MIN_RUN_PAGES, else off) sends runs of at
+        least that many consecutive pages by DMA instead of the copy kernel (see HostKVCache)."""
         self.client = client
+        env = os.environ.get("HICACHE_DMA_MIN_RUN_PAGES", "").strip()
+        if dma_min_run_pages is None and env:
+            try:
+                dma_min_run_pages = int(env)
+            except ValueError:
+                raise HiCacheError(f"HICACHE_DMA_MIN_RUN_PAGES must be an integer, got {env!r}") from None
+        if dma_min_run_pages is not None and (not isinstance(dma_min_run_pages, int) or dma_min_run_pages < 1):
+            raise HiCacheError(f"dma_min_run_pages must be a positive int, got {dma_min_run_pages!r}")
+        self.dma_min_run_pages = dma_min_run_pages
         self.pool = device_pool
         self.allocator = allocator
         self.page_size = device_pool.page_size
@@ -82,7 +96,7 @@ class EngineCache:
             self._arena.close()
         assert self.client.arena_fd is not None
         self._arena = HostArena.from_fd(self.client.arena_fd, self.client.arena_bytes)
-        self.host = HostKVCache(self.pool.layout, self._arena)
+        self.host = HostKVCache(self.pool.layout, self._arena, dma_min_run_pages=self.dma_min_run_pages)
         self.executor = TransferExecutor(self.host, self.pool)
         if self._epoch:
             lost = np.flatnonzero(self.cached)

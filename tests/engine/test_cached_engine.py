@@ -281,6 +281,41 @@ def test_bad_requests_are_rejected(models, tmp_path, engines):
         CachedEngine(other.model, other.pool, other.allocator, eng.cache)
 
 
+def test_dma_runs_serve_the_prefix_bitwise(models, daemon_factory, engines, monkeypatch):
+    # Engines opt into DMA copies for page runs by environment; on CPU pools the
+    # runs go as row memmoves, and the logits must not change by a bit.
+    from hicache.kernels import dma
+
+    monkeypatch.setenv("HICACHE_DMA_MIN_RUN_PAGES", "2")
+    dma_pages = []
+    real = dma.run_on_cpu
+    monkeypatch.setattr(dma, "run_on_cpu", lambda c: dma_pages.append(int(c.height.sum())) or real(c))
+    d = daemon_factory("--host-capacity", "8MiB", "--no-disk").start()
+    model, prompt = models["mha"], tokens(PROMPT_LEN, 3)
+    ref = from_scratch(model, prompt)
+    a = cached_engine(engines, model, d.socket)
+    assert_bitwise(serve(a, prompt), ref)
+    assert a.wait_backups()
+    b = cached_engine(engines, model, d.socket)
+    assert b.cache.host.dma_min_run_pages == 2
+    from_host = serve(b, prompt)
+    assert tiers(from_host) == (0, CACHED, 0, PROMPT_LEN - CACHED)
+    assert_bitwise(from_host, ref)
+    assert sum(dma_pages) > 0  # the runs really went by DMA
+    for e in (a, b):
+        assert_balanced(e)
+
+
+@pytest.mark.parametrize("bad", ["0", "x"])
+def test_bad_dma_setting_is_refused_before_connecting(models, tmp_path, monkeypatch, bad):
+    from hicache.errors import HiCacheError
+
+    monkeypatch.setenv("HICACHE_DMA_MIN_RUN_PAGES", bad)
+    with pytest.raises(HiCacheError, match="positive int|must be an integer"):
+        CachedEngine.create(models["mha"], page_size=PAGE, socket_path=str(tmp_path / "none.sock"),
+                            backoff_s=(0.01, 0.1))
+
+
 # -- on a GPU: the whole engine path with CUDA pools (registered arena, copy kernels) ------
 
 @pytest.mark.gpu
