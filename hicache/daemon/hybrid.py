@@ -2,8 +2,9 @@
 
 A namespace registered with a StateLayout (hicache/state_layout.py) gets a
 CheckpointIndex beside its RadixIndex (hicache/index/checkpoints.py has the
-rules). This module moves checkpoint bytes between tiers and speaks for them
-in the engine cycle; CacheService keeps doing the KV.
+rules). This module decides where checkpoints live and speaks for them in the
+engine cycle (their disk movement is hicache/daemon/hybrid_disk.py's);
+CacheService keeps doing the KV.
 
 Where a checkpoint's bytes live
 - device: the engine's StatePool slots, private to each request. The daemon
@@ -13,9 +14,7 @@ Where a checkpoint's bytes live
   checkpoint (`checkpoint_bytes`), numbered like KV pages (byte offset = slot *
   checkpoint_bytes), so an engine finds it in the arena it already maps.
 - disk: one record per checkpoint in the disk tier, under the namespace's
-  *state salt* (so no KV read can ever return it), keyed by
-  `checkpoint_disk_key(end page key)`, its parent field naming that end page
-  (what the rebuild after a restart hangs it on).
+  *state salt*, so no KV read can ever return it (hybrid_disk.py has the rest).
 
 The cycle, for a request of engine E in a hybrid namespace
   match   -> the usable prefix: the deepest resident checkpoint on the KV
@@ -43,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -51,9 +49,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hicache.daemon.host_tier import PageClass
+from hicache.daemon.hybrid_disk import HybridDiskMover, StatePrefetch
 from hicache.daemon.service import CacheService, EngineRecord, NamespaceState, Pin
 from hicache.errors import LayoutError
-from hicache.index.checkpoints import Checkpoint, CheckpointIndex, EvictedState, checkpoint_disk_key
+from hicache.index.checkpoints import Checkpoint, CheckpointIndex, EvictedState
 from hicache.index.keys import KEY_BYTES, Namespace
 from hicache.index.node import Tier, TreeNode
 from hicache.rpc.protocol import Code, RpcError
@@ -61,10 +60,6 @@ from hicache.state_layout import StateLayout
 
 if TYPE_CHECKING:
     from hicache.tiers.disk import DiskTier
-
-log = logging.getLogger(__name__)
-
-NO_TOKENS = np.empty(0, dtype=np.int32)
 
 
 def state_salt(salt: bytes) -> bytes:
@@ -81,16 +76,6 @@ class NsStates:
     ckpts: CheckpointIndex
     slots: PageClass  # host state slots
     disk_salt: bytes
-
-
-@dataclass(slots=True, eq=False)
-class StatePrefetch:
-    """A disk -> host read of one checkpoint for a pin."""
-
-    ckpt: Checkpoint
-    host_slot: int
-    future: asyncio.Future | None = None
-    done: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -144,10 +129,7 @@ class HybridStates:
         self.counters = StateCounters()
         self._ids = itertools.count(1)
         self.host_bytes = 0
-        self.disk_bytes = 0
-        self.disk: DiskTier | None = None
-        self._writing: set[Checkpoint] = set()  # disk writes in flight
-        self.loop: asyncio.AbstractEventLoop | None = None
+        self.disk_mover = HybridDiskMover(self)
         service.hybrid = self
         service.on_pin_dropped = self._pin_dropped
 
@@ -175,8 +157,12 @@ class HybridStates:
         return hs
 
     def attach_disk(self, tier: DiskTier | None, loop: asyncio.AbstractEventLoop) -> None:
-        self.disk = tier
-        self.loop = loop
+        self.disk_mover.attach(tier, loop)
+
+    def restore_disk(self, salt: bytes, records: list[tuple], tier: DiskTier) -> bool:
+        """DiskMover's rebuild hands over the records of salts it does not know: False when
+        `salt` is no namespace's state salt either."""
+        return self.disk_mover.restore(salt, records, tier)
 
     # -- match / load / release ----------------------------------------------
     def match(self, owner: object, engine_id: Any, keys: Any) -> tuple[Pin, dict | None]:
@@ -202,7 +188,7 @@ class HybridStates:
         sp = StatePin(pin, hs, probe.kv_pages * ps, probe.fork_tokens, best, fallback)
         self.pins[pin.pin_id] = sp
         if best is not None and best.host_slot is None:
-            self._prefetch(sp)
+            self.disk_mover.prefetch(sp)
         c = self.counters
         c.matches += 1
         c.kv_tokens += probe.kv_pages * ps
@@ -291,7 +277,7 @@ class HybridStates:
             entries.append((node, pos, offered[pos]))
         state_backup = None
         if entries:
-            slots = self._alloc_host(hs, len(entries))
+            slots = self.alloc_host(hs, len(entries))
             if slots is None:
                 self.counters.skipped_no_space += 1
             else:
@@ -342,12 +328,12 @@ class HybridStates:
                 stored.append(ck)
             else:
                 spare.append(extra)
-        self._free_host(hs, spare)
+        self.free_host(hs, spare)
         self.counters.stored += len(stored)
         if stored:
             self.svc.emit({"type": "stored", "tier": "host", "engine": None, "namespace": hs.ns.salt.hex(),
                            "states": [[c.position, c.node.keys[-1]] for c in stored]})
-            self._write_through(hs, stored)
+            self.disk_mover.write_through(hs, stored)
         return len(stored)
 
     def disconnect(self, owner: object) -> None:
@@ -355,7 +341,7 @@ class HybridStates:
             self._finish(b, ok=False)
 
     # -- host slots --------------------------------------------------------------
-    def _alloc_host(self, hs: NsStates, n: int) -> np.ndarray | None:
+    def alloc_host(self, hs: NsStates, n: int) -> np.ndarray | None:
         """n host state slots within the states' share, evicting LRU checkpoints (any
         hybrid namespace) as needed; None when locked ones fill it."""
         nbytes = hs.layout.checkpoint_bytes
@@ -370,7 +356,7 @@ class HybridStates:
         self.host_bytes += n * nbytes
         return slots
 
-    def _free_host(self, hs: NsStates, slots: Iterable[int]) -> None:
+    def free_host(self, hs: NsStates, slots: Iterable[int]) -> None:
         slots = list(slots)
         if slots:
             hs.slots.free(np.asarray(slots, dtype=np.int64))
@@ -384,9 +370,18 @@ class HybridStates:
             return False
         first = victim.ckpts.next_victim(Tier.HOST)
         if not first.on_disk:
-            self._write_to_disk(victim, first, demote=True)
+            self.disk_mover.demote(victim, first)
         (ev,) = victim.ckpts.evict(Tier.HOST, 1)
-        self._drop_evicted(victim, [ev])
+        self.drop_evicted(victim, [ev])
+        return True
+
+    def evict_one_disk(self) -> bool:
+        """Drop the disk copy of the least recently used unlocked checkpoint (any hybrid
+        namespace); False when none can go."""
+        victim = self._oldest(Tier.DISK, None)
+        if victim is None:
+            return False
+        self.drop_evicted(victim, victim.ckpts.evict(Tier.DISK, 1))
         return True
 
     def _oldest(self, tier: Tier, cls: PageClass | None) -> NsStates | None:
@@ -399,14 +394,14 @@ class HybridStates:
                 best, best_at = hs, at
         return best
 
-    def _drop_evicted(self, hs: NsStates, evicted: list[EvictedState]) -> None:
+    def drop_evicted(self, hs: NsStates, evicted: list[EvictedState]) -> None:
         for ev in evicted:
             self.counters.evicted["host" if ev.tier is Tier.HOST else "disk"] += 1
             self.counters.tombstones += ev.tombstone
             if ev.tier is Tier.HOST and ev.host_slot is not None:
-                self._free_host(hs, [ev.host_slot])
+                self.free_host(hs, [ev.host_slot])
             elif ev.tier is Tier.DISK:
-                self._delete_disk(hs, [ev.checkpoint], force=True)  # its on_disk flag is down already
+                self.disk_mover.delete(hs, [ev.checkpoint], force=True)  # its on_disk flag is down already
         if evicted:
             self.svc.emit({"type": "removed", "tier": "host" if evicted[0].tier is Tier.HOST else "disk",
                            "engine": None, "namespace": hs.ns.salt.hex(),
@@ -421,8 +416,8 @@ class HybridStates:
         removed = hs.ckpts.take_removed()
         if not removed:
             return
-        self._free_host(hs, [c.host_slot for c in removed if c.host_slot is not None])
-        self._delete_disk(hs, removed)  # those on disk or being written
+        self.free_host(hs, [c.host_slot for c in removed if c.host_slot is not None])
+        self.disk_mover.delete(hs, removed)  # those on disk or being written
         for c in removed:
             c.host_slot = None
             c.on_disk = False
@@ -431,164 +426,18 @@ class HybridStates:
         nbytes = hs.layout.checkpoint_bytes
         return memoryview(self.svc.host.arena.array[slot * nbytes:(slot + 1) * nbytes])
 
-    # -- disk ------------------------------------------------------------------------
-    def _write_through(self, hs: NsStates, ckpts: list[Checkpoint]) -> None:
-        for ck in ckpts:
-            if not ck.on_disk and ck.host_slot is not None:
-                self._write_to_disk(hs, ck, demote=False)
-
-    def _write_to_disk(self, hs: NsStates, ck: Checkpoint, demote: bool) -> None:
-        """Queue the checkpoint's host copy for disk. The bytes are copied now (a host slot
-        may be reused before the writer gets to it). A demotion is flagged on disk at
-        once, so the checkpoint survives losing its host copy; a write-through when the
-        commit reports back."""
-        if self.disk is None or self.disk_budget <= 0:
-            return
-        if ck in self._writing:  # already queued: its bytes are on their way
-            if demote:
-                hs.ckpts.put(ck.node, on_disk=True)
-            return
-        nbytes = hs.layout.checkpoint_bytes
-        while self.disk_bytes + nbytes > self.disk_budget:
-            victim = self._oldest(Tier.DISK, None)
-            if victim is None:
-                return
-            self._drop_evicted(victim, victim.ckpts.evict(Tier.DISK, 1))
-        data = bytes(self.host_view(hs, ck.host_slot))
-        loop = self.loop
-
-        def done(key: bytes, ok: bool) -> None:  # on the writer thread
-            loop.call_soon_threadsafe(self._written, hs, ck, ok, demote)
-
-        if not self.disk.put_async(hs.disk_salt, ck.disk_key, ck.node.keys[-1], NO_TOKENS, data, done):
-            return
-        self._writing.add(ck)
-        self.disk_bytes += nbytes
-        self.counters.disk_writes += 1
-        if demote:
-            hs.ckpts.put(ck.node, on_disk=True)
-
-    def _written(self, hs: NsStates, ck: Checkpoint, ok: bool, demote: bool) -> None:
-        if ck not in self._writing:
-            return  # cancelled: its disk copy was dropped meanwhile, a delete queued behind it
-        self._writing.discard(ck)
-        if not ok:
-            self.disk_bytes -= hs.layout.checkpoint_bytes
-            if demote and not ck.removed and ck.on_disk:  # flagged too early: forget it
-                ev = hs.ckpts.drop(ck, Tier.DISK)
-                if ev is not None:
-                    self.counters.tombstones += ev.tombstone
-        elif not ck.removed and not ck.on_disk:
-            hs.ckpts.put(ck.node, on_disk=True)
-
-    def _delete_disk(self, hs: NsStates, ckpts: list[Checkpoint], force: bool = False) -> None:
-        """Delete the disk records of these checkpoints (those on disk, being written, or
-        all with `force`); a write still in flight is cancelled (the delete follows it)."""
-        keys = []
-        for c in ckpts:
-            writing = c in self._writing
-            self._writing.discard(c)
-            if c.on_disk or force or writing:
-                keys.append(c.disk_key)
-        if keys and self.disk is not None:
-            self.disk.delete_async(keys)
-            self.disk_bytes -= len(keys) * hs.layout.checkpoint_bytes
-
-    def _prefetch(self, sp: StatePin) -> None:
-        """Read a disk-only checkpoint into a fresh host state slot."""
-        if self.disk is None or sp.best is None:
-            return
-        hs, ck = sp.hs, sp.best
-        slots = self._alloc_host(hs, 1)
-        if slots is None:
-            return
-        pf = StatePrefetch(ck, int(slots[0]))
-        sp.prefetch = pf
-        fut = self.disk.get_many_async(hs.disk_salt, [ck.disk_key], [self.host_view(hs, pf.host_slot)])
-        pf.future = asyncio.wrap_future(fut, loop=self.loop)
-        pf.future.add_done_callback(lambda f: self._prefetched(sp, pf, f))
-        self.counters.disk_reads += 1
-
-    def _prefetched(self, sp: StatePin, pf: StatePrefetch, fut: asyncio.Future) -> None:
-        pf.done = True
-        hs, ck = sp.hs, pf.ckpt
-        try:
-            hit = bool(fut.result()[0])
-        except Exception:
-            log.exception("checkpoint read failed")
-            hit = False
-        if hit and not ck.removed:
-            _, spare = hs.ckpts.put(ck.node, host_slot=pf.host_slot)
-            if spare is not None:
-                self._free_host(hs, [spare])
-            return
-        self._free_host(hs, [pf.host_slot])
-        if not hit and not ck.removed:
-            self.counters.disk_misses += 1
-            if sp.best is ck and sp.pin.pin_id in self.pins:
-                sp.best = None  # the request falls back to a shallower checkpoint
-                hs.ckpts.unlock(ck)
-            # the record is gone or corrupt (the tier deleted it): forget the disk copy
-            self._drop_evicted(hs, [e for e in [hs.ckpts.drop(ck, Tier.DISK)] if e is not None])
-
-    def restore_disk(self, salt: bytes, records: list[tuple], tier: DiskTier) -> bool:
-        """At startup, after the KV rebuild: hang the checkpoint records of `salt`, if it
-        is some namespace's state salt, on the restored tree. Records are (key, end page
-        key, tokens, last_access); those whose end page is not in the tree, or not at a
-        chunk boundary, are deleted. False: not a state salt (nothing done)."""
-        hs = next((h for h in (self.of(ns) for ns in self.svc.namespaces.values())
-                   if h is not None and h.disk_salt == salt), None)
-        if hs is None:
-            return False
-        index = hs.ns.index
-        where: dict[bytes, tuple[TreeNode, int]] = {}  # page key -> (node, pages of the path up to it)
-        stack = [(c, 0) for c in index.root.children.values()]
-        while stack:
-            node, before = stack.pop()
-            for j, key in enumerate(node.keys):
-                where[key] = (node, before + j + 1)
-            stack.extend((c, before + node.n_pages) for c in node.children.values())
-        orphans: list[bytes] = []
-        restored = 0
-        for key, end_key, _tokens, last_access in sorted(records, key=lambda r: r[3]):  # LRU order
-            hit = where.get(end_key)
-            if hit is None or key != checkpoint_disk_key(end_key) or \
-                    (hit[1] * index.page_size) % hs.layout.chunk_size:
-                orphans.append(key)
-                continue
-            node, pages = hit
-            # a split keeps the lower half, so `node`'s path still covers the first `pages` keys
-            end = index.node_ending_at(_path_keys(node)[:pages])
-            ck, _ = hs.ckpts.put(end, on_disk=True)
-            ck.last_access = float(last_access)
-            restored += 1
-        self.disk_bytes += restored * hs.layout.checkpoint_bytes  # the reads check the size
-        self.counters.restored += restored
-        if orphans:
-            tier.delete_async(orphans)
-        log.info("restored %d state checkpoints of namespace %s (%d orphans dropped)", restored,
-                 hs.ns.salt.hex()[:16], len(orphans))
-        return True
-
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> dict:
         c = self.counters
         return {"namespaces": len(self.by_salt), "host_budget_bytes": self.host_budget,
-                "host_bytes": self.host_bytes, "disk_budget_bytes": self.disk_budget, "disk_bytes": self.disk_bytes,
+                "host_bytes": self.host_bytes, "disk_budget_bytes": self.disk_budget,
+                "disk_bytes": self.disk_mover.disk_bytes,
                 "host_checkpoints": sum(h.ckpts.count(Tier.HOST) for h in self.by_salt.values()),
                 "disk_checkpoints": sum(h.ckpts.count(Tier.DISK) for h in self.by_salt.values()),
                 "matches": c.matches, "usable_tokens": c.usable_tokens, "kv_tokens": c.kv_tokens,
                 "stored": c.stored, "skipped_no_space": c.skipped_no_space, "evicted": dict(c.evicted),
                 "tombstones": c.tombstones, "disk_writes": c.disk_writes, "disk_reads": c.disk_reads,
                 "disk_misses": c.disk_misses, "restored": c.restored, "pending_backups": len(self.backups)}
-
-
-def _path_keys(node: TreeNode) -> list[bytes]:
-    chain = []
-    while node is not None and node.parent is not None:
-        chain.append(node)
-        node = node.parent
-    return [k for n in reversed(chain) for k in n.keys]
 
 
 def state_layout_param(value: Any) -> StateLayout | None:

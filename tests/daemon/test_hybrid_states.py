@@ -166,7 +166,7 @@ def test_a_checkpoint_demoted_to_disk_is_read_back_at_match(tmp_path):
             s.store(a, [128])
             s.store(b, [128])  # a's checkpoint leaves host: demoted (flagged on disk at once)
             for _ in range(200):
-                if not s.hyb._writing:
+                if not s.hyb.disk_mover._writing:
                     break
                 await asyncio.sleep(0.01)
             st = s.hyb.stats()
