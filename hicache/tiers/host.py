@@ -99,7 +99,8 @@ class HostKVCache:
             raise LayoutError(f"a host arena of {arena.nbytes} bytes holds no page of {layout.page_bytes} bytes")
         if backend is not None and backend not in BACKENDS:
             raise LayoutError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if dma_min_run_pages is not None and (not isinstance(dma_min_run_pages, int) or dma_min_run_pages < 1):
+        if dma_min_run_pages is not None and (not isinstance(dma_min_run_pages, int)
+                                              or isinstance(dma_min_run_pages, bool) or dma_min_run_pages < 1):
             raise LayoutError(f"dma_min_run_pages must be a positive int or None, got {dma_min_run_pages!r}")
         self.dma_min_run_pages = dma_min_run_pages
         self.geom = kcopy.PageGeometry.from_layout(layout)
@@ -254,8 +255,9 @@ class HostKVCache:
 
     def _run_dma(self, plan: PagePlan, copies: dma.Copies2D) -> None:
         if plan.pool.device.type == "cuda":
-            stream = torch.cuda.current_stream(plan.pool.device).cuda_stream
-            dma.cuda_runtime().memcpy_2d_async(copies, stream)
+            with torch.cuda.device(plan.pool.device):  # cudart's current device must own the stream
+                stream = torch.cuda.current_stream().cuda_stream
+                dma.cuda_runtime().memcpy_2d_async(copies, stream)
         else:
             dma.run_on_cpu(copies)
 

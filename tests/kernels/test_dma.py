@@ -122,7 +122,7 @@ def test_plan_counts_dma_and_backend_pages():
     arena.close()
 
 
-@pytest.mark.parametrize("bad", [0, -2, 1.5, "4"])
+@pytest.mark.parametrize("bad", [0, -2, 1.5, "4", True])
 def test_bad_dma_min_run_is_refused(bad):
     layout = LAYOUTS["mha"]
     arena = HostArena.create(4 * layout.page_bytes, mlock=False)
