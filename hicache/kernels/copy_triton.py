@@ -22,31 +22,21 @@ the tests check them without a GPU).
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
 from types import SimpleNamespace
 
 import torch
 
 from hicache.kernels.copy import PageGeometry
+from hicache.kernels.triton_env import device_supported
 
 # Elements per program; pages are copied in blocks of this many wide elements.
 _BLOCK = 1024
 
 
-def triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def interpreter_enabled() -> bool:
-    """True when Triton would run kernels in its CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
 def triton_usable(device: torch.device) -> bool:
     """Whether the kernels can run for a pool on `device`: CUDA, or CPU under the
     interpreter; and Triton imports."""
-    if device.type != "cuda" and not (device.type == "cpu" and interpreter_enabled()):
+    if not device_supported(device):
         return False
     try:
         _kernels()

@@ -15,7 +15,7 @@ import torch
 
 import hicache
 from hicache.kernels.alloc import alloc_decode_torch, alloc_extend_torch, num_new_pages_extend
-from hicache.kernels.alloc_triton import triton_installed
+from hicache.kernels.triton_env import triton_installed
 from tests.kv_pages import run_triton_aot
 
 REPO_ROOT = Path(hicache.__file__).resolve().parent.parent

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hicache.kernels import copy as kcopy
-from hicache.kernels import copy_triton
+from hicache.kernels import copy_triton, triton_env
 from hicache.layout import KVLayout
 from hicache.tiers.device import DevicePool
 from hicache.tiers.host import HostArena, HostKVCache
@@ -130,7 +130,7 @@ _INTERPRET_RUNNER = textwrap.dedent("""
 
 
 def test_triton_kernels_equal_twin_in_interpreter():
-    if not copy_triton.triton_installed():
+    if not triton_env.triton_installed():
         pytest.skip("triton is not installed")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-c", _INTERPRET_RUNNER, str(REPO)], capture_output=True,
@@ -140,7 +140,7 @@ def test_triton_kernels_equal_twin_in_interpreter():
 
 
 def test_triton_backend_refused_where_it_cannot_run():
-    if copy_triton.interpreter_enabled():
+    if triton_env.interpreter_enabled():
         pytest.skip("interpreter mode runs kernels on CPU")
     assert not copy_triton.triton_usable(torch.device("cpu"))
 

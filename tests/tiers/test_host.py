@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hicache.errors import HiCacheError, LayoutError
-from hicache.kernels import copy_triton
+from hicache.kernels import triton_env
 from hicache.layout import KVLayout
 from hicache.tiers.device import DevicePool
 from hicache.tiers.host import HostArena, HostCacheError, HostKVCache, HostSlotAllocator
@@ -388,7 +388,7 @@ def test_unknown_or_unusable_backend():
         HostKVCache(mha(), arena, backend="nope")
     with pytest.raises(LayoutError):
         HostKVCache(mha(), arena, device="cpu", backend="memcpy").prepare(DevicePool(mha(), 8, device="meta"), [0], [1])
-    if not copy_triton.interpreter_enabled():
+    if not triton_env.interpreter_enabled():
         with pytest.raises(LayoutError):  # no Triton kernels for CPU tensors outside the interpreter
             HostKVCache(mha(), arena, device="cpu", backend="triton")
         cache = HostKVCache(mha(), arena, backend="triton")
