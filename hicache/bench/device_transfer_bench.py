@@ -26,7 +26,6 @@ keep it working without a GPU.
 
 from __future__ import annotations
 
-import ctypes
 import time
 from collections.abc import Callable
 
@@ -94,8 +93,7 @@ def _chunk_loop(device: torch.device) -> Callable[[np.ndarray, np.ndarray, np.nd
         return cuda_loop
 
     def cpu_loop(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
-        for s, d, k in zip(src.tolist(), dst.tolist(), nbytes.tolist()):
-            ctypes.memmove(d, s, k)
+        kcopy.memmove_all(src.tolist(), dst.tolist(), nbytes.tolist())
     return cpu_loop
 
 

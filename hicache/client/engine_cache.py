@@ -29,7 +29,7 @@ import torch
 from hicache.client.client import EMPTY, BackupPlan, HiCacheClient, InsertReply, Match
 from hicache.errors import HiCacheError
 from hicache.tiers.device import DevicePool
-from hicache.tiers.host import HostArena, HostKVCache
+from hicache.tiers.host import HostArena, HostKVCache, check_dma_min_run_pages
 from hicache.transfer.executor import LoadHandle, TransferExecutor
 
 log = logging.getLogger(__name__)
@@ -69,9 +69,7 @@ class EngineCache:
                 dma_min_run_pages = int(env)
             except ValueError:
                 raise HiCacheError(f"HICACHE_DMA_MIN_RUN_PAGES must be an integer, got {env!r}") from None
-        if dma_min_run_pages is not None and (not isinstance(dma_min_run_pages, int) or dma_min_run_pages < 1):
-            raise HiCacheError(f"dma_min_run_pages must be a positive int, got {dma_min_run_pages!r}")
-        self.dma_min_run_pages = dma_min_run_pages
+        self.dma_min_run_pages = check_dma_min_run_pages(dma_min_run_pages)  # before connecting
         self.pool = device_pool
         self.allocator = allocator
         self.page_size = device_pool.page_size

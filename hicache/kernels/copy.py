@@ -219,7 +219,8 @@ def coalesce(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> tuple[np.n
 _memmove = ctypes.memmove  # a CFUNCTYPE: releases the GIL for the copy
 
 
-def _memmove_all(src: list[int], dst: list[int], nbytes: list[int]) -> None:
+def memmove_all(src: list[int], dst: list[int], nbytes: list[int]) -> None:
+    """One memmove per (src, dst, nbytes) chunk, in order."""
     for s, d, n in zip(src, dst, nbytes):
         _memmove(d, s, n)
 
@@ -251,7 +252,7 @@ class ChunkCopier:
             workers = 1
         s, d, n = src.tolist(), dst.tolist(), nbytes.tolist()
         if workers <= 1:
-            _memmove_all(s, d, n)
+            memmove_all(s, d, n)
             return
         batches = max(workers, min(len(s), total // BATCH_BYTES))
         cuts = np.searchsorted(np.cumsum(nbytes), total * np.arange(1, batches) / batches, side="right")
@@ -261,7 +262,7 @@ class ChunkCopier:
         def work() -> None:
             while (i := next(counter)) < len(bounds) - 1:
                 a, b = bounds[i], bounds[i + 1]
-                _memmove_all(s[a:b], d[a:b], n[a:b])
+                memmove_all(s[a:b], d[a:b], n[a:b])
 
         with self._pool_lock:
             if self._pool is None:

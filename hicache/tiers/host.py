@@ -99,10 +99,7 @@ class HostKVCache:
             raise LayoutError(f"a host arena of {arena.nbytes} bytes holds no page of {layout.page_bytes} bytes")
         if backend is not None and backend not in BACKENDS:
             raise LayoutError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if dma_min_run_pages is not None and (not isinstance(dma_min_run_pages, int)
-                                              or isinstance(dma_min_run_pages, bool) or dma_min_run_pages < 1):
-            raise LayoutError(f"dma_min_run_pages must be a positive int or None, got {dma_min_run_pages!r}")
-        self.dma_min_run_pages = dma_min_run_pages
+        self.dma_min_run_pages = check_dma_min_run_pages(dma_min_run_pages)
         self.geom = kcopy.PageGeometry.from_layout(layout)
         self._pages_np = arena.array[: self.num_slots * self.page_bytes].reshape(self.num_slots, self.page_bytes)
         self._host = kcopy.host_pages_view(torch.from_numpy(arena.array), self.geom, self.num_slots)
@@ -163,11 +160,9 @@ class HostKVCache:
                 raise HostCacheError("a host or device page id repeats within one transfer")
         runs = None
         if self.dma_min_run_pages is not None and len(h):
-            runs, rest = dma.split_long_runs(h, d, self.dma_min_run_pages)
-            if len(runs):
-                h, d = h[rest], d[rest]
-            else:
-                runs = None
+            long_runs, rest = dma.split_long_runs(h, d, self.dma_min_run_pages)
+            if len(long_runs):
+                runs, h, d = long_runs, h[rest], d[rest]
         dev = device_pool.device
         d_t = torch.from_numpy(d)
         h_t = torch.from_numpy(h)
@@ -295,6 +290,13 @@ class HostKVCache:
     def close(self) -> None:
         """Stop copy helper threads. The arena belongs to the caller."""
         self._copier.close()
+
+
+def check_dma_min_run_pages(value: object) -> int | None:
+    """`dma_min_run_pages` as given (a positive int, or None for off); LayoutError otherwise."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise LayoutError(f"dma_min_run_pages must be a positive int or None, got {value!r}")
+    return value
 
 
 def _as_ids(x: object, name: str) -> np.ndarray:
