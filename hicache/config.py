@@ -35,6 +35,8 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 LOAD_POLICIES = ("best_effort", "wait_complete", "timeout")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 DURABILITY = ("none", "batch", "sync")
+# Page ids travel as int32; engines' pools are far smaller, and the daemon sizes work by them.
+MAX_DEVICE_PAGES_LIMIT = 1 << 30
 
 
 def parse_size(value: str | int) -> int:
@@ -132,9 +134,15 @@ class Config:
     disk_queue_pages: int = 4096
     allowed_uids: tuple[int, ...] = ()  # empty = the daemon's uid and root
     allowed_gids: tuple[int, ...] = ()
+    admin_gids: tuple[int, ...] = ()  # besides root and the daemon's uid: who may flush, import, export...
     max_frame_bytes: int = 64 << 20
-    max_buffer_bytes: int = 128 << 20
+    max_buffer_bytes: int = 128 << 20  # unparsed input per connection; over it the connection is closed
+    max_total_buffer_bytes: int = 512 << 20  # the same, summed over connections; the largest goes first
+    max_output_bytes: int = 128 << 20  # unsent output per connection; over it the connection is aborted
+    max_event_backlog_bytes: int = 8 << 20  # a subscriber with more unsent output is dropped
     max_inflight: int = 256  # concurrent requests per connection before BUSY
+    max_device_pages: int = 1 << 24  # per engine; page ids travel as int32
+    max_request_pages: int = 1 << 20  # keys in one match / insert
     drain_timeout_s: float = 10.0
     metrics_port: int = 0  # 0 = no metrics endpoint
     mlock: bool = True
@@ -148,9 +156,14 @@ class Config:
         if self.durability not in DURABILITY:
             raise ConfigError(f"durability must be one of {DURABILITY}, got {self.durability!r}")
         for name in ("max_frame_bytes", "max_buffer_bytes", "max_inflight", "disk_queue_pages",
-                     "write_hit_threshold"):
+                     "write_hit_threshold", "max_total_buffer_bytes", "max_output_bytes",
+                     "max_event_backlog_bytes", "max_device_pages", "max_request_pages"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
+        if self.max_total_buffer_bytes < self.max_buffer_bytes:
+            raise ConfigError("max_total_buffer_bytes must be >= max_buffer_bytes")
+        if self.max_device_pages > MAX_DEVICE_PAGES_LIMIT:
+            raise ConfigError(f"max_device_pages must be <= {MAX_DEVICE_PAGES_LIMIT} (page ids travel as int32)")
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError("metrics_port must be in 0..65535")
         if self.host_capacity == 0:
@@ -164,7 +177,8 @@ class Config:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
-_SIZE_FIELDS = {"host_capacity", "disk_capacity", "max_frame_bytes", "max_buffer_bytes"}
+_SIZE_FIELDS = {"host_capacity", "disk_capacity", "max_frame_bytes", "max_buffer_bytes", "max_total_buffer_bytes",
+                "max_output_bytes", "max_event_backlog_bytes"}
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -176,7 +190,7 @@ def _coerce(name: str, value: Any) -> Any:
             return parse_size(value)
         if name in ("socket_path", "state_dir"):
             return Path(os.path.expanduser(str(value)))
-        if name in ("allowed_uids", "allowed_gids"):
+        if name in ("allowed_uids", "allowed_gids", "admin_gids"):
             items = value.split(",") if isinstance(value, str) else list(value)
             return tuple(_principal(name, str(x).strip()) for x in items if str(x).strip() != "")
         if kind == "bool":

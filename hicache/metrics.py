@@ -132,6 +132,12 @@ class Metrics:
         )
         self._engines = gauge("hicache_engines_connected", "Engine connections currently open.")
         self._queue_depth = gauge("hicache_queue_depth", "Items waiting in a daemon work queue.", ("queue",))
+        self._dropped_subscribers = counter(
+            "hicache_dropped_subscribers", "Event subscribers closed for falling behind."
+        )
+        self._dropped_connections = counter(
+            "hicache_dropped_connections", "Connections closed over a buffer cap, by which cap.", ("reason",)
+        )
 
         # Pre-resolved children: every series exists (at 0) from the start,
         # and hot-path updates skip prometheus-client's labels() lookup.
@@ -210,6 +216,14 @@ class Metrics:
 
     def set_engines(self, count: int) -> None:
         self._engines.set(_count(count))
+
+    def add_dropped_subscribers(self, count: int = 1) -> None:
+        self._dropped_subscribers.inc(_count(count))
+
+    def add_dropped_connections(self, reason: str, count: int = 1) -> None:
+        """``output_overflows`` (unread replies) or ``input_overflows`` (unparsed input)."""
+        _check_label(reason)
+        self._dropped_connections.labels(reason).inc(_count(count))
 
     def set_queue_depth(self, queue: str, depth: int) -> None:
         depth = _count(depth)

@@ -20,7 +20,7 @@ from typing import Any
 
 from hicache import __version__
 from hicache.config import Config, format_size
-from hicache.daemon.handlers import build_handlers
+from hicache.daemon.handlers import ADMIN_METHODS, build_handlers
 from hicache.daemon.host_tier import HostTier
 from hicache.daemon.hybrid import HybridStates
 from hicache.daemon.service import CacheService
@@ -95,7 +95,8 @@ class Daemon:
                  self.host.num_slabs, format_size(self.host.slab_bytes), self.host.arena.locked)
         self.service = CacheService(self.host, write_policy=WritePolicy(cfg.write_policy),
                                     write_hit_threshold=cfg.write_hit_threshold, emit=self._emit,
-                                    clock=time.time)  # wall clock: disk LRU times survive restarts
+                                    clock=time.time,  # wall clock: disk LRU times survive restarts
+                                    max_device_pages=cfg.max_device_pages)
         # before the disk tier: its rebuild hands state checkpoint records to HybridStates
         self.hybrid = HybridStates(self.service, disk_capacity=cfg.disk_capacity if cfg.disk_enabled else 0,
                                    load_policy=cfg.load_policy, prefetch_timeout_s=cfg.prefetch_timeout_s)
@@ -106,7 +107,11 @@ class Daemon:
         self.server = RpcServer(build_handlers(self), max_frame_bytes=cfg.max_frame_bytes,
                                 max_buffer_bytes=cfg.max_buffer_bytes, max_inflight=cfg.max_inflight,
                                 allowed_uids=allowed_uids, allowed_gids=set(cfg.allowed_gids),
-                                on_disconnect=self._on_disconnect)
+                                on_disconnect=self._on_disconnect, admin_uids={0, os.getuid()},
+                                admin_gids=set(cfg.admin_gids), admin_methods=ADMIN_METHODS,
+                                max_total_buffer_bytes=cfg.max_total_buffer_bytes,
+                                max_output_bytes=cfg.max_output_bytes,
+                                max_event_backlog_bytes=cfg.max_event_backlog_bytes)
         inherited = listen_fds_with_names()
         if inherited:
             # systemd socket activation: prefer the fd named "rpc", else the first one
@@ -169,6 +174,9 @@ class Daemon:
                 for op, seconds in self.disk.take_latencies():
                     m.observe_disk(op, seconds)
             m.set_engines(len(st["engines"]))
+            m.add_dropped_subscribers(delta("dropped_subscribers", st["events"]["dropped_subscribers"]))
+            for reason in ("output_overflows", "input_overflows"):
+                m.add_dropped_connections(reason, delta(reason, st["rpc"][reason]))
             if self.disk is not None:
                 self.metrics.set_queue_depth("disk_write", st["tiers"]["disk"].get("queue_depth", 0))
             await asyncio.sleep(1.0)
@@ -211,7 +219,7 @@ class Daemon:
 
     def _emit(self, event: dict) -> None:
         if self.server is not None:
-            self.server.broadcast_event(event)
+            self.server.broadcast_event(event, event.get("namespace"))
 
     # -- introspection -------------------------------------------------------
     def stats(self) -> dict:
@@ -243,40 +251,19 @@ class Daemon:
                              "loaded_pages": c.loaded_pages, "backups": c.backups_planned,
                              "backup_pages": c.backup_pages, "backups_skipped_no_space": c.backups_skipped_no_space},
                 "connections": len(self.server.connections) if self.server else 0,
-                "states": self.hybrid.stats() if self.hybrid is not None else None}
+                "states": self.hybrid.stats() if self.hybrid is not None else None,
+                **self._rpc_stats()}
 
-    def tree_summary(self, depth: int) -> dict:
-        svc = self.service
-        assert svc is not None
-        out = []
-        for ns in svc.namespaces.values():
-            out.append({"namespace": ns.salt.hex(), "model": ns.namespace.model,
-                        "layout": ns.namespace.layout.to_dict(), "tp_rank": ns.namespace.tp_rank,
-                        "page_bytes": ns.namespace.layout.page_bytes,
-                        "pages": {name: ns.index.num_pages(t) for name, t in
-                                  (("device", Tier.DEVICE), ("host", Tier.HOST), ("disk", Tier.DISK))},
-                        "tree": _summarize(ns.index.root, depth)})
-        return {"namespaces": out}
-
-
-def _summarize(node: Any, depth: int) -> list[dict]:
-    if depth <= 0:
-        return []
-    out = []
-    for child in node.children.values():
-        out.append({"pages": child.n_pages, "host": child.host is not None, "disk": child.on_disk,
-                    "engines": sorted(child.device), "hits": child.hit_count,
-                    "subtree_nodes": _count(child), "children": _summarize(child, depth - 1)})
-    return out
-
-
-def _count(node: Any) -> int:
-    n, stack = 0, [node]
-    while stack:
-        cur = stack.pop()
-        n += 1
-        stack.extend(cur.children.values())
-    return n
+    def _rpc_stats(self) -> dict:
+        server = self.server
+        if server is None:
+            return {"events": {"subscribers": 0, "dropped_subscribers": 0},
+                    "rpc": {"buffered_input_bytes": 0, "output_overflows": 0, "input_overflows": 0}}
+        c = server.counters
+        return {"events": {"subscribers": sum(conn.subscribed for conn in server.connections),
+                           "dropped_subscribers": c.dropped_subscribers},
+                "rpc": {"buffered_input_bytes": server.buffered_bytes, "output_overflows": c.output_overflows,
+                        "input_overflows": c.input_overflows}}
 
 
 def serve(config: Config) -> int:

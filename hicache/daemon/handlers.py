@@ -1,7 +1,13 @@
 """RPC methods: decode parameters, call the CacheService, encode the answer.
 
 Every handler validates its parameters before touching state, so a bad
-request is answered with BAD_PARAMS and changes nothing.
+request is answered with BAD_PARAMS and changes nothing; every size and
+length is checked against a limit derived from the config (Config.max_*).
+
+Roles: the server refuses everything before `hello` and the ADMIN_METHODS to a
+peer that is not an admin. A non-admin peer sees only the namespaces its
+connection registered: in `ls`, in the events it subscribed to, and in the
+engines `stats` lists (tiers and counters stay aggregate).
 """
 
 from __future__ import annotations
@@ -18,8 +24,9 @@ import numpy as np
 from hicache import __version__
 from hicache.daemon.hybrid import state_layout_param
 from hicache.daemon.portable import portable_handlers
+from hicache.daemon.tree_view import MAX_DEPTH, tree_summary
 from hicache.errors import LayoutError
-from hicache.index.keys import Namespace
+from hicache.index.keys import KEY_BYTES, Namespace
 from hicache.index.radix import Tier
 from hicache.layout import KVLayout
 from hicache.rpc.framing import bytes_to_ids, ids_to_bytes
@@ -30,6 +37,14 @@ if TYPE_CHECKING:
     from hicache.daemon.app import Daemon
 
 TIERS = {"device": Tier.DEVICE, "host": Tier.HOST, "disk": Tier.DISK}
+
+# Destructive or cross-namespace: the server checks these before the handler runs.
+ADMIN_METHODS = frozenset({"flush", "evict_tier", "doctor", "export_open", "export_next",
+                           "import_open", "import_pages"})
+MAX_NAME_CHARS = 1024  # model names, extra keys, namespace queries
+MAX_TP_SIZE = 1 << 16
+MAX_EVICT_BYTES = (1 << 63) - 1
+EVICT_STEP_PAGES = 4096  # evict_tier lets the loop run between steps of this many pages
 
 
 def _get(params: dict, name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
@@ -43,9 +58,26 @@ def _get(params: dict, name: str, kind: type | tuple[type, ...], default: Any = 
     return value
 
 
-def _ids(params: dict, name: str) -> np.ndarray:
+def _int(params: dict, name: str, lo: int, hi: int, default: Any = ...) -> int:
+    value = _get(params, name, int, default)
+    if not lo <= value <= hi:
+        raise RpcError(Code.BAD_PARAMS, f"parameter {name!r} must be in {lo}..{hi}")
+    return value
+
+
+def _str(params: dict, name: str, default: Any = ...) -> str:
+    value = _get(params, name, str, default)
+    if len(value) > MAX_NAME_CHARS:
+        raise RpcError(Code.BAD_PARAMS, f"parameter {name!r} is longer than {MAX_NAME_CHARS} characters")
+    return value
+
+
+def _ids(params: dict, name: str, limit: int) -> np.ndarray:
+    raw = _get(params, name, bytes)
+    if len(raw) > 4 * limit:
+        raise RpcError(Code.BAD_PARAMS, f"{name}: more than {limit} ids")
     try:
-        return bytes_to_ids(_get(params, name, bytes), name)
+        return bytes_to_ids(raw, name)
     except RpcError:
         raise
     except Exception as e:
@@ -68,6 +100,14 @@ def _backup_plan(backup: Any) -> dict | None:
 
 def build_handlers(daemon: Daemon) -> dict[str, Any]:
     svc = daemon.service
+    cfg = daemon.config
+    max_pages = cfg.max_request_pages
+
+    def keys_of(p: dict) -> Any:
+        blob = _get(p, "keys", bytes)
+        if len(blob) > KEY_BYTES * max_pages:
+            raise RpcError(Code.BAD_PARAMS, f"more than {max_pages} keys in one request (max_request_pages)")
+        return svc.split_keys(blob)
 
     def hello(conn: Connection, p: dict) -> Any:
         version = _get(p, "version", int)
@@ -85,14 +125,15 @@ def build_handlers(daemon: Daemon) -> dict[str, Any]:
             layout = KVLayout.from_dict(_get(p, "layout", dict))
         except (LayoutError, TypeError) as e:
             raise RpcError(Code.BAD_PARAMS, f"bad layout: {e}") from None
-        ns = Namespace(model=_get(p, "model", str), layout=layout, tp_rank=_get(p, "tp_rank", int, 0),
-                       tp_size=_get(p, "tp_size", int, 1), extra_key=_get(p, "extra_key", str, ""),
+        ns = Namespace(model=_str(p, "model"), layout=layout, tp_rank=_get(p, "tp_rank", int, 0),
+                       tp_size=_int(p, "tp_size", 1, MAX_TP_SIZE, 1), extra_key=_str(p, "extra_key", ""),
                        state=state_layout_param(p.get("state")))  # hybrid models: their recurrent state
         if not 0 <= ns.tp_rank < ns.tp_size:
             raise RpcError(Code.BAD_PARAMS, "need 0 <= tp_rank < tp_size")
         if ns.state is not None and daemon.hybrid is not None:
             daemon.hybrid.check_namespace(ns)
         rec = svc.register(conn, ns, _get(p, "device_pages", int))
+        conn.namespaces.add(rec.ns.salt.hex())  # what this connection may see from now on
         reply = {"engine": rec.engine_id, "salt": rec.ns.salt, "page_bytes": layout.page_bytes,
                  "write_policy": svc.write_policy.value}
         if ns.state is not None:
@@ -100,7 +141,7 @@ def build_handlers(daemon: Daemon) -> dict[str, Any]:
         return reply
 
     def match(conn: Connection, p: dict) -> Any:
-        keys = svc.split_keys(_get(p, "keys", bytes))
+        keys = keys_of(p)
         if daemon.hybrid is not None:  # a hybrid namespace's match is cut at its usable prefix
             pin, state = daemon.hybrid.match(conn, _get(p, "engine", int), keys)
         else:
@@ -129,7 +170,7 @@ def build_handlers(daemon: Daemon) -> dict[str, Any]:
         return reply
 
     def load_done(conn: Connection, p: dict) -> Any:
-        dups = svc.load_done(conn, _get(p, "pin", int), _ids(p, "device_pages"))
+        dups = svc.load_done(conn, _get(p, "pin", int), _ids(p, "device_pages", max_pages))
         return {"free_pages": ids_to_bytes(dups)}
 
     def release(conn: Connection, p: dict) -> Any:
@@ -137,17 +178,21 @@ def build_handlers(daemon: Daemon) -> dict[str, Any]:
         return True
 
     def insert(conn: Connection, p: dict) -> Any:
-        keys = svc.split_keys(_get(p, "keys", bytes))
+        keys = keys_of(p)
         tokens = _get(p, "tokens", bytes)
         if len(tokens) % 4:
             raise RpcError(Code.BAD_PARAMS, "tokens must be packed int32")
+        device_pages = _ids(p, "device_pages", len(keys))
         if daemon.hybrid is not None:  # hybrid namespaces: plus the state checkpoints offered
+            states = _get(p, "states", list, None)
+            if states is not None and len(states) > len(tokens) // 4:
+                raise RpcError(Code.BAD_PARAMS, "more state offers than tokens")
             present, dups, backup, state_backup = daemon.hybrid.insert(
-                conn, _get(p, "engine", int), keys, np.frombuffer(tokens, dtype="<i4"), _ids(p, "device_pages"),
-                _get(p, "pin", int, None), _get(p, "states", list, None))
+                conn, _get(p, "engine", int), keys, np.frombuffer(tokens, dtype="<i4"), device_pages,
+                _get(p, "pin", int, None), states)
         else:
             present, dups, backup = svc.insert(conn, _get(p, "engine", int), keys,
-                                               np.frombuffer(tokens, dtype="<i4"), _ids(p, "device_pages"),
+                                               np.frombuffer(tokens, dtype="<i4"), device_pages,
                                                _get(p, "pin", int, None))
             state_backup = None
         reply = {"present_pages": present, "free_pages": ids_to_bytes(dups), "backup": _backup_plan(backup)}
@@ -168,7 +213,8 @@ def build_handlers(daemon: Daemon) -> dict[str, Any]:
         return {"free_pages": ids_to_bytes(freed)}
 
     def evict(conn: Connection, p: dict) -> Any:
-        free_now, backup = svc.evict_device(conn, _get(p, "engine", int), _get(p, "num_pages", int))
+        free_now, backup = svc.evict_device(conn, _get(p, "engine", int),
+                                            _int(p, "num_pages", 0, cfg.max_device_pages))
         return {"free_pages": ids_to_bytes(free_now), "backup": _backup_plan(backup)}
 
     def unregister(conn: Connection, p: dict) -> Any:
@@ -177,19 +223,29 @@ def build_handlers(daemon: Daemon) -> dict[str, Any]:
         return True
 
     def stats(conn: Connection, p: dict) -> Any:
-        return daemon.stats()
+        st = daemon.stats()
+        if not conn.admin:  # other tenants' engines (model, pid) are theirs; counts stay aggregate
+            mine = {r.engine_id for r in svc.engines.values() if r.owner is conn}
+            st["engines"] = [e for e in st["engines"] if e["engine"] in mine]
+        return st
 
-    def flush(conn: Connection, p: dict) -> Any:
-        return {"pages": svc.flush(_tier(p, ("host", "disk")))}
+    async def flush(conn: Connection, p: dict) -> Any:
+        pages = 0
+        for pages in svc.flush_steps(_tier(p, ("host", "disk"))):
+            await asyncio.sleep(0)  # one namespace per loop turn
+        return {"pages": pages}
 
-    def evict_tier(conn: Connection, p: dict) -> Any:
-        num_bytes = _get(p, "bytes", int)
-        if num_bytes < 0:
-            raise RpcError(Code.BAD_PARAMS, "bytes must be >= 0")
-        return {"bytes": svc.evict_tier(_tier(p, ("host", "disk")), num_bytes)}
+    async def evict_tier(conn: Connection, p: dict) -> Any:
+        tier, num_bytes = _tier(p, ("host", "disk")), _int(p, "bytes", 0, MAX_EVICT_BYTES)
+        done = 0
+        for done in svc.evict_tier_steps(tier, num_bytes, EVICT_STEP_PAGES):
+            await asyncio.sleep(0)
+        return {"bytes": done}
 
-    def ls(conn: Connection, p: dict) -> Any:
-        return daemon.tree_summary(_get(p, "depth", int, 2))
+    async def ls(conn: Connection, p: dict) -> Any:
+        depth = _int(p, "depth", 0, MAX_DEPTH, 2)
+        spaces = [ns for ns in svc.namespaces.values() if conn.admin or ns.salt.hex() in conn.namespaces]
+        return await tree_summary(spaces, depth)
 
     def subscribe(conn: Connection, p: dict) -> Any:
         conn.subscribed = True

@@ -174,8 +174,8 @@ class Portable:
     # -- export ------------------------------------------------------------------------------
     async def export_open(self, conn: Connection, p: dict) -> dict:
         query = p.get("namespace")
-        if not isinstance(query, str):
-            raise RpcError(Code.BAD_PARAMS, "parameter 'namespace' must be a string")
+        if not isinstance(query, str) or len(query) > 1024:
+            raise RpcError(Code.BAD_PARAMS, "parameter 'namespace' must be a string (at most 1024 characters)")
         mover = self._mover()
         ns = self.resolve(query)
         records, orphans = await asyncio.to_thread(ordered_disk_records, mover.tier, ns.salt)
@@ -198,7 +198,8 @@ class Portable:
         max_bytes = p.get("max_bytes", DEFAULT_CHUNK_BYTES)
         if type(max_bytes) is not int or max_bytes < 1:
             raise RpcError(Code.BAD_PARAMS, "max_bytes must be a positive int")
-        max_bytes = min(max_bytes, MAX_EXPORT_CHUNK_BYTES)
+        # a reply must fit the connection's output cap with room to spare
+        max_bytes = min(max_bytes, MAX_EXPORT_CHUNK_BYTES, self.daemon.config.max_output_bytes // 2)
         tier = self._mover().tier
         batch: list[DiskRecord] = []
         size = 0

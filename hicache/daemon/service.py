@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,8 +130,9 @@ def path_with_offsets(node: TreeNode) -> list[tuple[TreeNode, int]]:
 class CacheService:
     def __init__(self, host: HostTier, *, write_policy: WritePolicy = WritePolicy.WRITE_THROUGH,
                  write_hit_threshold: int = 2, emit: Callable[[dict], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_device_pages: int = 1 << 24) -> None:
         self.host = host
+        self.max_device_pages = max_device_pages  # per engine (Config.max_device_pages)
         self.write_policy = write_policy
         self.write_hit_threshold = write_hit_threshold
         self.emit = emit or (lambda event: None)
@@ -165,8 +166,8 @@ class CacheService:
         return ns
 
     def register(self, owner: object, namespace: Namespace, device_pages: int) -> EngineRecord:
-        if device_pages <= 0:
-            raise RpcError(Code.BAD_PARAMS, "device_pages must be > 0")
+        if not 0 < device_pages <= self.max_device_pages:
+            raise RpcError(Code.BAD_PARAMS, f"device_pages must be in 1..{self.max_device_pages}")
         try:
             ns = self.namespace_state(namespace)
         except Exception as e:  # a page too large for the arena, ...
@@ -198,7 +199,7 @@ class CacheService:
             raise RpcError(Code.BAD_PARAMS, f"expected {n} device pages, got {len(pages)}")
         if n and (pages.min() < 1 or pages.max() > rec.device_pages):
             raise RpcError(Code.BAD_PARAMS, f"device pages must be in 1..{rec.device_pages}")
-        if n > 1 and np.bincount(pages).max() > 1:  # ids are bounded by the pool: cheaper than unique
+        if n > 1 and _repeats(pages, rec.device_pages):
             raise RpcError(Code.BAD_PARAMS, "device pages repeat")
 
     # -- match / load / release -------------------------------------------
@@ -517,14 +518,29 @@ class CacheService:
     # -- admin --------------------------------------------------------------
     def flush(self, tier: Tier) -> int:
         n = 0
-        for ns in self.namespaces.values():
+        for n in self.flush_steps(tier):
+            pass
+        return n
+
+    def flush_steps(self, tier: Tier) -> Iterator[int]:
+        """flush, one namespace per step (the RPC handler lets the loop run between steps);
+        yields the pages dropped so far."""
+        n = 0
+        for ns in list(self.namespaces.values()):
             freed = ns.index.flush(tier)
             n += sum(len(f.keys) for f in freed if f.tier is tier)
             self._apply_freed(ns, freed, None)
-        return n
+            yield n
 
     def evict_tier(self, tier: Tier, num_bytes: int) -> int:
         """Admin eviction of about num_bytes from host or disk, oldest namespace first."""
+        done = 0
+        for done in self.evict_tier_steps(tier, num_bytes):
+            pass
+        return done
+
+    def evict_tier_steps(self, tier: Tier, num_bytes: int, step_pages: int | None = None) -> Iterator[int]:
+        """evict_tier in steps of at most step_pages pages; yields the bytes evicted so far."""
         done = 0
         while done < num_bytes:
             cands = [(ns.index.peek_evictable(tier), ns) for ns in self.namespaces.values()]
@@ -534,6 +550,8 @@ class CacheService:
             _, ns = min(cands, key=lambda c: c[0])
             page_bytes = ns.namespace.layout.page_bytes
             want = max(1, -(-(num_bytes - done) // page_bytes))
+            if step_pages is not None:
+                want = min(want, step_pages)
             if tier is Tier.HOST and self.before_host_evict is not None:
                 self.before_host_evict(ns, want)
             freed = ns.index.evict(tier, want)
@@ -541,7 +559,7 @@ class CacheService:
                 break
             done += sum(len(f.keys) for f in freed if f.tier is tier) * page_bytes
             self._apply_freed(ns, freed, None)
-        return done
+            yield done
 
     # -- connection loss ----------------------------------------------------
     def disconnect(self, owner: object) -> None:
@@ -573,3 +591,13 @@ class CacheService:
         if keys and ns is not None:
             self.emit({"type": kind, "tier": TIER_NAMES[tier], "engine": rec.engine_id if rec else None,
                        "namespace": ns.salt.hex(), "keys": keys})
+
+
+def _repeats(pages: np.ndarray, pool_pages: int) -> bool:
+    """Whether device page ids repeat. A count per id of the pool is cheapest for the
+    pools engines have; for a request far smaller than a huge pool, sort instead of
+    allocating a count per id."""
+    if pool_pages <= 8 * len(pages) + 65536:
+        return bool(np.bincount(pages).max() > 1)
+    ordered = np.sort(pages)
+    return bool((ordered[1:] == ordered[:-1]).any())

@@ -35,7 +35,11 @@ def unpack_body(body: bytes | memoryview) -> dict:
 
 
 class FrameDecoder:
-    """Incremental decoder for a byte stream of frames (server and async client)."""
+    """Incremental decoder for a byte stream of frames (server and async client).
+
+    The server takes frames one at a time (`append`, then `next_frame`) so that it
+    can stop between them; `feed` takes all complete ones at once.
+    """
 
     def __init__(self, max_frame_bytes: int) -> None:
         self.max_frame_bytes = max_frame_bytes
@@ -45,22 +49,29 @@ class FrameDecoder:
     def buffered(self) -> int:
         return len(self._buf)
 
+    def append(self, data: bytes) -> None:
+        self._buf += data
+
+    def next_frame(self) -> bytes | None:
+        """The next complete frame body, or None. An oversized frame breaks the stream."""
+        buf = self._buf
+        if len(buf) < 4:
+            return None
+        (n,) = HEADER.unpack_from(buf, 0)
+        if n > self.max_frame_bytes:
+            raise ProtocolError(f"frame of {n} bytes exceeds the cap of {self.max_frame_bytes}")
+        if len(buf) - 4 < n:
+            return None
+        body = bytes(buf[4:4 + n])
+        del buf[:4 + n]  # O(1): bytearray drops a prefix by moving its start
+        return body
+
     def feed(self, data: bytes) -> list[bytes]:
         """Add bytes; return complete frame bodies. Oversized frames break the stream."""
-        self._buf += data
+        self.append(data)
         out: list[bytes] = []
-        pos = 0
-        buf = self._buf
-        while len(buf) - pos >= 4:
-            (n,) = HEADER.unpack_from(buf, pos)
-            if n > self.max_frame_bytes:
-                raise ProtocolError(f"frame of {n} bytes exceeds the cap of {self.max_frame_bytes}")
-            if len(buf) - pos - 4 < n:
-                break
-            out.append(bytes(buf[pos + 4:pos + 4 + n]))
-            pos += 4 + n
-        if pos:
-            del buf[:pos]
+        while (body := self.next_frame()) is not None:
+            out.append(body)
         return out
 
 

@@ -19,7 +19,9 @@ class Code(str, Enum):
     NOT_REGISTERED = "NOT_REGISTERED"    # unknown engine, or an engine of another connection
     NOT_FOUND = "NOT_FOUND"              # unknown match / backup handle (e.g. released twice)
     VERSION = "VERSION"                  # protocol version not supported
-    BUSY = "BUSY"                        # too many requests in flight on this connection
+    BUSY = "BUSY"                        # too many requests in flight on this connection, or fds cannot go now
+    HELLO_REQUIRED = "HELLO_REQUIRED"    # a request before a successful hello
+    FORBIDDEN = "FORBIDDEN"              # the peer lacks the admin role, or the namespace is not its own
     SHUTTING_DOWN = "SHUTTING_DOWN"
     INTERNAL = "INTERNAL"
 

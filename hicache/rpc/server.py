@@ -6,17 +6,34 @@ return an awaitable, which then runs as a tracked task. Synchronous handlers
 keeps a round trip close to a bare echo. Nothing a client sends can crash the
 daemon: bad frames get an error response, and only broken framing (an
 oversized or undecodable length prefix) closes the connection.
+
+Nothing a client does can stall the loop or grow memory without bound:
+- every write is non-blocking (the descriptor-passing one too); a connection
+  whose unsent output passes `max_output_bytes` is aborted, never waited on,
+  and one whose output passes the transport's high-water mark stops being read
+  and served until it reads;
+- a connection handles at most FRAMES_PER_TURN frames per loop turn, then the
+  rest on a later turn, not reading meanwhile;
+- unparsed input is capped per connection (`max_buffer_bytes`) and over all of
+  them (`max_total_buffer_bytes`: the connection holding the most goes first);
+- an event subscriber whose unsent output passes `max_event_backlog_bytes` is
+  dropped (its connection closed: a router notices and resubscribes).
+
+Roles: a connection must `hello` before anything else (HELLO_REQUIRED), and
+the methods in `admin_methods` need an admin peer (root, the daemon's uid, or
+a member of an admin group), checked here before any handler runs (FORBIDDEN).
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
 import logging
 import os
 import socket
 import struct
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,12 +45,22 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[["Connection", dict], Any]
 
+FRAMES_PER_TURN = 64  # frames one connection handles per loop turn before others get theirs
+HIGH_WATER_BYTES = 64 << 10  # unsent output that pauses serving a connection (asyncio's default)
+
 
 @dataclass(frozen=True, slots=True)
 class PeerCred:
     pid: int
     uid: int
     gid: int
+
+
+@dataclass(slots=True)
+class ServerCounters:
+    dropped_subscribers: int = 0  # subscribers that fell behind, closed
+    output_overflows: int = 0  # connections aborted over max_output_bytes
+    input_overflows: int = 0  # connections closed over max_buffer_bytes / max_total_buffer_bytes
 
 
 @dataclass(slots=True)
@@ -50,7 +77,7 @@ def peer_credentials(fd: int) -> PeerCred:
     return PeerCred(*struct.unpack("3i", raw))
 
 
-def _supplementary_groups(pid: int) -> set[int]:
+def supplementary_groups(pid: int) -> set[int]:
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
@@ -70,9 +97,15 @@ class Connection(asyncio.Protocol):
         self.inflight: set[asyncio.Task] = set()
         self.closed = False
         self.subscribed = False
+        self.greeted = False  # a hello succeeded
+        self.admin = False  # the peer may call admin methods and see every namespace
+        self.namespaces: set[str] = set()  # salts (hex) this connection registered: what it may see
         self.state: dict[str, Any] = {}  # per-connection data owned by the daemon (engines, pins)
         self._fd = -1
+        self._buffered = 0  # this connection's share of server.buffered_bytes
+        self._output_paused = False  # unsent output over the high-water mark
         self._reading_paused = False
+        self._turn: asyncio.Handle | None = None  # frames left for a later loop turn
 
     # -- asyncio callbacks ------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -88,25 +121,30 @@ class Connection(asyncio.Protocol):
             transport.close()
             self.closed = True
             return
+        self.admin = self.server.is_admin(self.peer)
+        self.transport.set_write_buffer_limits(high=min(HIGH_WATER_BYTES, self.server.max_output_bytes // 2))
         self.server.connections.add(self)
 
     def data_received(self, data: bytes) -> None:
         if self.closed:
             return
-        try:
-            bodies = self.decoder.feed(data)
-        except ProtocolError as e:
-            log.warning("closing connection from %s: %s", self.peer, e)
-            self._abort()
+        self.decoder.append(data)
+        if self._turn is None and not self._output_paused:
+            self._run_frames()
+        else:
+            self._account()
+        if self.closed:
             return
-        for body in bodies:
-            self._handle(body)
         if self.decoder.buffered > self.server.max_buffer_bytes:
             log.warning("closing connection from %s: %d bytes buffered", self.peer, self.decoder.buffered)
+            self.server.counters.input_overflows += 1
             self._abort()
+            return
+        self.server.shed_input()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._forget_input()
         self.server.connections.discard(self)
         for task in self.inflight:
             task.cancel()
@@ -115,16 +153,62 @@ class Connection(asyncio.Protocol):
         except Exception:
             log.exception("disconnect cleanup failed")
 
-    # Back-pressure: a client that does not read its responses stops being read.
+    # Back-pressure: a client that does not read its responses stops being read and served.
     def pause_writing(self) -> None:
-        if self.transport is not None and not self._reading_paused:
-            self._reading_paused = True
-            self.transport.pause_reading()
+        self._output_paused = True
+        self._update_reading()
 
     def resume_writing(self) -> None:
-        if self.transport is not None and self._reading_paused:
-            self._reading_paused = False
+        self._output_paused = False
+        if self._turn is None and not self.closed:
+            self._turn = asyncio.get_running_loop().call_soon(self._run_frames)
+        self._update_reading()
+
+    # -- input --------------------------------------------------------------
+    def _run_frames(self) -> None:
+        """Handle up to FRAMES_PER_TURN buffered frames; more wait for a later loop turn
+        (reading paused meanwhile), so one connection's burst cannot hold the loop."""
+        self._turn = None
+        for _ in range(FRAMES_PER_TURN):
+            if self.closed or self._output_paused:
+                break
+            try:
+                body = self.decoder.next_frame()
+            except ProtocolError as e:
+                log.warning("closing connection from %s: %s", self.peer, e)
+                self._abort()
+                return
+            if body is None:
+                break
+            self._handle(body)
+        else:
+            if not self.closed and not self._output_paused:
+                self._turn = asyncio.get_running_loop().call_soon(self._run_frames)
+        self._account()
+        self._update_reading()
+
+    def _update_reading(self) -> None:
+        paused = self._output_paused or self._turn is not None
+        if paused == self._reading_paused or self.closed or self.transport is None:
+            return
+        self._reading_paused = paused
+        if paused:
+            self.transport.pause_reading()
+        else:
             self.transport.resume_reading()
+
+    def _account(self) -> None:
+        now = self.decoder.buffered
+        self.server.buffered_bytes += now - self._buffered
+        self._buffered = now
+
+    def _forget_input(self) -> None:
+        if self._turn is not None:
+            self._turn.cancel()
+            self._turn = None
+        self.server.buffered_bytes -= self._buffered
+        self._buffered = 0
+        self.decoder = FrameDecoder(self.server.max_frame_bytes)  # drop what was buffered
 
     # -- requests ---------------------------------------------------------
     def _handle(self, body: bytes) -> None:
@@ -142,15 +226,23 @@ class Connection(asyncio.Protocol):
         if not isinstance(method, str) or not isinstance(params, dict):
             self.send_error(req_id, Code.BAD_REQUEST, "method must be a string and params a map")
             return
-        handler = self.server.handlers.get(method)
+        server = self.server
+        if not self.greeted and method != server.hello_method:
+            self.send_error(req_id, Code.HELLO_REQUIRED, f"send {server.hello_method!r} first")
+            return
+        handler = server.handlers.get(method)
         if handler is None:
             self.send_error(req_id, Code.UNKNOWN_METHOD, f"unknown method {method!r}")
             return
-        if self.server.draining and method not in self.server.allowed_while_draining:
+        if method in server.admin_methods and not self.admin:
+            self.send_error(req_id, Code.FORBIDDEN, f"{method} needs an admin peer (root, the daemon's user "
+                                                    "or a member of an admin group)")
+            return
+        if server.draining and method not in server.allowed_while_draining:
             self.send_error(req_id, Code.SHUTTING_DOWN, "the daemon is shutting down")
             return
-        if len(self.inflight) >= self.server.max_inflight:
-            self.send_error(req_id, Code.BUSY, f"more than {self.server.max_inflight} requests in flight")
+        if len(self.inflight) >= server.max_inflight:
+            self.send_error(req_id, Code.BUSY, f"more than {server.max_inflight} requests in flight")
             return
         t0 = time.perf_counter()
         try:
@@ -167,9 +259,10 @@ class Connection(asyncio.Protocol):
         if asyncio.iscoroutine(result):  # async handlers; cheaper than an Awaitable ABC check
             task = asyncio.ensure_future(self._finish(req_id, method, result, t0))
             self.inflight.add(task)
-            self.server.tasks.add(task)
+            server.tasks.add(task)
             task.add_done_callback(self._task_done)
         else:
+            self._succeeded(method)
             self.send_result(req_id, result)
             self._observe(method, t0, "OK")
 
@@ -186,8 +279,13 @@ class Connection(asyncio.Protocol):
             self.send_error(req_id, Code.INTERNAL, f"{type(e).__name__}: {e}")
             self._observe(method, t0, Code.INTERNAL.value)
         else:
+            self._succeeded(method)
             self.send_result(req_id, result)
             self._observe(method, t0, "OK")
+
+    def _succeeded(self, method: str) -> None:
+        if method == self.server.hello_method:
+            self.greeted = True
 
     def _observe(self, method: str, t0: float, code: str) -> None:
         if self.server.observe is not None:
@@ -210,26 +308,52 @@ class Connection(asyncio.Protocol):
     def send(self, msg: dict) -> None:
         if self.closed or self.transport is None:
             return
-        self.transport.write(pack_frame(msg))
+        self.write_frame(pack_frame(msg))
+
+    def write_frame(self, frame: bytes) -> None:
+        """Queue bytes on the transport (never blocks); over max_output_bytes unsent, abort."""
+        assert self.transport is not None
+        self.transport.write(frame)
+        pending = self.transport.get_write_buffer_size()
+        if pending > self.server.max_output_bytes:
+            log.warning("aborting connection from %s: %d bytes of output unread (cap %d)",
+                        self.peer, pending, self.server.max_output_bytes)
+            self.server.counters.output_overflows += 1
+            self._abort()
+
+    @property
+    def output_bytes(self) -> int:
+        return self.transport.get_write_buffer_size() if self.transport is not None and not self.closed else 0
 
     def _send_with_fds(self, msg: dict, fds: list[int]) -> None:
-        """SCM_RIGHTS needs sendmsg, which transports do not offer; write the
-        frame on the raw fd while the transport has nothing queued (the
-        handshake is the first exchange, so this holds)."""
+        """SCM_RIGHTS needs sendmsg, which transports do not offer: send on a dup of the
+        socket while the transport has nothing queued (so order holds), without ever
+        blocking. The dup shares the open file, so setblocking(True) on it would make the
+        transport's socket blocking too and freeze the loop on a client that does not read."""
         if self.closed or self.transport is None:
             return
-        frame = pack_frame(msg)
         if self.transport.get_write_buffer_size() != 0:
-            self.send_error(msg["id"], Code.BUSY, "cannot pass descriptors with output queued; retry hello")
+            self.send_error(msg["id"], Code.BUSY, "cannot pass descriptors with output queued; read it and "
+                                                  "retry hello")
             return
-        with socket.socket(fileno=os.dup(self._fd)) as s:
-            s.setblocking(True)
-            sent = s.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))])
-            if sent < len(frame):
-                s.sendall(frame[sent:])
+        frame = pack_frame(msg)
+        try:
+            with socket.socket(fileno=os.dup(self._fd)) as s:
+                s.setblocking(False)  # already so (shared with the transport); said again, not assumed
+                sent = s.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        except (BlockingIOError, InterruptedError):  # the socket is full and nothing went
+            self.send_error(msg["id"], Code.BUSY, "the connection is full; read its replies and retry hello")
+            return
+        except OSError as e:
+            log.warning("closing connection from %s: cannot pass descriptors: %s", self.peer, e)
+            self._abort()
+            return
+        if sent < len(frame):  # the descriptors went with the first byte; the transport sends the rest
+            self.write_frame(frame[sent:])
 
     def _abort(self) -> None:
         self.closed = True
+        self._forget_input()
         if self.transport is not None:
             self.transport.abort()
 
@@ -239,16 +363,28 @@ class RpcServer:
 
     def __init__(self, handlers: dict[str, Handler], *, max_frame_bytes: int, max_buffer_bytes: int,
                  max_inflight: int, allowed_uids: set[int], allowed_gids: set[int],
-                 on_disconnect: Callable[[Connection], None]) -> None:
+                 on_disconnect: Callable[[Connection], None], admin_uids: Collection[int] = (),
+                 admin_gids: Collection[int] = (), admin_methods: Collection[str] = (),
+                 max_total_buffer_bytes: int | None = None, max_output_bytes: int | None = None,
+                 max_event_backlog_bytes: int | None = None, hello_method: str = "hello") -> None:
         self.handlers = handlers
         self.max_frame_bytes = max_frame_bytes
         self.max_buffer_bytes = max_buffer_bytes
+        self.max_total_buffer_bytes = max_total_buffer_bytes or 4 * max_buffer_bytes
+        self.max_output_bytes = max_output_bytes or 2 * max_frame_bytes
+        self.max_event_backlog_bytes = max_event_backlog_bytes or 8 << 20
         self.max_inflight = max_inflight
         self.allowed_uids = allowed_uids
         self.allowed_gids = allowed_gids
+        self.admin_uids = frozenset(admin_uids) or frozenset({0, os.getuid()})
+        self.admin_gids = frozenset(admin_gids)
+        self.admin_methods = frozenset(admin_methods)
+        self.hello_method = hello_method
         self.on_disconnect = on_disconnect
         self.connections: set[Connection] = set()
         self.tasks: set[asyncio.Task] = set()
+        self.buffered_bytes = 0  # unparsed input over all connections
+        self.counters = ServerCounters()
         self.draining = False
         self.allowed_while_draining = {"release", "load_done", "backup_done", "stats"}
         self.observe: Callable[[str, float, str], None] | None = None  # (method, seconds, code), for metrics
@@ -261,7 +397,25 @@ class RpcServer:
             return True
         # SO_PEERCRED carries the primary group only; members of an allowed group by
         # supplementary membership are found in /proc (where the daemon may look).
-        return bool(self.allowed_gids) and not self.allowed_gids.isdisjoint(_supplementary_groups(peer.pid))
+        return bool(self.allowed_gids) and not self.allowed_gids.isdisjoint(supplementary_groups(peer.pid))
+
+    def is_admin(self, peer: PeerCred | None) -> bool:
+        if peer is None:
+            return False
+        if peer.uid in self.admin_uids or peer.gid in self.admin_gids:
+            return True
+        return bool(self.admin_gids) and not self.admin_gids.isdisjoint(supplementary_groups(peer.pid))
+
+    def shed_input(self) -> None:
+        """Over the global input cap, close the connections holding the most until under it:
+        half-sent frames on many connections cannot add up without bound."""
+        while self.buffered_bytes > self.max_total_buffer_bytes and self.connections:
+            victim = max(self.connections, key=lambda c: c._buffered)
+            log.warning("closing connection from %s: it buffers %d bytes and all connections %d (cap %d)",
+                        victim.peer, victim._buffered, self.buffered_bytes, self.max_total_buffer_bytes)
+            self.counters.input_overflows += 1
+            victim._abort()
+            self.connections.discard(victim)
 
     async def start(self, path: str | None = None, sock: socket.socket | None = None) -> None:
         loop = asyncio.get_running_loop()
@@ -290,9 +444,22 @@ class RpcServer:
             if conn.transport is not None:
                 conn.transport.close()
         await asyncio.sleep(0)
+        for conn in list(self.connections):  # a peer that does not read must not hold the exit
+            if conn.transport is not None and conn.output_bytes:
+                conn.transport.abort()
 
-    def broadcast_event(self, event: dict) -> None:
-        msg = {"event": event}
-        for conn in self.connections:
-            if conn.subscribed:
-                conn.send(msg)
+    def broadcast_event(self, event: dict, namespace: str | None = None) -> None:
+        """To subscribers that may see the namespace (admins: all); drops those behind."""
+        frame: bytes | None = None
+        for conn in list(self.connections):
+            if not conn.subscribed or conn.closed or (not conn.admin and namespace not in conn.namespaces):
+                continue
+            if conn.output_bytes > self.max_event_backlog_bytes:
+                log.warning("dropping event subscriber %s: %d bytes of events unread (cap %d)",
+                            conn.peer, conn.output_bytes, self.max_event_backlog_bytes)
+                self.counters.dropped_subscribers += 1
+                conn._abort()
+                continue
+            if frame is None:
+                frame = pack_frame({"event": event})
+            conn.write_frame(frame)

@@ -65,6 +65,8 @@ def state_of(st: dict) -> tuple:
 
 def test_malformed_frames_get_errors_and_the_connection_survives(daemon):
     s = raw(daemon.socket)
+    s.sendall(pack_frame({"id": 1, "method": "hello", "params": {"version": 1, "want_arena": False}}))
+    assert "result" in recv_frame(s)
     s.sendall(body_frame(b"\xc1\xc1garbage"))  # 0xc1 is never valid msgpack
     assert recv_frame(s)["error"]["code"] == "BAD_REQUEST"
     s.sendall(body_frame(msgpack.packb([1, 2, 3])))  # not a map

@@ -123,3 +123,20 @@ def test_pins_protect_host_pages_from_eviction():
     assert svc.flush(Tier.HOST) == 0  # pinned: kept
     svc.release(owner, pin.pin_id)
     assert svc.flush(Tier.HOST) == 4
+
+
+def test_admin_eviction_and_flush_go_in_steps_the_loop_can_run_between():
+    svc = CacheService(HostTier(1 << 20, mlock=False), clock=Clock())
+    for n, model in enumerate(("a", "b", "c")):
+        owner = object()
+        rec = svc.register(owner, Namespace(model, LAYOUT), device_pages=512)
+        for i in range(10):  # ten 4-page branches each: whole nodes of 4 pages
+            keys, toks = seq(100 * n + i, 4, rec.ns.salt)
+            _, _, bk = svc.insert(owner, rec.engine_id, keys, toks, np.arange(1 + 4 * i, 5 + 4 * i))
+            svc.backup_done(owner, bk.backup_id, ok=True)
+    steps = list(svc.evict_tier_steps(Tier.HOST, 40 * LAYOUT.page_bytes, step_pages=8))
+    assert len(steps) == 5 and steps[-1] == 40 * LAYOUT.page_bytes  # 8 pages (2 nodes) a step
+    assert steps == sorted(steps)
+    flushed = list(svc.flush_steps(Tier.HOST))
+    assert len(flushed) == 3 and flushed[-1] == 120 - 40  # one step per namespace, counting up
+    assert sum(ns.index.num_pages(Tier.HOST) for ns in svc.namespaces.values()) == 0

@@ -1,0 +1,74 @@
+"""Output never blocks the loop: a client that does not read costs only itself (defect 2)."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import numpy as np
+
+from hicache.client.connection import RpcConnection
+from hicache.index.keys import page_keys
+from hicache.rpc.framing import ids_to_bytes, pack_frame
+from hicache.rpc.protocol import PROTOCOL_VERSION
+
+from tests.rpc.wire import LAYOUT, greet, hung_up, raw, unread_bytes, wait_until
+
+
+def served(path: str) -> bool:
+    conn = RpcConnection.connect(path, timeout_s=20)
+    try:
+        conn.hello(want_arena=False)
+        return "pid" in conn.call("stats")
+    finally:
+        conn.close()
+
+
+def test_passing_the_arena_to_a_full_socket_never_blocks_the_loop(daemon_factory):
+    """The client fills its socket with unread replies, then asks for the arena: the
+    descriptor-passing send used to switch the shared socket to blocking and hang the loop."""
+    d = daemon_factory("--host-capacity", "16MiB", "--no-disk").start()
+    s = raw(d.socket)
+    greet(s)
+    s.sendall(b"".join(pack_frame({"id": 1 + i, "method": "stats", "params": {}}) for i in range(100)))
+    wait_until(lambda: unread_bytes(s) > 0, 10)
+    # Each hello's reply lands in our (unread) socket until the daemon's side is full; the one
+    # after that either waits in the daemon (fixed) or blocks the whole loop (the defect).
+    hello = {"version": PROTOCOL_VERSION, "want_arena": True}
+    for i in range(5000):
+        before = unread_bytes(s)
+        s.sendall(pack_frame({"id": 1000 + i, "method": "hello", "params": hello}))
+        if not wait_until(lambda: unread_bytes(s) > before, 0.5, poll_s=0.002):
+            break
+    t0 = time.monotonic()
+    assert served(d.socket)  # another client is answered (the defect: a 20 s timeout)...
+    assert time.monotonic() - t0 < 10  # ...within a bound a loaded CI machine meets (ms when fixed)
+    assert d.stop(signal.SIGTERM, timeout_s=30) == 0  # and SIGTERM is heard (the defect: killed after 30 s)
+    s.close()
+
+
+def test_a_connection_over_its_output_cap_is_aborted(daemon_factory):
+    d = daemon_factory("--host-capacity", "16MiB", "--no-disk",
+                       env={"HICACHE_MAX_OUTPUT_BYTES": "64KiB"}).start()
+    # a tree whose `ls` reply (~500 KiB) is larger than the socket holds (~200 KiB) plus the cap
+    conn = RpcConnection.connect(d.socket)
+    conn.hello(want_arena=False)
+    reg = conn.call("register", {"model": "m", "layout": LAYOUT.to_dict(), "device_pages": 8192})
+    for batch in range(0, 8000, 200):  # pipelined, a batch at a time (the replies are read by the call)
+        frames = []
+        for i in range(batch, batch + 200):
+            tokens = np.full(4, i, dtype=np.int32)
+            frames.append(pack_frame({"id": 10 + i, "method": "insert", "params": {
+                "engine": reg["engine"], "keys": b"".join(page_keys(reg["salt"], tokens, 4)),
+                "tokens": tokens.tobytes(), "device_pages": ids_to_bytes([1 + i])}}))
+        conn.sock.sendall(b"".join(frames))
+        conn.call("stats")  # answered after the batch
+    assert conn.call("stats")["requests"]["inserts"] == 8000
+    s = raw(d.socket)
+    greet(s)
+    s.sendall(pack_frame({"id": 1, "method": "ls", "params": {"depth": 1}}))  # and never read it
+    assert hung_up(s, 20)  # aborted (the defect: the reply waits forever, holding memory)
+    assert conn.call("stats")["rpc"]["output_overflows"] == 1
+    assert conn.call("stats")["connections"] == 1  # the reading client is still served
+    conn.close()
+    assert d.read_log().count("of output unread") == 1  # logged once

@@ -1,0 +1,57 @@
+"""RpcServer in-process on a real socket: one connection's burst of frames is handled a
+bounded number per loop turn, so other connections are served in between (defect 6)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+from hicache.rpc.framing import pack_frame
+from hicache.rpc.server import RpcServer
+
+from tests.rpc.wire import greet, raw, request
+
+
+def busy(seconds: float) -> None:
+    """Stands in for a handler's CPU work (an index walk), holding the loop as one would."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_a_burst_on_one_connection_lets_another_in(tmp_path):
+    order: list[str] = []
+    handlers = {"hello": lambda conn, p: {"version": 1},
+                "work": lambda conn, p: (busy(0.001), order.append("work"))[1],
+                "ping": lambda conn, p: order.append("ping")}
+    path = str(tmp_path / "s.sock")
+    loop = asyncio.new_event_loop()
+    server = RpcServer(handlers, max_frame_bytes=1 << 20, max_buffer_bytes=8 << 20, max_inflight=16,
+                       allowed_uids={os.getuid(), 0}, allowed_gids=set(), on_disconnect=lambda conn: None)
+    ready = threading.Event()
+
+    def serve() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(server.start(path=path))
+        ready.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        assert ready.wait(30)
+        a, b = raw(path), raw(path)
+        greet(a)
+        greet(b)
+        a.sendall(b"".join(pack_frame({"id": i, "method": "work", "params": {}}) for i in range(2000)))
+        assert "result" in request(b, 1, "ping")
+        # The defect: all 2000 (~2 s of work) ran in the callback that read them, ping after.
+        assert order.index("ping") < 1000, f"ping waited behind {order.index('ping')} of another's frames"
+        a.close()
+        b.close()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
