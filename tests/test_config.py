@@ -55,3 +55,20 @@ def test_unknown_toml_key_and_bad_toml(tmp_path):
     (tmp_path / "b.toml").write_text("host_capacity = [\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(tmp_path / "b.toml", environ={})
+
+
+def test_admin_groups_and_limits(tmp_path):
+    cfg = load_config(environ={"HICACHE_ADMIN_GIDS": "root, 4242", "HICACHE_MAX_OUTPUT_BYTES": "1MiB",
+                               "HICACHE_MAX_TOTAL_BUFFER_BYTES": "1GiB", "HICACHE_MAX_DEVICE_PAGES": "1000",
+                               "HICACHE_STATE_DIR": str(tmp_path)})
+    assert cfg.admin_gids == (0, 4242)  # a group name or a number, as allowed_gids
+    assert cfg.max_output_bytes == 1 << 20 and cfg.max_total_buffer_bytes == 1 << 30
+    assert cfg.max_device_pages == 1000 and cfg.max_request_pages == 1 << 20
+
+
+@pytest.mark.parametrize("key,value", [("max_output_bytes", 0), ("max_event_backlog_bytes", 0),
+                                       ("max_request_pages", 0), ("max_device_pages", 1 << 31),
+                                       ("max_total_buffer_bytes", "1MiB"), ("admin_gids", "no-such-group")])
+def test_bad_limits_are_refused(key, value, tmp_path):
+    with pytest.raises(ConfigError):
+        load_config(environ={"HICACHE_STATE_DIR": str(tmp_path)}, overrides={key: value})
