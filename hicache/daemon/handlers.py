@@ -27,7 +27,7 @@ from hicache.rpc.protocol import PROTOCOL_VERSION, Code, RpcError
 from hicache.rpc.server import Connection, WithFds
 
 if TYPE_CHECKING:
-    from hicache.daemon.app import Daemon
+    from hicache.daemon.context import DaemonContext
 
 TIERS = {"device": Tier.DEVICE, "host": Tier.HOST, "disk": Tier.DISK}
 
@@ -66,7 +66,7 @@ def _backup_plan(backup: Any) -> dict | None:
             "device_pages": ids_to_bytes(backup.device_pages)}
 
 
-def build_handlers(daemon: Daemon) -> dict[str, Any]:
+def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
     svc = daemon.service
 
     def hello(conn: Connection, p: dict) -> Any:
