@@ -28,7 +28,7 @@ from hicache.portable_format import CRC, PAGE_HEAD, TAG_PAGE, ExportHeader, deco
 from tests.conftest import DaemonProcess
 from tests.daemon.engine_worker import LAYOUTS, tokens_for
 from tests.daemon.test_cycle import run_worker
-from tests.test_cli_admin import call, cli, cli_json, split_file, wait_disk
+from tests.test_cli_admin import call, cli, split_file, wait_disk
 
 PAGES = 10  # store:1:42 -> 10 full pages
 VICTIM = b"precious bytes that no export may touch\n"
