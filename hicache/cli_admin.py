@@ -2,8 +2,8 @@
 
 doctor  checks the socket (reachable, mode 0660, owner), the daemon (pid,
         version), memlock (the daemon's RLIMIT_MEMLOCK against its arena, and
-        whether the arena is mlocked), shared memory (the arena's memfd mapped
-        here as an engine maps it, /dev/shm, vm.overcommit), the LMDB disk tier
+        whether the arena is mlocked), shared memory (the arena's range and a
+        slab memfd mapped here as an engine maps them, /dev/shm, vm.overcommit), the LMDB disk tier
         (use, corrupt pages, write errors, queue depth, reader slots, map use),
         free space where the state lives, and the age of the last disk commit.
         Each check is ok / warn / fail with one line; exit 1 if any fails, 2
@@ -32,7 +32,6 @@ import asyncio
 import contextlib
 import grp
 import json
-import mmap
 import os
 import pwd
 import stat
@@ -52,6 +51,7 @@ from hicache.portable_format import (
     decode_header, head_size, header_length, page_head, parse_records, record_rest,
 )
 from hicache.errors import DaemonUnavailable, HiCacheError
+from hicache.tiers.arena import HostArena, new_slab_memfd
 
 SYSTEM_SOCKET = str(SERVICE_SOCKET)  # where hicache.socket listens
 CHUNK_BYTES = 8 << 20
@@ -151,23 +151,19 @@ def socket_check(path: str) -> Check:
     return Check("socket", "ok", detail)
 
 
-def arena_check(fds: list[int], nbytes: int) -> Check:
-    """Map the daemon's arena as an engine does: the memfd passed over the socket."""
-    if not fds:
-        return Check("arena", "fail", "the daemon sent no arena descriptor with hello")
+def arena_check(hello: dict) -> Check:
+    """Map as an engine maps the daemon's arena: reserve its address range, then put a
+    sealed slab-sized memfd in it (the daemon sends each engine only the slabs of its own
+    namespace, so the check brings its own)."""
+    nbytes, slab_bytes, num_slabs = int(hello["arena_bytes"]), int(hello["slab_bytes"]), int(hello["num_slabs"])
+    what = f"the {format_size(nbytes)} arena ({num_slabs} slabs of {format_size(slab_bytes)})"
     try:
-        size = os.fstat(fds[0]).st_size
-        if size < nbytes:
-            return Check("arena", "fail", f"the arena memfd holds {size} bytes, the daemon announced {nbytes}")
-        with mmap.mmap(fds[0], nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as m:
-            m[0], m[nbytes - 1]  # noqa: B018 - touch both ends
-    except (OSError, ValueError) as e:
-        return Check("arena", "fail", f"cannot map the {format_size(nbytes)} arena memfd: {e}: engines cannot "
-                                      "either")
-    finally:
-        for fd in fds:
-            os.close(fd)
-    return Check("arena", "ok", f"the {format_size(nbytes)} arena memfd maps here as in an engine")
+        with HostArena.reserve(num_slabs, slab_bytes) as arena:
+            arena.map_slab(num_slabs - 1, new_slab_memfd(slab_bytes, "hicache-doctor"), 1)
+            arena.array[-1], arena.array[-slab_bytes]  # noqa: B018 - touch both ends of the slab
+    except (OSError, HiCacheError) as e:
+        return Check("arena", "fail", f"cannot map {what} as engines do: {e}")
+    return Check("arena", "ok", f"{what} maps here as in an engine")
 
 
 def _meminfo() -> dict[str, int]:
@@ -309,8 +305,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                                     f"{stat.S_IMODE(st.st_mode):04o}: join its group)") from None
         raise
     try:
-        hello, fds = conn.hello(want_arena=True)
-        checks.append(arena_check(fds, hello["arena_bytes"]))
+        hello, fds = conn.hello()
+        for fd in fds:
+            os.close(fd)
+        checks.append(arena_check(hello))
         facts = conn.call("doctor")
     finally:
         conn.close()
