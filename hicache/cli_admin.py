@@ -2,18 +2,24 @@
 
 doctor  checks the socket (reachable, mode 0660, owner), the daemon (pid,
         version), memlock (the daemon's RLIMIT_MEMLOCK against its arena, and
-        whether the arena is mlocked), shared memory (the arena's memfd mapped
-        here as an engine maps it, /dev/shm, vm.overcommit), the LMDB disk tier
+        whether the arena is mlocked), shared memory (the arena's range and a
+        slab memfd mapped here as an engine maps them, /dev/shm, vm.overcommit), the LMDB disk tier
         (use, corrupt pages, write errors, queue depth, reader slots, map use),
         free space where the state lives, and the age of the last disk commit.
         Each check is ok / warn / fail with one line; exit 1 if any fails, 2
         when the daemon cannot be reached.
 export  streams a namespace's disk pages into a portable file (format in
-        hicache/daemon/portable.py), written to FILE.part and renamed when
-        complete, so a failed export leaves no half file.
-import  verifies the WHOLE file first (checksums, key chain, order, totals),
-        so a damaged or foreign file is refused before the daemon sees any of
-        it; then streams it in chunks, which the daemon verifies again.
+        hicache/portable_format.py), written to FILE.part and renamed when
+        complete, so a failed export leaves no half file. FILE.part is created
+        0600 and never through a link; a link or leftover at FILE.part, or
+        anything but our own regular file at FILE, is refused
+        (hicache/portable_files.py).
+import  reads only a regular file. Its header goes to the daemon first
+        (import_open checks the page size against its limits, changes
+        nothing); then the WHOLE file is verified (checksums, key chain,
+        order, totals), every record's declared sizes before the record is
+        read, so a damaged or foreign file is refused before the daemon gets
+        a page; then it is streamed in chunks, which the daemon verifies again.
 
 File I/O goes through aiofiles and the RPCs through AsyncRpcConnection, so
 reading the file overlaps the daemon's work on the previous chunk.
@@ -23,14 +29,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import grp
 import json
-import mmap
 import os
 import pwd
 import stat
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -39,11 +45,13 @@ import aiofiles
 
 from hicache import __version__
 from hicache.config import SERVICE_SOCKET, admin_socket_path, format_size, parse_size
+from hicache.portable_files import OutputFile, open_input
 from hicache.portable_format import (
-    FILE_HEAD, TAG_END, ExportHeader, PathEntry, PathStack, PortableFormatError,
-    decode_header, head_size, header_length, parse_records, record_rest,
+    FILE_HEAD, TAG_END, TAG_PAGE, ExportHeader, PathEntry, PathStack, PortableFormatError,
+    decode_header, head_size, header_length, page_head, parse_records, record_rest,
 )
 from hicache.errors import DaemonUnavailable, HiCacheError
+from hicache.tiers.arena import HostArena, new_slab_memfd
 
 SYSTEM_SOCKET = str(SERVICE_SOCKET)  # where hicache.socket listens
 CHUNK_BYTES = 8 << 20
@@ -143,23 +151,19 @@ def socket_check(path: str) -> Check:
     return Check("socket", "ok", detail)
 
 
-def arena_check(fds: list[int], nbytes: int) -> Check:
-    """Map the daemon's arena as an engine does: the memfd passed over the socket."""
-    if not fds:
-        return Check("arena", "fail", "the daemon sent no arena descriptor with hello")
+def arena_check(hello: dict) -> Check:
+    """Map as an engine maps the daemon's arena: reserve its address range, then put a
+    sealed slab-sized memfd in it (the daemon sends each engine only the slabs of its own
+    namespace, so the check brings its own)."""
+    nbytes, slab_bytes, num_slabs = int(hello["arena_bytes"]), int(hello["slab_bytes"]), int(hello["num_slabs"])
+    what = f"the {format_size(nbytes)} arena ({num_slabs} slabs of {format_size(slab_bytes)})"
     try:
-        size = os.fstat(fds[0]).st_size
-        if size < nbytes:
-            return Check("arena", "fail", f"the arena memfd holds {size} bytes, the daemon announced {nbytes}")
-        with mmap.mmap(fds[0], nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as m:
-            m[0], m[nbytes - 1]  # noqa: B018 - touch both ends
-    except (OSError, ValueError) as e:
-        return Check("arena", "fail", f"cannot map the {format_size(nbytes)} arena memfd: {e}: engines cannot "
-                                      "either")
-    finally:
-        for fd in fds:
-            os.close(fd)
-    return Check("arena", "ok", f"the {format_size(nbytes)} arena memfd maps here as in an engine")
+        with HostArena.reserve(num_slabs, slab_bytes) as arena:
+            arena.map_slab(num_slabs - 1, new_slab_memfd(slab_bytes, "hicache-doctor"), 1)
+            arena.array[-1], arena.array[-slab_bytes]  # noqa: B018 - touch both ends of the slab
+    except (OSError, HiCacheError) as e:
+        return Check("arena", "fail", f"cannot map {what} as engines do: {e}")
+    return Check("arena", "ok", f"{what} maps here as in an engine")
 
 
 def _meminfo() -> dict[str, int]:
@@ -301,8 +305,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                                     f"{stat.S_IMODE(st.st_mode):04o}: join its group)") from None
         raise
     try:
-        hello, fds = conn.hello(want_arena=True)
-        checks.append(arena_check(fds, hello["arena_bytes"]))
+        hello, fds = conn.hello()
+        for fd in fds:
+            os.close(fd)
+        checks.append(arena_check(hello))
         facts = conn.call("doctor")
     finally:
         conn.close()
@@ -325,10 +331,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 # -- export / import -----------------------------------------------------------------------
 
 class _Reader:
-    """Exact reads over an aiofiles file, in big blocks (one thread hop per block, not per record)."""
+    """Exact reads over an aiofiles file, in big blocks (one thread hop per block, not per record).
 
-    def __init__(self, f: Any) -> None:
+    `size` is the file's size when opened: a read that would run past it is refused before
+    anything is read, so a damaged length cannot make the reader swallow a (sparse) file."""
+
+    def __init__(self, f: Any, size: int) -> None:
         self.f = f
+        self.size = size
         self.buf = bytearray()
         self.offset = 0  # of buf[0] in the file
         self.eof = False
@@ -336,6 +346,9 @@ class _Reader:
     async def read_exact(self, n: int, what: str, at_boundary: bool = False) -> bytes | None:
         """n bytes; None at the end of the file when at_boundary (where a record may
         start); PortableFormatError when the file ends inside `what`."""
+        if n > self.size - self.offset and not (at_boundary and self.offset >= self.size):
+            raise PortableFormatError(f"the file is truncated inside {what}: {n} bytes from byte {self.offset}, "
+                                      f"but it ends at byte {self.size}")
         while len(self.buf) < n and not self.eof:
             block = await self.f.read(max(READ_BLOCK_BYTES, n - len(self.buf)))
             if not block:
@@ -351,6 +364,28 @@ class _Reader:
         return out
 
 
+@contextlib.asynccontextmanager
+async def _open_export_file(path: str) -> AsyncIterator[tuple[_Reader, bytes, ExportHeader]]:
+    """A regular file (never a fifo or device: open_input), read up to the end of its header."""
+    fd = open_input(path)
+    async with aiofiles.open(fd, "rb") as f:
+        reader = _Reader(f, os.fstat(fd).st_size)
+        raw, header = await _read_header(reader)
+        yield reader, raw, header
+
+
+@contextlib.contextmanager
+def _file_errors(path: str, nothing_imported: bool) -> Iterator[None]:
+    """One-line errors for a file that cannot be read or is not a valid export."""
+    try:
+        yield
+    except OSError as e:
+        raise HiCacheError(f"cannot read {path}: {e.strerror or e}") from None
+    except PortableFormatError as e:
+        note = "; nothing was imported" if nothing_imported else ""
+        raise PortableFormatError(f"{path}: {e}{note}") from None
+
+
 async def _read_header(reader: _Reader) -> tuple[bytes, ExportHeader]:
     prefix = await reader.read_exact(FILE_HEAD.size, "the file header", at_boundary=True)
     if prefix is None:
@@ -359,18 +394,25 @@ async def _read_header(reader: _Reader) -> tuple[bytes, ExportHeader]:
     return raw, decode_header(raw)
 
 
-async def _chunks(reader: _Reader, max_bytes: int) -> AsyncIterator[bytes]:
-    """Whole records, about max_bytes at a time; the last chunk holds the end record."""
+async def _chunks(reader: _Reader, header: ExportHeader, max_bytes: int) -> AsyncIterator[bytes]:
+    """Whole records, about max_bytes at a time; the last chunk holds the end record. The
+    sizes a record declares are checked against the header (and the file's size) before the
+    rest of it is read; the header's page size against the daemon's limits (import_open)."""
     parts: list[bytes] = []
     size = 0
+    number = 1
     while True:
         tag = await reader.read_exact(1, "a record", at_boundary=True)
         if tag is None:
             raise PortableFormatError("the file is truncated: no end record")
-        head = tag + await reader.read_exact(head_size(tag) - 1, "a record header")
-        body = await reader.read_exact(record_rest(head), "a record")
+        where = f"record {number}"
+        head = tag + await reader.read_exact(head_size(tag) - 1, f"the header of {where}")
+        if tag == TAG_PAGE:
+            page_head(head, header, where)
+        body = await reader.read_exact(record_rest(head), where)
         parts.append(head + body)
         size += len(head) + len(body)
+        number += 1
         if tag == TAG_END:
             if await reader.read_exact(1, "the end", at_boundary=True) is not None:
                 raise PortableFormatError("data after the end record")
@@ -382,13 +424,12 @@ async def _chunks(reader: _Reader, max_bytes: int) -> AsyncIterator[bytes]:
 
 
 async def verify_file(path: str) -> tuple[bytes, ExportHeader, int]:
-    """Check a whole export file (checksums, key chain, order, totals); (header, descriptor, pages)."""
-    async with aiofiles.open(path, "rb") as f:
-        reader = _Reader(f)
-        raw, header = await _read_header(reader)
+    """Check a whole export file (checksums, key chain, order, totals); (header, descriptor, pages).
+    Holds one chunk of records at a time; the caller has checked the header's page size."""
+    async with _open_export_file(path) as (reader, raw, header):
         stack = PathStack()
         pages = 0
-        async for chunk in _chunks(reader, CHUNK_BYTES):
+        async for chunk in _chunks(reader, header, CHUNK_BYTES):
             records, end = await asyncio.to_thread(parse_records, chunk, header, pages + 1)
             for r in records:
                 stack.place(PathEntry(r.key, r.parent, None))
@@ -401,39 +442,47 @@ async def verify_file(path: str) -> tuple[bytes, ExportHeader, int]:
 async def cmd_export(args: argparse.Namespace) -> int:
     from hicache.client.async_client import AsyncRpcConnection
 
-    out = Path(args.file)
-    tmp = out.with_name(out.name + ".part")
-    conn = await AsyncRpcConnection.connect(socket_path(args))
-    pending: asyncio.Future | None = None
     try:
-        opened = await conn.call("export_open", {"namespace": args.namespace}, timeout_s=EXPORT_OPEN_TIMEOUT_S)
-        params = {"export": opened["export"], "max_bytes": max(1, args.chunk_bytes)}
+        target = OutputFile(args.file)  # FILE.part: 0600, never through a link (hicache/portable_files.py)
+    except OSError as e:
+        raise HiCacheError(f"cannot write {args.file}: {e.strerror or e}") from None
+    out = target.path
+    try:
         try:
-            async with aiofiles.open(tmp, "wb") as f:
-                await f.write(opened["header"])
-                pending = asyncio.ensure_future(conn.call("export_next", params, timeout_s=CHUNK_TIMEOUT_S))
-                while True:
-                    r = await pending
-                    pending = None
-                    if not r["done"]:  # the daemon reads the next chunk while this one is written
-                        pending = asyncio.ensure_future(conn.call("export_next", params, timeout_s=CHUNK_TIMEOUT_S))
-                    await f.write(r["data"])
-                    if r["done"]:
-                        break
-                await f.flush()
-                await asyncio.to_thread(os.fsync, f.fileno())
-            os.replace(tmp, out)
+            fd = target.create()
         except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise HiCacheError(f"cannot write {tmp}: {e.strerror or e}") from None
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+            raise HiCacheError(f"cannot write {target.part}: {e.strerror or e}") from None
+        pending: asyncio.Future | None = None
+        try:
+            async with aiofiles.open(fd, "wb") as f:
+                conn = await AsyncRpcConnection.connect(socket_path(args))
+                try:
+                    opened = await conn.call("export_open", {"namespace": args.namespace},
+                                             timeout_s=EXPORT_OPEN_TIMEOUT_S)
+                    params = {"export": opened["export"], "max_bytes": max(1, args.chunk_bytes)}
+                    await f.write(opened["header"])
+                    pending = asyncio.ensure_future(conn.call("export_next", params, timeout_s=CHUNK_TIMEOUT_S))
+                    while True:
+                        r = await pending
+                        pending = None
+                        if not r["done"]:  # the daemon reads the next chunk while this one is written
+                            pending = asyncio.ensure_future(conn.call("export_next", params,
+                                                                      timeout_s=CHUNK_TIMEOUT_S))
+                        await f.write(r["data"])
+                        if r["done"]:
+                            break
+                    await f.flush()
+                    await asyncio.to_thread(os.fsync, f.fileno())
+                    size = os.fstat(f.fileno()).st_size
+                finally:
+                    if pending is not None:
+                        pending.cancel()
+                    await conn.close()
+            target.commit()
+        except OSError as e:
+            raise HiCacheError(f"cannot write {target.part}: {e.strerror or e}") from None
     finally:
-        if pending is not None:
-            pending.cancel()
-        await conn.close()
-    size = out.stat().st_size
+        target.close()  # removes FILE.part unless committed
     sent, skipped = r["sent_pages"], r["skipped_pages"]
     result = {"file": str(out), "namespace": opened["namespace"], "model": opened["model"], "pages": sent,
               "skipped_pages": skipped, "file_bytes": size}
@@ -446,39 +495,45 @@ async def cmd_export(args: argparse.Namespace) -> int:
 async def cmd_import(args: argparse.Namespace) -> int:
     from hicache.client.async_client import AsyncRpcConnection
 
-    try:
-        raw, header, total = await verify_file(args.file)  # refuse a bad file before touching the daemon
-    except OSError as e:
-        raise HiCacheError(f"cannot read {args.file}: {e.strerror or e}") from None
-    except PortableFormatError as e:
-        raise PortableFormatError(f"{args.file}: {e}; nothing was imported") from None
+    path = args.file
+    with _file_errors(path, nothing_imported=True):
+        async with _open_export_file(path) as (_, raw, header):
+            pass
     conn = await AsyncRpcConnection.connect(socket_path(args))
     try:
+        # the daemon checks the header against its limits (page fits a host slab and a frame) and
+        # changes nothing: pages it cannot take are refused before a record of the file is read
         opened = await conn.call("import_open", {"header": raw})
-        async with aiofiles.open(args.file, "rb") as f:
-            reader = _Reader(f)
-            await _read_header(reader)
-            chunks = _chunks(reader, max(1, min(args.chunk_bytes, opened["max_chunk_bytes"])))
-            data: bytes | None = await anext(chunks)
-            read: asyncio.Future | None = None
-            try:
-                while True:
-                    call = asyncio.ensure_future(conn.call("import_pages", {"import": opened["import"], "data": data},
-                                                            timeout_s=CHUNK_TIMEOUT_S))
-                    read = asyncio.ensure_future(anext(chunks, None))  # reads while the daemon writes
-                    r = await call
-                    if r["done"]:
-                        break
-                    data, read = await read, None
-                    if data is None:
-                        raise PortableFormatError(f"{args.file} changed during the import")
-            finally:
-                if read is not None:
-                    read.cancel()
+        with _file_errors(path, nothing_imported=True):
+            checked, _, total = await verify_file(path)  # the whole file, before the daemon sees a page
+            if checked != raw:
+                raise PortableFormatError("the file changed during the import")
+        with _file_errors(path, nothing_imported=False):
+            async with _open_export_file(path) as (reader, again, _):
+                if again != raw:
+                    raise PortableFormatError("the file changed during the import")
+                chunks = _chunks(reader, header, max(1, min(args.chunk_bytes, opened["max_chunk_bytes"])))
+                data: bytes | None = await anext(chunks)
+                read: asyncio.Future | None = None
+                try:
+                    while True:
+                        call = asyncio.ensure_future(conn.call("import_pages", {"import": opened["import"],
+                                                                                "data": data},
+                                                                timeout_s=CHUNK_TIMEOUT_S))
+                        read = asyncio.ensure_future(anext(chunks, None))  # reads while the daemon writes
+                        r = await call
+                        if r["done"]:
+                            break
+                        data, read = await read, None
+                        if data is None:
+                            raise PortableFormatError("the file changed during the import")
+                finally:
+                    if read is not None:
+                        read.cancel()
     finally:
         await conn.close()
     n = header.namespace
-    result = {"file": args.file, "namespace": opened["namespace"], "model": n.model, "pages": total,
+    result = {"file": path, "namespace": opened["namespace"], "model": n.model, "pages": total,
               "imported_pages": r["imported_pages"], "skipped_pages": r["skipped_pages"]}
     note = f", {r['skipped_pages']} skipped (disk budget or queue)" if r["skipped_pages"] else ""
     _emit(args, result, f"imported {r['imported_pages']} of {total} pages into {opened['namespace'][:16]} "

@@ -143,6 +143,17 @@ def record_rest(head: bytes) -> int:
     return CRC.size
 
 
+def page_head(head: bytes, header: ExportHeader, where: str) -> tuple[bytes, bytes | None]:
+    """A page record's key and parent, once the sizes its head declares are the header's.
+    Readers call this before reading (or summing) anything after the head: a damaged size
+    must not make them read gigabytes to find out."""
+    _, key, parent, has_parent, n_tokens, page_len = PAGE_HEAD.unpack_from(head)
+    if n_tokens != header.page_size or page_len != header.page_bytes:
+        raise PortableFormatError(f"{where}: {n_tokens} tokens / {page_len} bytes, but the namespace's "
+                                  f"pages hold {header.page_size} tokens / {header.page_bytes} bytes")
+    return key, parent if has_parent else None
+
+
 def head_size(tag: bytes) -> int:
     if tag == TAG_PAGE:
         return PAGE_HEAD.size
@@ -172,30 +183,29 @@ def parse_records(buf: bytes, header: ExportHeader, first: int = 1
         where = f"record {first + len(pages)}"
         if end is not None:
             raise PortableFormatError(f"{where}: data after the end record")
-        size = head_size(bytes(mv[pos:pos + 1]))
+        tag = bytes(mv[pos:pos + 1])
+        size = head_size(tag)
         if pos + size > len(buf):
             raise PortableFormatError(f"{where}: truncated")
-        total = size + record_rest(bytes(mv[pos:pos + size]))
+        head = bytes(mv[pos:pos + size])
+        if tag == TAG_PAGE:
+            key, parent_key = page_head(head, header, where)  # sizes first, then the checksum
+        total = size + record_rest(head)
         if pos + total > len(buf):
             raise PortableFormatError(f"{where}: truncated")
         rec = mv[pos:pos + total]
         (crc,) = CRC.unpack_from(rec, total - CRC.size)
         if zlib.crc32(rec[:total - CRC.size]) != crc:
             raise PortableFormatError(f"{where}: checksum mismatch (damaged file)")
-        if size == END.size and rec[:1] == TAG_END:
+        if tag == TAG_END:
             _, n, nbytes = END.unpack_from(rec)
             end = (n, nbytes)
         else:
-            _, key, parent, has_parent, n_tokens, page_len = PAGE_HEAD.unpack_from(rec)
-            if n_tokens != header.page_size or page_len != header.page_bytes:
-                raise PortableFormatError(f"{where}: {n_tokens} tokens / {page_len} bytes, but the namespace's "
-                                          f"pages hold {header.page_size} tokens / {header.page_bytes} bytes")
-            tok_end = PAGE_HEAD.size + n_tokens * 4
+            tok_end = PAGE_HEAD.size + header.page_size * 4
             tokens = np.frombuffer(rec[PAGE_HEAD.size:tok_end], dtype="<i4")
-            parent_key = parent if has_parent else None
             if page_keys(header.salt, tokens, header.page_size, parent=parent_key)[0] != key:
                 raise PortableFormatError(f"{where}: key {key.hex()[:16]} is not the hash of its parent and tokens")
-            pages.append(PageRecord(key, parent_key, tokens, rec[tok_end:tok_end + page_len]))
+            pages.append(PageRecord(key, parent_key, tokens, rec[tok_end:tok_end + header.page_bytes]))
         pos += total
     return pages, end
 

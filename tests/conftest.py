@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import signal
+from pathlib import Path
 
 import pytest
 
 from hicache.daemon.launcher import LocalDaemon
+
+# Daemons, engine workers and CLI runs are child processes: they must import the
+# tree under test, not whatever `hicache` is installed (e.g. an editable install of
+# another checkout).
+_REPO = str(Path(__file__).resolve().parent.parent)
+os.environ["PYTHONPATH"] = os.pathsep.join([_REPO, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 class DaemonProcess(LocalDaemon):

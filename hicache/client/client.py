@@ -19,12 +19,13 @@ from typing import Any
 import numpy as np
 
 from hicache.config import default_socket_path
-from hicache.errors import ClientError, DaemonUnavailable
+from hicache.errors import ClientError, DaemonUnavailable, HiCacheError
 from hicache.index.keys import Namespace, as_tokens, page_keys
 from hicache.layout import KVLayout
 from hicache.state_layout import StateLayout
 from hicache.rpc.framing import bytes_to_ids, ids_to_bytes
 from hicache.client.connection import RpcConnection
+from hicache.tiers.arena import HostArena
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +112,8 @@ class HiCacheClient:
         self.conn: RpcConnection | None = None
         self.engine_id: int | None = None
         self.epoch = 0
-        self.arena_fd: int | None = None
-        self.arena_bytes = 0
+        self.arena: HostArena | None = None  # the daemon's arena; only our namespace's slabs mapped
+        self.slab_version = 0  # of the slabs mapped; replies naming host pages carry the daemon's
         self.on_reconnect: list[Any] = []  # callbacks(epoch) run after each (re)connect
         self.misses_while_away = 0
         self.refusals = 0
@@ -135,10 +136,9 @@ class HiCacheClient:
             return False
         try:
             conn = RpcConnection.connect(self.socket_path, self.timeout_s)
-            hello, fds = conn.hello(want_arena=True)
-            if not fds:
-                conn.close()
-                raise DaemonUnavailable("the daemon sent no arena descriptor")
+            hello, fds = conn.hello()
+            for fd in fds:  # a daemon of this protocol sends none with hello
+                os.close(fd)
             params = {"model": self.namespace.model, "layout": self.layout.to_dict(),
                       "tp_rank": self.namespace.tp_rank, "tp_size": self.namespace.tp_size,
                       "extra_key": self.namespace.extra_key, "device_pages": self.device_pages}
@@ -151,24 +151,54 @@ class HiCacheClient:
         if reply["salt"] != self.salt:
             conn.close()
             raise ClientError("BAD_NAMESPACE", "the daemon computed a different namespace salt")
-        self._adopt_arena(fds[0], int(hello["arena_bytes"]))
-        for fd in fds[1:]:
-            os.close(fd)
+        old_arena = self.arena
+        self.arena = HostArena.reserve(int(hello["num_slabs"]), int(hello["slab_bytes"]))
+        self.slab_version = 0
         self.conn = conn
         self.engine_id = int(reply["engine"])
         self.epoch += 1
         self._backoff_s = self.backoff_min_s
         log.info("connected to hicache daemon %s (engine %d, epoch %d)", hello.get("server"), self.engine_id,
                  self.epoch)
+        self._check_slabs(reply)
         for cb in list(self.on_reconnect):
             cb(self.epoch)
+        if old_arena is not None:  # a restarted daemon has a new arena; the callbacks left the old one
+            old_arena.close()
         return True
 
-    def _adopt_arena(self, fd: int, nbytes: int) -> None:
-        """Keep the first arena fd; a restarted daemon has a new arena, which replaces it."""
-        if self.arena_fd is not None:
-            os.close(self.arena_fd)
-        self.arena_fd, self.arena_bytes = fd, nbytes
+    def _check_slabs(self, reply: Any) -> None:
+        """Map the slabs our namespace gained, when a reply says the daemon's are newer."""
+        if type(reply) is dict and reply.get("slabs", self.slab_version) != self.slab_version:
+            self.sync_slabs()
+
+    def sync_slabs(self) -> bool:
+        """Map every slab the daemon holds our namespace's pages in (fds for those we lack
+        come with the answer) and drop those it no longer does. False when it failed: host
+        pages in unmapped slabs are then not copied (`arena.covers`), never touched."""
+        arena = self.arena
+        if arena is None or self.conn is None:
+            return False
+        have = [[s, arena.slab_gen(s)] for s in np.flatnonzero(arena.backed).tolist()]
+        fds: list[int] = []
+        try:
+            r = self.conn.call("map_slabs", {"engine": self.engine_id, "have": have}, fds=fds)
+            if len(fds) != len(r["sent"]):
+                raise ClientError("BAD_REPLY", f"{len(fds)} slab fds for {len(r['sent'])} slabs")
+            for (slab, gen), fd in zip(r["sent"], fds):
+                arena.map_slab(int(slab), fd, int(gen))  # takes the fd, even when it fails
+            fds = []
+            owned = {int(s) for s, _ in r["owned"]}
+            for slab in np.flatnonzero(arena.backed).tolist():
+                if slab not in owned:
+                    arena.unmap_slab(slab)
+        except (DaemonUnavailable, ClientError, HiCacheError, OSError) as e:
+            for fd in fds:
+                os.close(fd)
+            log.warning("could not map the host slabs of our namespace: %s", e)
+            return False
+        self.slab_version = int(r["version"])
+        return True
 
     def _schedule_retry(self, now: float, why: str) -> None:
         self._next_try = now + self._backoff_s
@@ -189,7 +219,9 @@ class HiCacheClient:
             raise DaemonUnavailable("daemon unavailable" if not self.connected else "daemon reconnected")
         assert self.conn is not None
         try:
-            return self.conn.call(method, params)
+            reply = self.conn.call(method, params)
+            self._check_slabs(reply)
+            return reply
         except DaemonUnavailable as e:
             self.conn = None
             self._schedule_retry(time.monotonic(), str(e))
@@ -203,9 +235,9 @@ class HiCacheClient:
         if self.conn is not None:
             self.conn.close()
             self.conn = None
-        if self.arena_fd is not None:
-            os.close(self.arena_fd)
-            self.arena_fd = None
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
 
     # -- keys ------------------------------------------------------------------
     def page_keys(self, tokens: Any) -> list[bytes]:

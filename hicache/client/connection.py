@@ -18,6 +18,7 @@ from hicache.rpc.framing import HEADER, pack_frame, unpack_body
 from hicache.rpc.protocol import PROTOCOL_VERSION
 
 MAX_FRAME_BYTES = 256 << 20
+MAX_FDS = 253  # the most one SCM_RIGHTS message carries (the kernel's SCM_MAX_FD)
 
 
 class RpcConnection:
@@ -40,11 +41,11 @@ class RpcConnection:
             raise DaemonUnavailable(f"cannot connect to {path}: {e.strerror or e}") from e
         return cls(sock, timeout_s)
 
-    def hello(self, want_arena: bool = True) -> tuple[dict, list[int]]:
-        """Handshake: negotiate the version and receive the host arena fd (SCM_RIGHTS)."""
+    def hello(self, want_arena: bool = False) -> tuple[dict, list[int]]:
+        """Handshake: negotiate the version. Returns the answer and any descriptors that came
+        with it (the caller closes them). `want_arena` is ignored (protocol 1 sent the arena)."""
         req_id = next(self._ids)
-        self._send({"id": req_id, "method": "hello", "params": {"version": PROTOCOL_VERSION,
-                                                               "want_arena": want_arena}})
+        self._send({"id": req_id, "method": "hello", "params": {"version": PROTOCOL_VERSION}})
         fds: list[int] = []
         try:
             header, fds = self._recv_with_fds(4)
@@ -63,13 +64,15 @@ class RpcConnection:
             raise ClientError(err.get("code", "INTERNAL"), err.get("message", ""))
         return msg["result"], fds
 
-    def call(self, method: str, params: dict[str, Any] | None = None) -> Any:
+    def call(self, method: str, params: dict[str, Any] | None = None, *, fds: list[int] | None = None) -> Any:
+        """One request and its answer. With `fds`, descriptors that come with the answer
+        (SCM_RIGHTS) are appended there; the caller owns them."""
         if self.closed:
             raise DaemonUnavailable("connection closed")
         req_id = next(self._ids)
         self._send({"id": req_id, "method": method, "params": params or {}})
         while True:
-            msg = self._read_message()
+            msg = self._read_message(fds)
             if "event" in msg:
                 self.events.append(msg["event"])
                 continue
@@ -104,9 +107,14 @@ class RpcConnection:
             self.close()
             raise DaemonUnavailable(f"send failed: {e}") from e
 
-    def _read_message(self) -> dict:
+    def _read_message(self, fds: list[int] | None = None) -> dict:
         try:
-            (n,) = HEADER.unpack(self._recv_exact(4))
+            if fds is None:
+                header = self._recv_exact(4)
+            else:  # descriptors ride on the first byte of their frame
+                header, got = self._recv_with_fds(4)
+                fds.extend(got)
+            (n,) = HEADER.unpack(header)
             if n > MAX_FRAME_BYTES:
                 raise ProtocolError(f"frame of {n} bytes from the daemon")
             return self._decode(self._recv_exact(n))
@@ -134,7 +142,8 @@ class RpcConnection:
 
     def _recv_with_fds(self, n: int) -> tuple[bytes, list[int]]:
         fds = array.array("i")
-        data, ancdata, _, _ = self.sock.recvmsg(n, socket.CMSG_SPACE(16 * fds.itemsize))
+        data, ancdata, _, _ = self.sock.recvmsg(n, socket.CMSG_SPACE(MAX_FDS * fds.itemsize),
+                                              socket.MSG_CMSG_CLOEXEC)
         for level, kind, payload in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])

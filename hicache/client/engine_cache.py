@@ -79,22 +79,19 @@ class EngineCache:
         self.backups: list[tuple[BackupPlan, Any, TransferExecutor]] = []
         self.host: HostKVCache | None = None
         self.executor: TransferExecutor | None = None
-        self._arena: HostArena | None = None
         self._epoch = 0
         client.on_reconnect.append(self._on_reconnect)
         client.connect()
 
     # -- epochs ------------------------------------------------------------------
     def _on_reconnect(self, epoch: int) -> None:
-        """A (new) daemon: map its arena, and forget what an old one tracked."""
+        """A (new) daemon: view its arena (the client maps our slabs of it), and forget
+        what an old one tracked."""
         self._drain_backups(report=False)
         if self.executor is not None:
             self.executor.close()
-        if self._arena is not None:
-            self._arena.close()
-        assert self.client.arena_fd is not None
-        self._arena = HostArena.from_fd(self.client.arena_fd, self.client.arena_bytes)
-        self.host = HostKVCache(self.pool.layout, self._arena, dma_min_run_pages=self.dma_min_run_pages)
+        assert self.client.arena is not None
+        self.host = HostKVCache(self.pool.layout, self.client.arena, dma_min_run_pages=self.dma_min_run_pages)
         self.executor = TransferExecutor(self.host, self.pool)
         if self._epoch:
             lost = np.flatnonzero(self.cached)
@@ -135,7 +132,7 @@ class EngineCache:
         resident = m.device_pages
         self.refs[resident] += 1
         prefix = Prefix(m, resident, None, EMPTY, m.epoch, cached=[resident])
-        if m.host_len and self.executor is not None:
+        if m.host_len and self.executor is not None and self._mapped(m.host_pages):
             pages = self.alloc_pages(m.host_len)
             if pages is not None:
                 prefix.load = self.executor.load(m.host_pages, pages)
@@ -184,15 +181,28 @@ class EngineCache:
         self.cached[fresh] = True
         prefix.cached.append(fresh)
         prefix.private.append(new_pages[~np.isin(new_pages, fresh)])
-        if reply.backup is not None and self.executor is not None:
-            handle = self.executor.backup(reply.backup.host_pages, reply.backup.device_pages)
-            self.backups.append((reply.backup, handle, self.executor))
+        if reply.backup is not None:
+            if self.executor is not None and self._mapped(reply.backup.host_pages):
+                handle = self.executor.backup(reply.backup.host_pages, reply.backup.device_pages)
+                self.backups.append((reply.backup, handle, self.executor))
+            else:
+                self._report_failed(reply.backup)
         return reply
 
     @property
     def arena(self) -> HostArena | None:
-        """The daemon's host arena as mapped here (None before the first connect)."""
-        return self._arena
+        """The daemon's host arena as mapped here (None before the first connect): only
+        the slabs of our namespace are backed."""
+        return self.client.arena
+
+    def _mapped(self, host_pages: np.ndarray) -> bool:
+        """Whether the host pages of a plan lie in slabs mapped here (else we must not touch
+        them: the client could not map a slab, and the plan is skipped)."""
+        arena = self.client.arena
+        if arena is not None and arena.covers(host_pages, self.pool.layout.page_bytes):
+            return True
+        log.warning("a plan names host pages outside the slabs mapped here; skipped")
+        return False
 
     def release(self, prefix: Prefix) -> None:
         """The request is done: drop its pin and refs, free its private pages."""
@@ -235,6 +245,12 @@ class EngineCache:
         if freed is not None and len(freed):
             self._release_cached(freed)
 
+    def _report_failed(self, plan: BackupPlan) -> None:
+        """A backup plan we cannot carry out: the daemon drops its host pages."""
+        freed = self.client.backup_done(plan, ok=False)
+        if freed is not None and len(freed):
+            self._release_cached(freed)
+
     def _drain_backups(self, report: bool) -> None:
         for plan, handle, _ in self.backups:
             if report:
@@ -259,10 +275,12 @@ class EngineCache:
         free_now, plan = self.client.evict(num_pages)
         n = len(free_now)
         self._release_cached(free_now)
-        if plan is not None and self.executor is not None:  # write-back: copy out first
-            handle = self.executor.backup(plan.host_pages, plan.device_pages)
+        if plan is not None:  # write-back: copy out first
             before = self.allocator.available_size()
-            self._report_backup(plan, handle)
+            if self.executor is not None and self._mapped(plan.host_pages):
+                self._report_backup(plan, self.executor.backup(plan.host_pages, plan.device_pages))
+            else:
+                self._report_failed(plan)
             n += (self.allocator.available_size() - before) // self.page_size
         return n
 
@@ -270,6 +288,4 @@ class EngineCache:
         self._drain_backups(report=True)
         if self.executor is not None:
             self.executor.close()
-        if self._arena is not None:
-            self._arena.close()
         self.client.close()

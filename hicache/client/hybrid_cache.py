@@ -71,9 +71,10 @@ class HybridEngineCache:
         length = 0
         arena = self.kv.arena
         # A checkpoint at the very end is no use: the last token's logits need that token computed.
+        nbytes = self.layout.checkpoint_bytes
         if (sm is not None and 0 < sm.length < len(tokens) and sm.host_slot is not None and arena is not None
-                and prefix.epoch == self.client.epoch and len(prefix.device_pages) * self.page_size >= sm.length):
-            nbytes = self.layout.checkpoint_bytes
+                and prefix.epoch == self.client.epoch and len(prefix.device_pages) * self.page_size >= sm.length
+                and arena.covers(np.array([sm.host_slot]), nbytes)):
             # the daemon keeps the checkpoint locked until release: its slot is stable now
             self.states.read_from(arena.array[sm.host_slot * nbytes:(sm.host_slot + 1) * nbytes], got[0])
             length = sm.length
@@ -103,9 +104,9 @@ class HybridEngineCache:
         if plan is None:
             return 0
         arena = self.kv.arena
-        ok = arena is not None
+        nbytes = self.layout.checkpoint_bytes
+        ok = arena is not None and arena.covers(np.asarray(plan.host_slots, dtype=np.int64), nbytes)
         if ok:
-            nbytes = self.layout.checkpoint_bytes
             try:
                 for host_slot, dev_slot in zip(plan.host_slots, plan.device_slots):
                     self.states.write_to(dev_slot, arena.array[host_slot * nbytes:(host_slot + 1) * nbytes])

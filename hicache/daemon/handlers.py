@@ -34,7 +34,7 @@ from hicache.rpc.protocol import PROTOCOL_VERSION, Code, RpcError
 from hicache.rpc.server import Connection, WithFds
 
 if TYPE_CHECKING:
-    from hicache.daemon.app import Daemon
+    from hicache.daemon.context import DaemonContext
 
 TIERS = {"device": Tier.DEVICE, "host": Tier.HOST, "disk": Tier.DISK}
 
@@ -98,8 +98,8 @@ def _backup_plan(backup: Any) -> dict | None:
             "device_pages": ids_to_bytes(backup.device_pages)}
 
 
-def build_handlers(daemon: Daemon) -> dict[str, Any]:
-    svc = daemon.service
+def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
+    svc, host = daemon.service, daemon.host
     cfg = daemon.config
     max_pages = cfg.max_request_pages
 
@@ -114,11 +114,10 @@ def build_handlers(daemon: Daemon) -> dict[str, Any]:
         if version != PROTOCOL_VERSION:
             raise RpcError(Code.VERSION, f"protocol version {version} not supported (daemon speaks {PROTOCOL_VERSION})")
         conn.state["hello"] = True
-        result = {"version": PROTOCOL_VERSION, "server": f"hicache {__version__}", "pid": os.getpid(),
-                  "arena_bytes": daemon.host.arena.nbytes}
-        if _get(p, "want_arena", bool, True):
-            return WithFds(result, [daemon.host.arena.fd])
-        return result
+        # The arena's geometry only: its slabs' fds go to engines by namespace (map_slabs).
+        return {"version": PROTOCOL_VERSION, "server": f"hicache {__version__}", "pid": os.getpid(),
+                "arena_bytes": daemon.host.arena.nbytes, "slab_bytes": daemon.host.slab_bytes,
+                "num_slabs": daemon.host.num_slabs}
 
     def register(conn: Connection, p: dict) -> Any:
         try:
@@ -135,7 +134,7 @@ def build_handlers(daemon: Daemon) -> dict[str, Any]:
         rec = svc.register(conn, ns, _get(p, "device_pages", int))
         conn.namespaces.add(rec.ns.salt.hex())  # what this connection may see from now on
         reply = {"engine": rec.engine_id, "salt": rec.ns.salt, "page_bytes": layout.page_bytes,
-                 "write_policy": svc.write_policy.value}
+                 "write_policy": svc.write_policy.value, "slabs": host.slab_version(rec.ns.salt)}
         if ns.state is not None:
             reply["state_bytes"] = ns.state.checkpoint_bytes
         return reply
@@ -148,7 +147,7 @@ def build_handlers(daemon: Daemon) -> dict[str, Any]:
             pin, state = svc.match(conn, _get(p, "engine", int), keys), None
         reply = {"pin": pin.pin_id, "device_pages": ids_to_bytes(pin.device_pages),
                  "host_pages": ids_to_bytes(pin.host_pages),
-                 "disk_len": pin.disk_len}
+                 "disk_len": pin.disk_len, "slabs": host.slab_version(pin.engine.ns.salt)}
         if state is not None:
             reply["state"] = state
         return reply
@@ -162,7 +161,8 @@ def build_handlers(daemon: Daemon) -> dict[str, Any]:
             if pin.pin_id not in svc.pins:
                 raise RpcError(Code.NOT_FOUND, "the match was released while loading")
             svc.take_prefetched(pin)
-        reply = {"host_pages": ids_to_bytes(pin.host_pages), "disk_len": pin.disk_len}
+        reply = {"host_pages": ids_to_bytes(pin.host_pages), "disk_len": pin.disk_len,
+                 "slabs": host.slab_version(pin.engine.ns.salt)}
         if daemon.hybrid is not None:
             state = await daemon.hybrid.load(pin)
             if state is not None:
@@ -195,7 +195,8 @@ def build_handlers(daemon: Daemon) -> dict[str, Any]:
                                                np.frombuffer(tokens, dtype="<i4"), device_pages,
                                                _get(p, "pin", int, None))
             state_backup = None
-        reply = {"present_pages": present, "free_pages": ids_to_bytes(dups), "backup": _backup_plan(backup)}
+        reply = {"present_pages": present, "free_pages": ids_to_bytes(dups), "backup": _backup_plan(backup),
+                 "slabs": _slab_version(conn, p)}
         if state_backup is not None:
             reply["state_backup"] = {"id": state_backup.backup_id,
                                      "host_slots": [e[2] for e in state_backup.entries],
@@ -215,7 +216,32 @@ def build_handlers(daemon: Daemon) -> dict[str, Any]:
     def evict(conn: Connection, p: dict) -> Any:
         free_now, backup = svc.evict_device(conn, _get(p, "engine", int),
                                             _int(p, "num_pages", 0, cfg.max_device_pages))
-        return {"free_pages": ids_to_bytes(free_now), "backup": _backup_plan(backup)}
+        return {"free_pages": ids_to_bytes(free_now), "backup": _backup_plan(backup),
+                "slabs": _slab_version(conn, p)}
+
+    def _slab_version(conn: Connection, p: dict) -> int:
+        return host.slab_version(svc.engine(conn, _get(p, "engine", int)).ns.salt)
+
+    def map_slabs(conn: Connection, p: dict) -> Any:
+        """The fds of the host slabs holding this engine's namespace, for those the engine
+        does not map at their current generation (`have`: [[slab, gen], ...])."""
+        owner = svc.engine(conn, _get(p, "engine", int)).ns.salt
+        have = _get(p, "have", list, [])
+        if len(have) > host.num_slabs:
+            raise RpcError(Code.BAD_PARAMS, f"have lists more than the arena's {host.num_slabs} slabs")
+        known: dict[int, int] = {}
+        for item in have:
+            if (not isinstance(item, list) or len(item) != 2 or
+                    not all(isinstance(x, int) and not isinstance(x, bool) for x in item)):
+                raise RpcError(Code.BAD_PARAMS, "have must hold [slab, generation] int pairs")
+            known[item[0]] = item[1]
+        owned = host.slabs_of(owner)
+        send = [(s, g) for s, g in owned if known.get(s) != g]
+        reply = {"version": host.slab_version(owner), "owned": [[s, g] for s, g in owned],
+                 "sent": [[s, g] for s, g in send]}
+        if not send:
+            return reply
+        return WithFds(reply, [host.arena.slab_fd(s) for s, _ in send])
 
     def unregister(conn: Connection, p: dict) -> Any:
         rec = svc.engine(conn, _get(p, "engine", int))
@@ -270,7 +296,8 @@ def build_handlers(daemon: Daemon) -> dict[str, Any]:
                 "disk": disk, "state_fs": {"total_bytes": fs.total, "free_bytes": fs.free}}
 
     return {"hello": hello, "register": register, "unregister": unregister, "match": match,
-            "load": load, "load_done": load_done, "release": release, "insert": insert, "backup_done": backup_done,
+            "load": load, "load_done": load_done, "map_slabs": map_slabs, "release": release, "insert": insert,
+            "backup_done": backup_done,
             "state_backup_done": state_backup_done,
             "evict": evict, "stats": stats, "flush": flush, "evict_tier": evict_tier, "ls": ls,
             "subscribe": subscribe, "doctor": doctor, **portable_handlers(daemon)}

@@ -1,12 +1,24 @@
-"""The daemon's host tier: one memfd arena shared by every namespace.
+"""The daemon's host tier: one arena of slabs, each slab owned by one namespace.
 
-Engines of different models have different page sizes, yet all share one
-host budget. The arena is cut into equal *slabs*; a page-size class takes
-slabs as it grows and gives an empty slab back, so the budget moves between
-models dynamically without moving any page. A class numbers its pages by
-byte offset (`slot * page_bytes`), so an engine's `HostKVCache` maps the whole
-arena and indexes it with no per-class translation; pages never straddle
-slab boundaries.
+Engines of different models and tenants share one host budget, but no engine
+may see another namespace's pages. The arena is cut into equal *slabs*, each
+backed by its own memfd (hicache/tiers/arena.py); a slab belongs to at most one
+owner (a namespace salt) at a time, and only its owner's engines are sent its
+fd (`slabs_of`). An owner's *page class* (one per page size and kind: KV
+pages, or a hybrid model's state checkpoints) takes slabs as it grows and
+gives an empty slab back. A free slab keeps its memfd while only its last
+owner could want it again (that owner's engines still map it); before another
+owner gets it, it is punched out and backed anew, so nobody's old mapping of
+it ever shows the next owner's bytes. When no slab is
+free, CacheService takes one from the namespace with the oldest pages
+(hicache/daemon/slab_reclaim.py): the budget moves between namespaces without
+any engine seeing across.
+
+Page ids stay byte offsets (`slot * page_bytes`) into the whole arena, so an
+engine's HostKVCache indexes its mapping with no per-class translation; pages
+never straddle slab boundaries. Each owner has a *slab version*, bumped when it
+gains a slab: replies that name host pages carry it, and an engine whose
+mapping is older asks for the new fds (`map_slabs`) before copying.
 """
 
 from __future__ import annotations
@@ -16,7 +28,7 @@ import logging
 import numpy as np
 
 from hicache.errors import HiCacheError
-from hicache.tiers.arena import HostArena, HostSlotAllocator
+from hicache.tiers.arena import MAX_SLABS, HostArena, HostSlotAllocator
 
 log = logging.getLogger(__name__)
 
@@ -25,11 +37,13 @@ SLABS_PER_ARENA = 64
 
 
 class PageClass:
-    """The host pages of one byte size, spread over the slabs it holds."""
+    """The host pages of one owner and one byte size, spread over the slabs it holds."""
 
-    def __init__(self, tier: HostTier, page_bytes: int) -> None:
+    def __init__(self, tier: HostTier, owner: bytes, page_bytes: int, kind: str) -> None:
         self.tier = tier
+        self.owner = owner
         self.page_bytes = page_bytes
+        self.kind = kind
         self.slabs: dict[int, HostSlotAllocator] = {}  # slab index -> allocator over its pages
         self.used_pages = 0
 
@@ -46,13 +60,16 @@ class PageClass:
     def available(self) -> int:
         return sum(a.available() for a in self.slabs.values())
 
+    def slab_of(self, ids: np.ndarray) -> np.ndarray:
+        return (np.asarray(ids, dtype=np.int64) * self.page_bytes) // self.tier.slab_bytes
+
     def alloc(self, n: int) -> np.ndarray | None:
         """n page ids, or None (nothing taken) when the arena cannot hold them now."""
         if n == 0:
             return np.empty(0, dtype=np.int64)
         have = self.available()
         while have < n:
-            slab = self.tier.take_slab()
+            slab = self.tier.take_slab(self)
             if slab is None:
                 return None
             first, count = self._slab_range(slab)
@@ -76,18 +93,27 @@ class PageClass:
         if len(ids) == 0:
             return
         ids = np.asarray(ids, dtype=np.int64)
-        slab_of = (ids * self.page_bytes) // self.tier.slab_bytes
+        slab_of = self.slab_of(ids)
         for slab in np.unique(slab_of):
             alloc = self.slabs.get(int(slab))
             if alloc is None:
                 raise HiCacheError(f"host pages {ids[slab_of == slab][:4]} are not in this page class")
             alloc.free(ids[slab_of == slab])
         self.used_pages -= len(ids)
-        # Give empty slabs back so other page sizes can grow into them.
+        # Give empty slabs back so other namespaces and page sizes can grow into them.
         for slab in [s for s, a in self.slabs.items() if a.available() == a.count]:
             if len(self.slabs) > 1 or self.tier.classes_waiting():
-                del self.slabs[slab]
-                self.tier.return_slab(slab)
+                self.release_slab(slab)
+
+    def release_slab(self, slab: int) -> None:
+        """Give an empty slab back to the tier."""
+        alloc = self.slabs.pop(slab)
+        assert alloc.available() == alloc.count, "only an empty slab goes back"
+        self.tier.return_slab(slab)
+
+    def used_in(self, slab: int) -> int:
+        alloc = self.slabs[slab]
+        return alloc.count - alloc.available()
 
 
 class HostTier:
@@ -95,35 +121,63 @@ class HostTier:
         slab = max(MIN_SLAB_BYTES, capacity_bytes // SLABS_PER_ARENA)
         slab -= slab % 4096
         self.slab_bytes = slab
-        self.num_slabs = max(1, capacity_bytes // slab)
-        self.arena = HostArena.create(self.num_slabs * slab, mlock=mlock)
+        self.num_slabs = min(MAX_SLABS, max(1, capacity_bytes // slab))
+        self.arena = HostArena.create(self.num_slabs * slab, mlock=mlock, slab_bytes=slab)
         self.capacity_bytes = self.arena.nbytes
         self._free_slabs = list(range(self.num_slabs - 1, -1, -1))
-        self.classes: dict[int, PageClass] = {}
+        self.owner_of: list[bytes | None] = [None] * self.num_slabs
+        self._last_owner: list[bytes | None] = [None] * self.num_slabs  # whose bytes a free slab may hold
+        self.classes: dict[tuple[bytes, int, str], PageClass] = {}
+        self._versions: dict[bytes, int] = {}
         self._starved = 0  # classes that asked for a slab and found none
+        self.slabs_reassigned = 0  # slabs punched out and backed anew for another owner
 
-    def page_class(self, page_bytes: int) -> PageClass:
+    def page_class(self, owner: bytes, page_bytes: int, kind: str = "kv") -> PageClass:
         if page_bytes > self.slab_bytes:
             raise HiCacheError(
                 f"a page of {page_bytes} bytes does not fit a host slab of {self.slab_bytes} bytes; "
                 f"raise --host-capacity to at least {page_bytes * SLABS_PER_ARENA} bytes")
-        cls = self.classes.get(page_bytes)
+        key = (owner, page_bytes, kind)
+        cls = self.classes.get(key)
         if cls is None:
-            cls = self.classes[page_bytes] = PageClass(self, page_bytes)
+            cls = self.classes[key] = PageClass(self, owner, page_bytes, kind)
         return cls
 
-    def take_slab(self) -> int | None:
-        if self._free_slabs:
-            return self._free_slabs.pop()
-        self._starved += 1
-        return None
+    def take_slab(self, cls: PageClass) -> int | None:
+        """A free slab for `cls`: one its owner held before (its engines still map it), else
+        a clean one, else another owner's old one, punched out and backed anew first."""
+        free = self._free_slabs
+        if not free:
+            self._starved += 1
+            return None
+        last = self._last_owner
+        pick = next((i for i in range(len(free) - 1, -1, -1) if last[free[i]] == cls.owner), None)
+        if pick is None:
+            pick = next((i for i in range(len(free) - 1, -1, -1) if last[free[i]] is None), len(free) - 1)
+        slab = free.pop(pick)
+        if last[slab] not in (None, cls.owner):
+            self.arena.back_slab(slab)
+            self.slabs_reassigned += 1
+        self.owner_of[slab] = last[slab] = cls.owner
+        self._versions[cls.owner] = self._versions.get(cls.owner, 0) + 1
+        return slab
 
     def return_slab(self, slab: int) -> None:
+        self.owner_of[slab] = None
         self._free_slabs.append(slab)
         self._starved = 0
 
     def classes_waiting(self) -> bool:
         return self._starved > 0 and len(self.classes) > 1
+
+    # -- what an owner's engines may map ----------------------------------------------
+    def slab_version(self, owner: bytes) -> int:
+        """Bumped whenever `owner` gains a slab (engines remap when theirs is older)."""
+        return self._versions.get(owner, 0)
+
+    def slabs_of(self, owner: bytes) -> list[tuple[int, int]]:
+        """(slab, generation) of every slab `owner` holds now."""
+        return [(s, self.arena.slab_gen(s)) for s, o in enumerate(self.owner_of) if o == owner]
 
     @property
     def used_bytes(self) -> int:

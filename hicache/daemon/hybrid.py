@@ -151,7 +151,8 @@ class HybridStates:
         hs = self.by_salt.get(ns.salt)
         if hs is None and ns.namespace.state is not None:
             st = ns.namespace.state
-            hs = NsStates(ns, st, CheckpointIndex(ns.index, st.chunk_size), self.svc.host.page_class(st.checkpoint_bytes),
+            slots = self.svc.host.page_class(ns.salt, st.checkpoint_bytes, "state")
+            hs = NsStates(ns, st, CheckpointIndex(ns.index, st.chunk_size), slots,
                           state_salt(ns.salt))
             self.by_salt[ns.salt] = hs
         return hs

@@ -44,7 +44,7 @@ from hicache.portable_format import (
 from hicache.rpc.protocol import Code, RpcError
 
 if TYPE_CHECKING:
-    from hicache.daemon.app import Daemon
+    from hicache.daemon.context import DaemonContext
     from hicache.daemon.service import NamespaceState
     from hicache.rpc.server import Connection
     from hicache.tiers.disk import DiskRecord, DiskTier
@@ -131,7 +131,7 @@ class _Batch:
 class Portable:
     """The export_* / import_* RPC methods of one daemon."""
 
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: DaemonContext) -> None:
         self.daemon = daemon
         self._ids = itertools.count(1)
 
@@ -372,5 +372,5 @@ class Portable:
         batch.future.set_result({"pages": len(imported), "skipped": len(batch.entries) - len(imported)})
 
 
-def portable_handlers(daemon: Daemon) -> dict[str, Any]:
+def portable_handlers(daemon: DaemonContext) -> dict[str, Any]:
     return Portable(daemon).handlers()

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from hicache.daemon.host_tier import HostTier, PageClass
+from hicache.daemon.slab_reclaim import reclaim_slab
 from hicache.index.keys import Namespace, PackedKeys
 from hicache.index.node import Freed, IndexStateError, Tier, TreeNode
 from hicache.index.radix import RadixIndex
@@ -110,6 +111,7 @@ class Counters:
     loaded_pages: int = 0
     bytes_host_to_device: int = 0  # reported by engines' load_done / backup_done
     bytes_device_to_host: int = 0
+    slabs_reclaimed: int = 0  # host slabs emptied for another namespace (slab_reclaim.py)
 
 
 def path_with_offsets(node: TreeNode) -> list[tuple[TreeNode, int]]:
@@ -160,7 +162,7 @@ class CacheService:
         salt = namespace.salt()
         ns = self.namespaces.get(salt)
         if ns is None:
-            cls = self.host.page_class(namespace.layout.page_bytes)
+            cls = self.host.page_class(salt, namespace.layout.page_bytes)
             ns = NamespaceState(namespace, salt, RadixIndex(namespace.layout.page_size, salt, clock=self.clock), cls)
             self.namespaces[salt] = ns
         return ns
@@ -463,28 +465,31 @@ class CacheService:
         return (np.concatenate(free_now) if free_now else EMPTY), backup
 
     def alloc_host(self, ns: NamespaceState, n_pages: int) -> np.ndarray | None:
-        """n host pages of ns's size, evicting LRU host leaves (any namespace of that size) if needed."""
+        """n host pages of ns's own slabs. When the arena is full the oldest host pages
+        anywhere make room: ns's own LRU leaves, or a whole slab taken from the
+        namespace that holds them (slab_reclaim.py)."""
         cls = ns.page_class
         pages = cls.alloc(n_pages)
         while pages is None:
-            short = n_pages - cls.available()
-            victim_ns = self._oldest_host_namespace(cls)
-            if victim_ns is None:
+            victim = self._oldest_host_namespace()
+            if victim is not None and victim is not ns and reclaim_slab(self, victim):
+                pages = cls.alloc(n_pages)
+                continue
+            short = n_pages - cls.available()  # no slab to be had: only our own pages can go
+            if ns.index.peek_evictable(Tier.HOST) is None:
                 return None
             if self.before_host_evict is not None:
-                self.before_host_evict(victim_ns, short)
-            freed = victim_ns.index.evict(Tier.HOST, short)
+                self.before_host_evict(ns, short)
+            freed = ns.index.evict(Tier.HOST, short)
             if not freed:
                 return None
-            self._apply_freed(victim_ns, freed, None)
+            self._apply_freed(ns, freed, None)
             pages = cls.alloc(n_pages)
         return pages
 
-    def _oldest_host_namespace(self, cls: PageClass) -> NamespaceState | None:
+    def _oldest_host_namespace(self) -> NamespaceState | None:
         best, best_prio = None, None
         for ns in self.namespaces.values():
-            if ns.page_class is not cls:
-                continue
             prio = ns.index.peek_evictable(Tier.HOST)
             if prio is not None and (best_prio is None or prio < best_prio):
                 best, best_prio = ns, prio

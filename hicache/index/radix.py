@@ -344,6 +344,18 @@ class RadixIndex:
             raise IndexStateError(f"{node!r} is locked in HOST")
         return self._clear(node, HOST_LANE)
 
+    def relocate_host(self, node: TreeNode, slots: np.ndarray) -> np.ndarray:
+        """Give `node`'s host copy new slot ids, one per page (the caller moved the
+        bytes); returns the old ids. Refused while the node is locked in HOST: a
+        reader may be copying from the old slots."""
+        self._path(node)
+        if node.host is None:
+            raise IndexStateError(f"{node!r} has no host copy")
+        if node.lock_ref[Tier.HOST]:
+            raise IndexStateError(f"{node!r} is locked in HOST")
+        old, node.host = node.host, check_pages(slots, node.n_pages, "slots")
+        return old
+
     def _clear(self, node: TreeNode, lane: int) -> np.ndarray:
         pages = self._ledger.drop_lane(node, lane)
         acc = FreedCollector()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: slab fds by namespace (map_slabs), none with hello
 
 
 class Code(str, Enum):

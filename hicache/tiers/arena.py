@@ -1,4 +1,18 @@
-"""The host arena (one memfd shared mapping) and its page-slot allocator.
+"""The host arena and its page-slot allocator.
+
+The arena is one reserved range of address space cut into equal *slabs*; each
+slab is backed by its own memfd. The daemon backs every slab; an engine backs
+only the slabs the daemon sends it (those holding its own namespace's pages)
+and the rest of its range stays PROT_NONE. So a tenant can map, read or write
+nothing of another tenant's KV, yet page ids keep one numbering (byte offset =
+slot * page_bytes) and the copy kernels keep one base address.
+
+Every slab memfd is sealed against shrinking and growing before any fd leaves
+the daemon: a client that truncates its fd would otherwise make the daemon die
+of SIGBUS on its next touch of that slab. When a slab leaves its owner the
+daemon punches its memory out and backs the slab with a fresh memfd (a new
+*generation*): an old mapping of the slab, in any process, never sees the next
+owner's bytes.
 
 Torch-free on purpose: the daemon owns the arena and plans by page ids, and
 never needs torch (importing it costs seconds and hundreds of MiB). Engines
@@ -9,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -30,61 +45,220 @@ class HostCacheError(HiCacheError, ValueError):
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_PROT_NONE = 0
+_MAP_FIXED = 0x10
+_MAP_NORESERVE = 0x4000
+_FALLOC_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+MAX_SLABS = 250  # slab fds travel in one SCM_RIGHTS message (the kernel's cap is 253)
 _mlock_refusal_logged = False
 
 
+def new_slab_memfd(nbytes: int, name: str = "hicache-slab") -> int:
+    """A zero-filled memfd of `nbytes`, sealed so no holder can shrink or grow it."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _map_fixed(addr: int, nbytes: int, fd: int) -> None:
+    """Map `fd` shared, read-write, exactly at `addr` (replacing what was there)."""
+    got = _libc.mmap(addr, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
+    if got == _MAP_FAILED or got != addr:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mapping a host slab failed: {os.strerror(err)}")
+
+
+def _reserve_fixed(addr: int, nbytes: int) -> None:
+    """Put an inaccessible reservation back at `addr` (never leave a hole another mmap could take)."""
+    got = _libc.mmap(addr, nbytes, _PROT_NONE,
+                     mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE, -1, 0)
+    if got == _MAP_FAILED or got != addr:
+        err = ctypes.get_errno()
+        raise OSError(err, f"unmapping a host slab failed: {os.strerror(err)}")
+
+
 class HostArena:
-    """One memfd-backed shared mapping. Build with `create` or `from_fd`.
+    """`num_slabs` slabs of `slab_bytes` in one reserved address range.
+
+    Build with `create` (every slab backed: the daemon, tests), `reserve` (none
+    backed: an engine, which `map_slab`s what the daemon sends it) or `from_fd`
+    (a one-slab arena from a memfd, e.g. in a second process). Touching a slab
+    that is not backed faults, so copies check `covers` first.
 
     `close()` unmaps at once when nothing else views the memory; while views made
     from `.array` (HostKVCache tensors, page memoryviews) are alive, the mapping
     stays until the last one is dropped, so a late reader never touches freed memory.
     """
 
-    def __init__(self, fd: int, nbytes: int) -> None:
-        """Map `nbytes` of `fd` and take ownership of the fd (prefer create / from_fd)."""
-        self._fd = fd
-        self.nbytes = nbytes
-        self._mmap: mmap.mmap | None = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
-                                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        self._array: np.ndarray | None = np.frombuffer(self._mmap, dtype=np.uint8)
-        self.locked = False
+    def __init__(self, num_slabs: int, slab_bytes: int, *, mlock: bool = False) -> None:
+        """An arena with no slab backed yet (prefer create / reserve / from_fd)."""
+        _require_size(slab_bytes)
+        if not isinstance(num_slabs, int) or not 1 <= num_slabs <= MAX_SLABS:
+            raise HiCacheError(f"an arena has 1..{MAX_SLABS} slabs, got {num_slabs!r}")
+        if num_slabs > 1 and slab_bytes % mmap.PAGESIZE:
+            raise HiCacheError(f"slabs must be a multiple of {mmap.PAGESIZE} bytes, got {slab_bytes}")
+        self.num_slabs = num_slabs
+        self.slab_bytes = slab_bytes
+        self.nbytes = num_slabs * slab_bytes
+        span = -(-self.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        # The reservation costs address space only; slabs are mapped over it. Python's
+        # mmap is asked for a writable mapping (its buffer is read-only otherwise), which
+        # is then made inaccessible until a slab is mapped there.
+        self._mmap: mmap.mmap | None = mmap.mmap(-1, span, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE)
+        self._array: np.ndarray | None = np.frombuffer(self._mmap, dtype=np.uint8)[:self.nbytes]
+        self._base = int(self._array.ctypes.data)
+        _reserve_fixed(self._base, span)
+        self._fds = [-1] * num_slabs  # memfds this arena keeps (the daemon's, to send them)
+        self._gens = [0] * num_slabs  # 0: not backed
+        self.backed = np.zeros(num_slabs, dtype=bool)
+        self.mlock = mlock
+        self.locked = mlock  # every backed slab mlocked (False once one is refused)
         self.cuda_registered = False
+        self._cuda_slabs: set[int] = set()
 
     @classmethod
-    def create(cls, nbytes: int, mlock: bool = True, name: str = "hicache-arena") -> HostArena:
-        """A new zero-filled arena of `nbytes`; `mlock` is best effort (see `.locked`)."""
+    def create(cls, nbytes: int, mlock: bool = True, name: str = "hicache-arena",
+               slab_bytes: int | None = None) -> HostArena:
+        """A new zero-filled arena of `nbytes`, every slab backed by its own sealed memfd.
+        One slab unless `slab_bytes` is given; `mlock` is best effort (see `.locked`)."""
         _require_size(nbytes)
-        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        slab_bytes = nbytes if slab_bytes is None else slab_bytes
+        _require_size(slab_bytes)
+        if nbytes % slab_bytes:
+            raise HiCacheError(f"an arena of {nbytes} bytes is no whole number of {slab_bytes}-byte slabs")
+        arena = cls(nbytes // slab_bytes, slab_bytes, mlock=mlock)
         try:
-            os.ftruncate(fd, nbytes)
-            arena = cls(fd, nbytes)
+            for slab in range(arena.num_slabs):
+                arena.back_slab(slab, name)
         except BaseException:
-            os.close(fd)
+            arena.close()
             raise
-        if mlock:
-            arena._mlock()
         return arena
 
     @classmethod
+    def reserve(cls, num_slabs: int, slab_bytes: int) -> HostArena:
+        """An engine's view of a daemon's arena: the address range, no slab backed yet."""
+        return cls(num_slabs, slab_bytes)
+
+    @classmethod
     def from_fd(cls, fd: int, nbytes: int) -> HostArena:
-        """Map the arena behind `fd` (e.g. received with SCM_RIGHTS). The fd is
+        """Map the memfd of a one-slab arena (e.g. received with SCM_RIGHTS). The fd is
         duplicated; the caller keeps and closes its own."""
         _require_size(nbytes)
-        size = os.fstat(fd).st_size
-        if size < nbytes:
-            raise HiCacheError(f"arena fd {fd} holds {size} bytes, fewer than the {nbytes} expected")
-        own = os.dup(fd)
+        arena = cls(1, nbytes)
         try:
-            return cls(own, nbytes)
+            arena.map_slab(0, os.dup(fd), 1, keep_fd=True)
         except BaseException:
-            os.close(own)
+            arena.close()
             raise
+        return arena
 
+    # -- slabs -----------------------------------------------------------------------
+    def slab_address(self, slab: int) -> int:
+        return self._base + slab * self.slab_bytes
+
+    def slab_fd(self, slab: int) -> int:
+        self._check_open()
+        if self._fds[slab] < 0:
+            raise HiCacheError(f"slab {slab} has no descriptor here")
+        return self._fds[slab]
+
+    def slab_gen(self, slab: int) -> int:
+        """The slab's generation: bumped each time the daemon backs it anew (0: not backed)."""
+        return self._gens[slab]
+
+    def back_slab(self, slab: int, name: str = "hicache-slab") -> int:
+        """(The daemon) back `slab` with a fresh sealed memfd; the old one, if any, is
+        punched out first, so every other mapping of it reads zeros from now on.
+        Returns the new generation."""
+        self._check_open()
+        fd = new_slab_memfd(self.slab_bytes, name)
+        old = self._fds[slab]
+        if old >= 0:
+            _punch(old, self.slab_bytes)
+        try:
+            self._map(slab, fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        if old >= 0:
+            os.close(old)
+        self._fds[slab] = fd
+        self._gens[slab] += 1
+        if self.mlock:
+            self._mlock_slab(slab)
+        return self._gens[slab]
+
+    def map_slab(self, slab: int, fd: int, gen: int, *, keep_fd: bool = False) -> None:
+        """(An engine) map a slab memfd the daemon sent, taking ownership of `fd`
+        (closed once mapped unless `keep_fd`). Replaces an older generation."""
+        try:
+            self._check_open()
+            if not 0 <= slab < self.num_slabs:
+                raise HiCacheError(f"slab {slab} is outside this arena's {self.num_slabs} slabs")
+            size = os.fstat(fd).st_size
+            if size < self.slab_bytes:
+                raise HiCacheError(f"slab fd holds {size} bytes, fewer than the {self.slab_bytes} expected")
+            self._map(slab, fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        if self._fds[slab] >= 0:
+            os.close(self._fds[slab])
+        self._fds[slab] = fd if keep_fd else -1
+        if not keep_fd:
+            os.close(fd)
+        self._gens[slab] = gen
+
+    def unmap_slab(self, slab: int) -> None:
+        """(An engine) drop a slab that is no longer ours; its range faults again."""
+        self._check_open()
+        if not self.backed[slab]:
+            return
+        self._unregister_slab(slab)
+        _reserve_fixed(self.slab_address(slab), self.slab_bytes)
+        self.backed[slab] = False
+        self._gens[slab] = 0
+        if self._fds[slab] >= 0:
+            os.close(self._fds[slab])
+            self._fds[slab] = -1
+
+    def _map(self, slab: int, fd: int) -> None:
+        self._unregister_slab(slab)
+        _map_fixed(self.slab_address(slab), self.slab_bytes, fd)
+        self.backed[slab] = True
+        if self.cuda_registered:
+            self._register_slab(slab)
+
+    def covers(self, slots: np.ndarray, page_bytes: int) -> bool:
+        """Whether every page slot lies in a backed slab (so copies may touch it)."""
+        if len(slots) == 0:
+            return True
+        slots = np.asarray(slots, dtype=np.int64)
+        if slots.min() < 0 or (slots.max() + 1) * page_bytes > self.nbytes:
+            return False
+        first = (slots * page_bytes) // self.slab_bytes
+        last = ((slots + 1) * page_bytes - 1) // self.slab_bytes
+        return bool(self.backed[first].all() and self.backed[last].all())
+
+    # -- views -----------------------------------------------------------------------
     @property
     def fd(self) -> int:
+        """The memfd of a one-slab arena."""
         self._check_open()
-        return self._fd
+        if self.num_slabs != 1:
+            raise HiCacheError("a multi-slab arena has one descriptor per slab (slab_fd)")
+        return self.slab_fd(0)
 
     @property
     def closed(self) -> bool:
@@ -99,17 +273,18 @@ class HostArena:
 
     @property
     def address(self) -> int:
-        return int(self.array.ctypes.data)
+        self._check_open()
+        return self._base
 
     def _check_open(self) -> None:
         if self._array is None:
             raise HiCacheError("host arena is closed")
 
-    def _mlock(self) -> None:
+    def _mlock_slab(self, slab: int) -> None:
         global _mlock_refusal_logged
-        if _libc.mlock(self.address, self.nbytes) == 0:
-            self.locked = True
+        if _libc.mlock(self.slab_address(slab), self.slab_bytes) == 0:
             return
+        self.locked = False
         err = ctypes.get_errno()
         if err not in (errno.ENOMEM, errno.EPERM, errno.EAGAIN):
             raise OSError(err, f"mlock of the host arena failed: {os.strerror(err)}")
@@ -120,40 +295,55 @@ class HostArena:
                      "raise LimitMEMLOCK to keep it from being swapped",
                      os.strerror(err), "unlimited" if soft == resource.RLIM_INFINITY else soft, self.nbytes)
 
+    # -- CUDA ------------------------------------------------------------------------
     def register_cuda(self) -> None:
-        """Pin the mapping for CUDA (cudaHostRegister) so device copies DMA from it and
-        kernels address it directly. No-op without CUDA or when already registered."""
+        """Pin the backed slabs for CUDA (cudaHostRegister) so device copies DMA from them
+        and kernels address them directly; slabs mapped later are pinned as they come.
+        No-op without CUDA or when already registered."""
         self._check_open()
         if self.cuda_registered or not _torch().cuda.is_available():
             return
+        self.cuda_registered = True
+        for slab in np.flatnonzero(self.backed):
+            self._register_slab(int(slab))
+
+    def _register_slab(self, slab: int) -> None:
         # Portable | Mapped: every context may use it, and with unified addressing the
         # host address is the device address kernels read.
-        rc = _torch().cuda.cudart().cudaHostRegister(self.address, self.nbytes, 3)
+        rc = _torch().cuda.cudart().cudaHostRegister(self.slab_address(slab), self.slab_bytes, 3)
         if int(rc) != 0:
-            raise HiCacheError(f"cudaHostRegister of the host arena failed with CUDA error {int(rc)}")
-        self.cuda_registered = True
+            raise HiCacheError(f"cudaHostRegister of host slab {slab} failed with CUDA error {int(rc)}")
+        self._cuda_slabs.add(slab)
+
+    def _unregister_slab(self, slab: int) -> None:
+        if slab not in self._cuda_slabs:
+            return
+        self._cuda_slabs.discard(slab)
+        rc = _torch().cuda.cudart().cudaHostUnregister(self.slab_address(slab))
+        if int(rc) != 0:
+            log.warning("cudaHostUnregister of host slab %d failed with CUDA error %d", slab, int(rc))
 
     def unregister_cuda(self) -> None:
-        if not self.cuda_registered:
-            return
-        rc = _torch().cuda.cudart().cudaHostUnregister(self.address)
+        for slab in list(self._cuda_slabs):
+            self._unregister_slab(slab)
         self.cuda_registered = False
-        if int(rc) != 0:
-            log.warning("cudaHostUnregister of the host arena failed with CUDA error %d", int(rc))
 
     def close(self) -> None:
-        """Unregister, unmap (now or when the last view goes) and close the fd. Idempotent."""
+        """Unregister, unmap (now or when the last view goes) and close the fds. Idempotent."""
         if self._array is None:
             return
         self.unregister_cuda()
         self._array = None
         assert self._mmap is not None
         try:
-            self._mmap.close()
+            self._mmap.close()  # the whole range, slabs included
         except BufferError:
             log.debug("host arena still viewed; it is unmapped when the last view is dropped")
         self._mmap = None
-        os.close(self._fd)
+        for i, fd in enumerate(self._fds):
+            if fd >= 0:
+                os.close(fd)
+                self._fds[i] = -1
 
     def __enter__(self) -> HostArena:
         return self
@@ -165,6 +355,12 @@ class HostArena:
         if getattr(self, "_array", None) is not None:
             self.close()
 
+
+def _punch(fd: int, nbytes: int) -> None:
+    """Free a memfd's memory now, whoever still maps it (they read zeros from then on)."""
+    if _libc.fallocate(fd, _FALLOC_PUNCH_HOLE, 0, nbytes) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"punching out a host slab failed: {os.strerror(err)}")
 
 
 def _require_size(nbytes: int) -> None:

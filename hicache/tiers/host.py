@@ -2,10 +2,12 @@
 pages, with copies to and from a device pool. The arena and its slot allocator
 live in `hicache.tiers.arena` (torch-free, for the daemon) and are re-exported.
 
-The daemon creates the arena (`HostArena.create`) and hands its memfd to each
-engine, which maps the same memory (`HostArena.from_fd`) and moves bytes with
-`HostKVCache`. Page slot `i` is the `page_bytes` at byte offset
-`i * page_bytes`, page-first inside (see `hicache.layout`).
+The daemon creates the arena (`HostArena.create`, one memfd per slab) and
+sends each engine the fds of the slabs holding its namespace's pages; the
+engine maps them into its reservation of the arena (`HostArena.reserve`,
+`map_slab`) and moves bytes with `HostKVCache`. Page slot `i` is the
+`page_bytes` at byte offset `i * page_bytes`, page-first inside (see
+`hicache.layout`).
 
 Copy backends, chosen once per `HostKVCache`:
 - "memcpy": CPU pools; one libc memmove per contiguous chunk (see kernels/copy.py).
@@ -151,6 +153,8 @@ class HostKVCache:
             if h.min() < 0 or h.max() >= self.num_slots:
                 raise HostCacheError(f"host page ids must be in [0, {self.num_slots}), got "
                                      f"{h[(h < 0) | (h >= self.num_slots)][:8].tolist()}")
+            if not self.arena.covers(h, self.page_bytes):  # touching those would fault
+                raise HostCacheError("host pages outside the slabs mapped here")
             if d.min() < 1 or d.max() > device_pool.num_pages:
                 raise HostCacheError(f"device page ids must be in [1, {device_pool.num_pages}] "
                                      f"(page 0 is padding), got "

@@ -16,6 +16,7 @@ from hicache.errors import ClientError
 from hicache.index.keys import page_keys
 from hicache.layout import KVLayout
 from hicache.rpc.framing import ids_to_bytes, pack_frame
+from hicache.rpc.protocol import PROTOCOL_VERSION
 
 LAYOUT = KVLayout("mha", num_layers=2, page_size=4, dtype="float16", num_kv_heads=2, head_dim=8)
 
@@ -65,7 +66,7 @@ def state_of(st: dict) -> tuple:
 
 def test_malformed_frames_get_errors_and_the_connection_survives(daemon):
     s = raw(daemon.socket)
-    s.sendall(pack_frame({"id": 1, "method": "hello", "params": {"version": 1, "want_arena": False}}))
+    s.sendall(pack_frame({"id": 1, "method": "hello", "params": {"version": PROTOCOL_VERSION}}))
     assert "result" in recv_frame(s)
     s.sendall(body_frame(b"\xc1\xc1garbage"))  # 0xc1 is never valid msgpack
     assert recv_frame(s)["error"]["code"] == "BAD_REQUEST"

@@ -91,10 +91,11 @@ def test_write_back_copies_out_on_eviction_then_frees():
     assert pin.device_len == 0 and pin.host_len == 5
 
 
-def test_host_pressure_evicts_lru_across_namespaces_sharing_a_page_size():
-    svc = CacheService(HostTier(1 << 20, mlock=False), clock=Clock())
+def test_host_pressure_takes_a_slab_from_the_namespace_with_the_oldest_pages():
+    svc = CacheService(HostTier(8 << 20, mlock=False), clock=Clock())
     per_slab = svc.host.slab_bytes // LAYOUT.page_bytes
     total = per_slab * svc.host.num_slabs
+    assert svc.host.num_slabs == 8
     a_owner, b_owner = object(), object()
     a = svc.register(a_owner, Namespace("a", LAYOUT), device_pages=total * 2)
     b = svc.register(b_owner, Namespace("b", LAYOUT), device_pages=total * 2)
@@ -107,9 +108,11 @@ def test_host_pressure_evicts_lru_across_namespaces_sharing_a_page_size():
     kc, tc = seq(7, 8, b.ns.salt)
     _, _, bk = svc.insert(b_owner, b.engine_id, kc, tc, np.arange(len(kb) + 1, len(kb) + 9))
     assert bk is not None and len(bk.host_pages) == 8  # room was made
-    # a's pages were inserted first, so a's namespace gave up pages
+    # a's pages were inserted first, so a's namespace gave up pages (its one node), and b one slab
     assert a.ns.index.num_pages(Tier.HOST) < len(ka)
     assert b.ns.index.num_pages(Tier.HOST) == len(kb)
+    owners = svc.host.owner_of
+    assert owners.count(b.ns.salt) == 5 and owners.count(a.ns.salt) + svc.host.free_slabs == 3
 
 
 def test_pins_protect_host_pages_from_eviction():

@@ -10,9 +10,8 @@ import numpy as np
 from hicache.client.connection import RpcConnection
 from hicache.index.keys import page_keys
 from hicache.rpc.framing import ids_to_bytes, pack_frame
-from hicache.rpc.protocol import PROTOCOL_VERSION
 
-from tests.rpc.wire import LAYOUT, greet, hung_up, raw, unread_bytes, wait_until
+from tests.rpc.wire import LAYOUT, greet, hung_up, raw, request, unread_bytes, wait_until
 
 
 def served(path: str) -> bool:
@@ -24,20 +23,25 @@ def served(path: str) -> bool:
         conn.close()
 
 
-def test_passing_the_arena_to_a_full_socket_never_blocks_the_loop(daemon_factory):
-    """The client fills its socket with unread replies, then asks for the arena: the
+def test_passing_descriptors_to_a_full_socket_never_blocks_the_loop(daemon_factory):
+    """The client fills its socket with unread replies, then asks for its slabs' fds: the
     descriptor-passing send used to switch the shared socket to blocking and hang the loop."""
     d = daemon_factory("--host-capacity", "16MiB", "--no-disk").start()
     s = raw(d.socket)
     greet(s)
-    s.sendall(b"".join(pack_frame({"id": 1 + i, "method": "stats", "params": {}}) for i in range(100)))
-    wait_until(lambda: unread_bytes(s) > 0, 10)
-    # Each hello's reply lands in our (unread) socket until the daemon's side is full; the one
-    # after that either waits in the daemon (fixed) or blocks the whole loop (the defect).
-    hello = {"version": PROTOCOL_VERSION, "want_arena": True}
+    reg = request(s, 1, "register", {"model": "m", "layout": LAYOUT.to_dict(), "device_pages": 64})["result"]
+    tokens = np.arange(16, dtype=np.int32)
+    ins = request(s, 2, "insert", {"engine": reg["engine"], "keys": b"".join(page_keys(reg["salt"], tokens, 4)),
+                                   "tokens": tokens.tobytes(), "device_pages": ids_to_bytes(range(1, 5))})
+    request(s, 3, "backup_done", {"backup": ins["result"]["backup"]["id"]})  # our namespace owns a slab now
+    # From here on we never read. Each reply (with a descriptor) lands in our socket, one at a
+    # time so the daemon's transport never holds any, until the daemon's side is full; the
+    # next either waits in the daemon (fixed) or blocks the whole loop (the defect). Replies
+    # sent in bulk (say 100 stats) would fill it with output left queued: BUSY, no hang.
     for i in range(5000):
         before = unread_bytes(s)
-        s.sendall(pack_frame({"id": 1000 + i, "method": "hello", "params": hello}))
+        s.sendall(pack_frame({"id": 1000 + i, "method": "map_slabs", "params": {"engine": reg["engine"],
+                                                                                 "have": []}}))
         if not wait_until(lambda: unread_bytes(s) > before, 2, poll_s=0.002):
             break
     t0 = time.monotonic()

@@ -19,14 +19,18 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from hicache.client.client import HiCacheClient
 from hicache.client.connection import RpcConnection
+from hicache.layout import KVLayout
 
 REPO = Path(__file__).resolve().parents[2]
 RECV_TIMEOUT_S = 30.0  # hang guards, not timing assertions
 EXIT_TIMEOUT_S = 60.0
+LAYOUT = KVLayout("mha", num_layers=2, page_size=4, dtype="float16", num_kv_heads=2, head_dim=8)
 
 LAUNCHER = """
 import os, sys
@@ -181,11 +185,16 @@ def test_socket_activation_serves_on_the_passed_socket_across_restarts(tmp_path,
     procs.append(first)
     assert notify.until("READY")["READY"] == "1"
     conn = RpcConnection.connect(path, timeout_s=RECV_TIMEOUT_S)
-    hello, fds = conn.hello(want_arena=True)  # SCM_RIGHTS works over the adopted socket too
-    assert hello["pid"] == first.pid and len(fds) == 1 and os.fstat(fds[0]).st_size == hello["arena_bytes"]
-    os.close(fds[0])
+    hello, _ = conn.hello()
+    assert hello["pid"] == first.pid
     assert conn.call("stats")["pid"] == first.pid
     conn.close()
+    engine = HiCacheClient(LAYOUT, 16, model="m", socket_path=path, timeout_s=RECV_TIMEOUT_S)
+    assert engine.connect()
+    reply = engine.insert(np.arange(8, dtype=np.int32), np.array([1, 2]))
+    assert reply is not None and reply.backup is not None
+    assert engine.arena.backed.sum() == 1  # a slab fd came over the adopted socket too (SCM_RIGHTS)
+    engine.close()
     assert not unused.exists() and not unused.parent.exists()  # --socket is ignored when a socket is passed
 
     first.send_signal(signal.SIGTERM)

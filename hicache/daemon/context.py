@@ -1,0 +1,31 @@
+"""What the RPC handlers see of the daemon: a protocol, so they need not import the daemon.
+
+hicache.daemon.app builds the handlers (handlers.py, portable.py) and passes itself in;
+typing that argument with app.Daemon made handlers and portable import app back. They
+type it with DaemonContext instead, which app.Daemon satisfies structurally, so imports
+flow one way: app -> handlers -> portable -> context.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from hicache.config import Config
+    from hicache.daemon.host_tier import HostTier
+    from hicache.daemon.hybrid import HybridStates
+    from hicache.daemon.service import CacheService
+
+
+@runtime_checkable
+class DaemonContext(Protocol):
+    """The daemon's parts the handlers use; a tier not up yet (or disabled) is None."""
+
+    config: Config
+    started_at: float  # unix seconds
+    host: HostTier | None
+    service: CacheService | None
+    disk: Any  # DiskMover once the disk tier is up (the disk tier is optional)
+    hybrid: HybridStates | None
+
+    def stats(self) -> dict: ...

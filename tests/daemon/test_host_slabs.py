@@ -1,0 +1,192 @@
+"""Host slabs owned by one namespace each: the shared budget moves between
+namespaces a whole slab at a time (compacting where it can), and a slab that
+changes owner is never visible to the old owner's mappings."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+
+import numpy as np
+import pytest
+
+from hicache.daemon.host_tier import HostTier
+from hicache.daemon.service import CacheService
+from hicache.index.keys import Namespace, page_keys
+from hicache.index.node import Tier
+from hicache.layout import KVLayout
+from hicache.tiers.arena import SEALS, HostArena
+
+LAYOUT = KVLayout("mha", num_layers=2, page_size=4, dtype="float16", num_kv_heads=1, head_dim=8)  # 256 B pages
+PB = LAYOUT.page_bytes
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 1.0
+        return self.t
+
+
+def seq(seed: int, pages: int, salt: bytes) -> tuple[list[bytes], np.ndarray]:
+    toks = np.random.default_rng(seed).integers(0, 1000, pages * 4, dtype=np.int32)
+    return page_keys(salt, toks, 4), toks
+
+
+def pattern(key: bytes) -> np.ndarray:
+    """What an engine's backup would have written for the page with this key."""
+    return np.frombuffer((key * (PB // len(key) + 1))[:PB], dtype=np.uint8)
+
+
+class Tenants:
+    """Two namespaces on one 4-slab host tier; pages are 'backed up' by writing a
+    pattern derived from their key into their host slots."""
+
+    def __init__(self) -> None:
+        self.svc = CacheService(HostTier(4 << 20, mlock=False), clock=Clock())
+        self.per_slab = self.svc.host.slab_bytes // PB
+        self.owners = {"a": object(), "b": object()}
+        self.recs = {n: self.svc.register(o, Namespace(n, LAYOUT), device_pages=1 << 16)
+                     for n, o in self.owners.items()}
+        self.seqs: dict[str, list[list[bytes]]] = {"a": [], "b": []}
+        self.next_dev = {"a": 1, "b": 1}
+
+    def insert(self, name: str, seed: int, pages: int) -> np.ndarray | None:
+        rec, owner = self.recs[name], self.owners[name]
+        keys, toks = seq(seed, pages, rec.ns.salt)
+        dev = np.arange(self.next_dev[name], self.next_dev[name] + pages)
+        self.next_dev[name] += pages
+        _, _, bk = self.svc.insert(owner, rec.engine_id, keys, toks, dev)
+        if bk is None:
+            return None
+        arena = self.svc.host.arena.array
+        for key, slot in zip(keys, bk.host_pages):
+            arena[slot * PB:(slot + 1) * PB] = pattern(key)
+        self.svc.backup_done(owner, bk.backup_id, ok=True)
+        self.svc.evict_device(owner, rec.engine_id, pages)  # host only from now on
+        self.seqs[name].append(keys)
+        return bk.host_pages
+
+    def touch(self, name: str, keys: list[bytes]) -> None:
+        pin = self.svc.match(self.owners[name], self.recs[name].engine_id, keys)
+        self.svc.release(self.owners[name], pin.pin_id)
+
+    def check_bytes(self, name: str, keys: list[bytes]) -> int:
+        """Pages of `keys` on host, each checked against its pattern."""
+        pin = self.svc.match(self.owners[name], self.recs[name].engine_id, keys)
+        arena = self.svc.host.arena.array
+        for key, slot in zip(keys, pin.host_pages):
+            assert (arena[slot * PB:(slot + 1) * PB] == pattern(key)).all(), "a moved page lost its bytes"
+        n = pin.host_len
+        self.svc.release(self.owners[name], pin.pin_id)
+        return n
+
+
+def fill_scattered(t: Tenants) -> None:
+    """a: two slabs, each half full of pages it touched recently; b: the other two slabs."""
+    half = t.per_slab // 2
+    for i in range(8):  # 8 sequences of half a slab's pages / 2 = two slabs of a's
+        t.insert("a", 100 + i, half // 2)
+    for keys in t.seqs["a"][1::2]:
+        t.touch("a", keys)  # the odd ones are recent, the even ones the oldest pages of all
+    for i in range(2):
+        t.insert("b", 200 + i, t.per_slab)
+    assert t.svc.host.free_slabs == 0
+    page_bytes = sum(len(k) for k in t.seqs["a"][0::2]) * PB
+    assert t.svc.evict_tier(Tier.HOST, page_bytes) == page_bytes  # a's even sequences go
+    assert t.svc.host.owner_of.count(t.recs["a"].ns.salt) == 2  # still two slabs, each half full
+
+
+def test_a_slab_is_compacted_out_of_the_oldest_namespace_without_losing_a_page():
+    t = Tenants()
+    fill_scattered(t)
+    a_salt = t.recs["a"].ns.salt
+    kept = sum(len(k) for k in t.seqs["a"][1::2])
+    assert t.svc.counters.slabs_reclaimed == 0
+    got = t.insert("b", 300, 8)  # no free slab: a has the oldest pages, and room to pack them
+    assert got is not None and len(got) == 8
+    assert t.svc.counters.slabs_reclaimed == 1
+    assert t.svc.host.owner_of.count(a_salt) == 1 and t.svc.host.owner_of.count(t.recs["b"].ns.salt) == 3
+    assert sum(t.check_bytes("a", k) for k in t.seqs["a"][1::2]) == kept  # every page moved, bytes intact
+    assert t.svc.host.slabs_reassigned == 1
+
+
+def test_pinned_pages_keep_their_slab_and_the_requester_evicts_its_own():
+    t = Tenants()
+    fill_scattered(t)
+    a = t.recs["a"]
+    pins = [t.svc.match(t.owners["a"], a.engine_id, keys) for keys in t.seqs["a"][1::2]]  # in use: unmovable
+    assert all(p.host_len for p in pins)
+    got = t.insert("b", 300, 8)
+    assert got is not None and len(got) == 8  # b made room among its own pages
+    assert t.svc.counters.slabs_reclaimed == 0
+    assert t.svc.host.owner_of.count(a.ns.salt) == 2
+    b_pages = t.recs["b"].ns.index.num_pages(Tier.HOST)
+    assert b_pages < 2 * t.per_slab + 8
+    for p in pins:
+        t.svc.release(t.owners["a"], p.pin_id)
+    assert sum(t.check_bytes("a", k) for k in t.seqs["a"][1::2]) == sum(len(k) for k in t.seqs["a"][1::2])
+
+
+def test_slab_versions_and_owners_tell_engines_what_to_map():
+    t = Tenants()
+    host, a, b = t.svc.host, t.recs["a"].ns.salt, t.recs["b"].ns.salt
+    assert host.slab_version(a) == 0 and host.slabs_of(a) == []
+    t.insert("a", 1, 8)
+    assert host.slab_version(a) == 1 and [s for s, _ in host.slabs_of(a)] == [host.owner_of.index(a)]
+    t.insert("b", 2, 8)
+    assert set(s for s, _ in host.slabs_of(a)).isdisjoint(s for s, _ in host.slabs_of(b))
+
+
+def test_a_slab_changing_owner_is_punched_out_and_backed_anew():
+    host = HostTier(4 << 20, mlock=False)
+    a = host.page_class(b"a" * 16, PB)
+    b = host.page_class(b"b" * 16, PB)
+    ids = a.alloc(2 * host.slab_bytes // PB)  # two slabs
+    # an engine of a maps them from the fds the daemon sends it
+    engine_a = HostArena.reserve(host.num_slabs, host.slab_bytes)
+    for slab, gen in host.slabs_of(b"a" * 16):
+        engine_a.map_slab(slab, os.dup(host.arena.slab_fd(slab)), gen)
+        host.arena.array[slab * host.slab_bytes:(slab + 1) * host.slab_bytes] = 0xAA
+    a.free(ids)  # one slab goes back; a keeps the other warm
+    (slab, gen), = [(s, g) for s, g in enumerate(host.arena._gens) if host.owner_of[s] is None and engine_a.backed[s]]
+    view = engine_a.array[slab * host.slab_bytes:(slab + 1) * host.slab_bytes]
+    assert (view == 0xAA).all()
+    for _ in range(host.free_slabs - 1):  # b takes the clean slabs first ...
+        assert b.alloc(host.slab_bytes // PB) is not None
+    assert host.arena.slab_gen(slab) == gen and host.owner_of[slab] is None
+    assert b.alloc(1) is not None  # ... and only then a's old one, backed anew
+    assert host.owner_of[slab] == b"b" * 16 and host.arena.slab_gen(slab) == gen + 1
+    assert host.slabs_reassigned == 1
+    host.arena.array[slab * host.slab_bytes:(slab + 1) * host.slab_bytes] = 0xBB
+    assert not view.any(), "a's old mapping must read zeros, never b's bytes"
+    engine_a.close()
+    host.close()
+
+
+def test_a_returning_owner_gets_its_own_slab_back_unchanged():
+    host = HostTier(4 << 20, mlock=False)
+    a = host.page_class(b"a" * 16, PB)
+    first = a.alloc(host.slab_bytes // PB + 1)  # two slabs
+    a.free(first)  # one goes back (a keeps one warm)
+    assert host.free_slabs == host.num_slabs - 1
+    gens = [host.arena.slab_gen(s) for s in range(host.num_slabs)]
+    a.alloc(host.slab_bytes // PB + 1)
+    assert [host.arena.slab_gen(s) for s in range(host.num_slabs)] == gens  # no remap for a's engines
+    assert host.slabs_reassigned == 0
+    host.close()
+
+
+def test_slab_fds_are_sealed_against_resizing():
+    host = HostTier(4 << 20, mlock=False)
+    fd = host.arena.slab_fd(0)
+    assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS == SEALS
+    for size in (0, host.slab_bytes // 2, host.slab_bytes * 2):
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, size)
+    with pytest.raises(PermissionError):
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)  # sealed seals: no more changes
+    host.arena.array[:] = 1  # the daemon's mapping is whole
+    host.close()
