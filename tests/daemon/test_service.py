@@ -129,7 +129,7 @@ def test_pins_protect_host_pages_from_eviction():
 
 
 def test_admin_eviction_and_flush_go_in_steps_the_loop_can_run_between():
-    svc = CacheService(HostTier(1 << 20, mlock=False), clock=Clock())
+    svc = CacheService(HostTier(16 << 20, mlock=False), clock=Clock())  # a slab for each namespace
     for n, model in enumerate(("a", "b", "c")):
         owner = object()
         rec = svc.register(owner, Namespace(model, LAYOUT), device_pages=512)
@@ -137,6 +137,7 @@ def test_admin_eviction_and_flush_go_in_steps_the_loop_can_run_between():
             keys, toks = seq(100 * n + i, 4, rec.ns.salt)
             _, _, bk = svc.insert(owner, rec.engine_id, keys, toks, np.arange(1 + 4 * i, 5 + 4 * i))
             svc.backup_done(owner, bk.backup_id, ok=True)
+    assert [ns.index.num_pages(Tier.HOST) for ns in svc.namespaces.values()] == [40, 40, 40]
     steps = list(svc.evict_tier_steps(Tier.HOST, 40 * LAYOUT.page_bytes, step_pages=8))
     assert len(steps) == 5 and steps[-1] == 40 * LAYOUT.page_bytes  # 8 pages (2 nodes) a step
     assert steps == sorted(steps)
