@@ -333,8 +333,8 @@ class Connection(asyncio.Protocol):
         if self.closed or self.transport is None:
             return
         if self.transport.get_write_buffer_size() != 0:
-            self.send_error(msg["id"], Code.BUSY, "cannot pass descriptors with output queued; read it and "
-                                                  "retry hello")
+            self.send_error(msg["id"], Code.BUSY, "cannot pass descriptors with replies queued; read them "
+                                                  "and retry")
             return
         frame = pack_frame(msg)
         try:
@@ -342,7 +342,7 @@ class Connection(asyncio.Protocol):
                 s.setblocking(False)  # already so (shared with the transport); said again, not assumed
                 sent = s.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
         except (BlockingIOError, InterruptedError):  # the socket is full and nothing went
-            self.send_error(msg["id"], Code.BUSY, "the connection is full; read its replies and retry hello")
+            self.send_error(msg["id"], Code.BUSY, "the connection is full; read its replies and retry")
             return
         except OSError as e:
             log.warning("closing connection from %s: cannot pass descriptors: %s", self.peer, e)
