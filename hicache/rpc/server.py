@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import array
 import asyncio
+import fcntl
 import logging
 import os
 import socket
 import struct
+import termios
 import time
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
@@ -86,6 +88,16 @@ def supplementary_groups(pid: int) -> set[int]:
     except (OSError, ValueError):
         pass
     return set()
+
+
+def _unread_bytes(fd: int) -> int:
+    """Bytes sent on this Unix socket that the peer has not read yet (SIOCOUTQ)."""
+    buf = array.array("i", [0])
+    try:
+        fcntl.ioctl(fd, termios.TIOCOUTQ, buf)
+    except OSError:
+        return 0
+    return buf[0]
 
 
 class Connection(asyncio.Protocol):
@@ -332,8 +344,12 @@ class Connection(asyncio.Protocol):
         transport's socket blocking too and freeze the loop on a client that does not read."""
         if self.closed or self.transport is None:
             return
-        if self.transport.get_write_buffer_size() != 0:
-            self.send_error(msg["id"], Code.BUSY, "cannot pass descriptors with replies queued; read them "
+        if self.transport.get_write_buffer_size() != 0 or _unread_bytes(self._fd):
+            # Also while the peer has not read what the kernel holds for it: so at most one
+            # message of descriptors is ever in flight per connection, and a client that asks
+            # again and again without reading cannot pile up descriptors in flight (which
+            # count against the daemon's user and would make passing fail for everyone).
+            self.send_error(msg["id"], Code.BUSY, "cannot pass descriptors with replies unread; read them "
                                                   "and retry")
             return
         frame = pack_frame(msg)

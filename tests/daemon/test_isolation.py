@@ -15,6 +15,8 @@ from hicache.client.client import HiCacheClient
 from hicache.client.engine_cache import EngineCache
 from hicache.errors import ClientError
 from hicache.layout import KVLayout
+from hicache.rpc.framing import pack_frame
+from tests.rpc.wire import unread_bytes
 from hicache.tiers.allocator import PagedTokenToKVPoolAllocator
 from hicache.tiers.device import DevicePool
 from tests.daemon.engine_worker import check_pages, write_pages
@@ -138,3 +140,35 @@ def test_a_slab_taken_from_one_tenant_is_invisible_to_its_old_mapping(hostd):
     assert load_exact(a, tn) == 4
     a.close()
     b.close()
+
+
+def test_a_client_that_asks_for_slab_fds_without_reading_gets_one_message_of_them(hostd):
+    """At most one message of descriptors is in flight per connection: asking again and
+    again without reading must not pile descriptors up in the daemon's user's account."""
+    a = engine(hostd.socket, "tenant-a")
+    store(a, tokens(4, 20))
+    sock = a.client.conn.sock
+    n = 40
+    for i in range(n):
+        sock.sendall(pack_frame({"id": 10_000 + i, "method": "map_slabs",
+                                 "params": {"engine": a.client.engine_id, "have": []}}))
+    # Let the daemon answer all of them while we read nothing: wait for our receive
+    # queue to stop growing (a condition with a deadline; reading would let another
+    # descriptor message through, rightly).
+    deadline, last, since = time.monotonic() + 60, -1, time.monotonic()
+    while time.monotonic() - since < 1.0:
+        assert time.monotonic() < deadline, "the daemon did not answer"
+        now = unread_bytes(sock)
+        if now != last:
+            last, since = now, time.monotonic()
+        time.sleep(0.01)
+    fds: list[int] = []
+    replies = [a.client.conn._read_message(fds) for _ in range(n)]
+    assert sorted(r["id"] for r in replies) == list(range(10_000, 10_000 + n))
+    with_fds = [r for r in replies if "result" in r and r["result"]["sent"]]
+    assert len(with_fds) == 1 and len(fds) == len(with_fds[0]["result"]["sent"]) == 2
+    assert all(r["error"]["code"] == "BUSY" for r in replies if r is not with_fds[0])
+    for fd in fds:
+        os.close(fd)
+    assert load_exact(a, tokens(4, 20)) == 20
+    a.close()
