@@ -25,16 +25,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hicache.daemon.hybrid_types import NsStates, StateHost, StatePin, StatePrefetch
 from hicache.index.checkpoints import Checkpoint, checkpoint_disk_key
 from hicache.index.node import Tier, TreeNode
 
 if TYPE_CHECKING:
-    from hicache.daemon.hybrid import HybridStates, NsStates, StatePin
     from hicache.tiers.disk import DiskTier
 
 log = logging.getLogger(__name__)
@@ -42,18 +41,8 @@ log = logging.getLogger(__name__)
 NO_TOKENS = np.empty(0, dtype=np.int32)
 
 
-@dataclass(slots=True, eq=False)
-class StatePrefetch:
-    """A disk -> host read of one checkpoint for a pin."""
-
-    ckpt: Checkpoint
-    host_slot: int
-    future: asyncio.Future | None = None
-    done: bool = False
-
-
 class HybridDiskMover:
-    def __init__(self, states: HybridStates) -> None:
+    def __init__(self, states: StateHost) -> None:
         self.states = states
         self.tier: DiskTier | None = None
         self.loop: asyncio.AbstractEventLoop | None = None

@@ -87,7 +87,6 @@ import os
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Literal
 
 import lmdb
@@ -95,6 +94,7 @@ import numpy as np
 
 from hicache.errors import ConfigError, DiskTierError
 from hicache.tiers import disk_format as fmt
+from hicache.tiers.disk_config import DiskTierConfig
 from hicache.tiers.disk_format import DiskRecord
 from hicache.tiers.disk_writer import DiskWriter, EvictHook, OnDone
 
@@ -104,36 +104,6 @@ __all__ = ["DiskTier", "DiskTierConfig", "DiskRecord", "Durability", "DEFAULT_DU
 
 Durability = Literal["none", "batch", "sync"]
 DEFAULT_DURABILITY: Durability = "none"
-
-
-@dataclass(frozen=True)
-class DiskTierConfig:
-    """Tuning knobs; the defaults are the measured ones."""
-
-    readers: int = 2  # reader threads behind get_many_async
-    max_queue_pages: int = 1024  # queued puts before put_async returns False
-    max_queue_bytes: int = 512 << 20
-    # One write transaction takes at most this much. Big batches matter for small
-    # pages: every begin/commit drops the GIL and may wait up to the switch
-    # interval to get it back from a busy event loop.
-    batch_pages: int = 256
-    batch_bytes: int = 64 << 20
-    touch_interval_s: float = 30.0  # last_access updates are flushed this often
-    max_pending_touches: int = 1 << 20
-    checksum: str = "auto"  # "sum64" (~30 GB/s), "crc32" (~2.7 GB/s), auto: crc32 below 16 KiB
-    # False skips the read-side checksum pass (for storage that checksums
-    # itself, e.g. ZFS/btrfs); corrupt pages are then served, not dropped.
-    verify_reads: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("readers", "max_queue_pages", "max_queue_bytes", "batch_pages", "batch_bytes",
-                     "max_pending_touches"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"DiskTierConfig.{name} must be >= 1")
-        if self.touch_interval_s <= 0:
-            raise ConfigError("DiskTierConfig.touch_interval_s must be > 0")
-        if self.checksum not in fmt.CHECKSUM_NAMES:
-            raise ConfigError(f"DiskTierConfig.checksum must be one of {fmt.CHECKSUM_NAMES}")
 
 
 def _check_key(name: str, value: object) -> bytes:

@@ -30,16 +30,13 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import lmdb
 import numpy as np
 
 from hicache.errors import DiskTierError
 from hicache.tiers import disk_format as fmt
-
-if TYPE_CHECKING:  # for annotations only: disk.py imports this module
-    from hicache.tiers.disk import DiskTierConfig
+from hicache.tiers.disk_config import DiskTierConfig
 
 log = logging.getLogger(__name__)
 
