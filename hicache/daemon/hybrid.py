@@ -399,7 +399,7 @@ class HybridStates:
                 "matches": c.matches, "usable_tokens": c.usable_tokens, "kv_tokens": c.kv_tokens,
                 "stored": c.stored, "skipped_no_space": c.skipped_no_space, "evicted": dict(c.evicted),
                 "tombstones": c.tombstones, "disk_writes": c.disk_writes, "disk_reads": c.disk_reads,
-                "disk_misses": c.disk_misses, "restored": c.restored, "pending_backups": len(self.backups)}
+                "disk_misses": c.disk_misses, "restored": c.restored, "disk_orphans": c.disk_orphans, "pending_backups": len(self.backups)}
 
 
 def state_layout_param(value: Any) -> StateLayout | None:

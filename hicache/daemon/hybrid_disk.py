@@ -83,7 +83,9 @@ class HybridDiskMover:
         def done(key: bytes, ok: bool) -> None:  # on the writer thread
             loop.call_soon_threadsafe(self._written, hs, ck, ok, demote)
 
-        if not self.tier.put_async(hs.disk_salt, ck.disk_key, ck.node.keys[-1], NO_TOKENS, data, done):
+        # its parent field anchors it to a KV page of another salt, which may reach disk later
+        if not self.tier.put_async(hs.disk_salt, ck.disk_key, ck.node.keys[-1], NO_TOKENS, data, done,
+                                   parent_required=False):
             return
         self._writing.add(ck)
         self.disk_bytes += nbytes
@@ -192,6 +194,7 @@ class HybridDiskMover:
             restored += 1
         self.disk_bytes += restored * hs.layout.checkpoint_bytes  # the reads check the size
         states.counters.restored += restored
+        states.counters.disk_orphans += len(orphans)
         if orphans:
             tier.delete_async(orphans)
         log.info("restored %d state checkpoints of namespace %s (%d orphans dropped)", restored,

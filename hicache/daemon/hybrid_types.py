@@ -65,6 +65,7 @@ class StateCounters:
     disk_reads: int = 0
     disk_misses: int = 0
     restored: int = 0
+    disk_orphans: int = 0  # records dropped at the rebuild: their KV end page was not on disk
 
 
 class StateHost(Protocol):

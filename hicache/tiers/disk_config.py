@@ -30,13 +30,17 @@ class DiskTierConfig:
     # False skips the read-side checksum pass (for storage that checksums
     # itself, e.g. ZFS/btrfs); corrupt pages are then served, not dropped.
     verify_reads: bool = True
+    # After a batch fails with an I/O (or any non-budget) error even op by op,
+    # puts are refused this long before the writer tries the disk again.
+    write_retry_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("readers", "max_queue_pages", "max_queue_bytes", "batch_pages", "batch_bytes",
                      "max_pending_touches"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"DiskTierConfig.{name} must be >= 1")
-        if self.touch_interval_s <= 0:
-            raise ConfigError("DiskTierConfig.touch_interval_s must be > 0")
+        for name in ("touch_interval_s", "write_retry_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"DiskTierConfig.{name} must be > 0")
         if self.checksum not in fmt.CHECKSUM_NAMES:
             raise ConfigError(f"DiskTierConfig.checksum must be one of {fmt.CHECKSUM_NAMES}")
