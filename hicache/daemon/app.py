@@ -179,11 +179,10 @@ class Daemon:
 
     def _start_disk(self) -> None:
         from hicache.daemon.disk_mover import DiskMover  # the disk tier is optional
-        from hicache.errors import DiskTierError
 
         try:
             self.disk = DiskMover.start(self.config, self.service)
-        except DiskTierError as e:  # read-only, full, not ours: one line, not a traceback
+        except HiCacheError as e:  # read-only, full, not ours: one line, not a traceback
             raise HiCacheError(f"the disk tier cannot start: {e}; fix the state directory "
                                f"({self.config.state_dir}) or run with --no-disk") from e
 

@@ -41,7 +41,6 @@ written, reads go on, and the first write that succeeds ends it.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import threading
@@ -52,19 +51,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import lmdb
 import msgpack
 import numpy as np
 
 from hicache.config import Config
 from hicache.daemon.service import CacheService, NamespaceState, Pin, path_with_offsets
+from hicache.daemon.disk_startup import Quarantine, open_tier
 from hicache.daemon.state_dir import prepare_state_dir
-from hicache.errors import DiskTierDamaged, DiskTierError
 from hicache.index.keys import Namespace
 from hicache.index.radix import Tier, TreeNode
 from hicache.layout import KVLayout
 from hicache.state_layout import StateLayout
-from hicache.tiers import disk_env
 from hicache.tiers.disk import DiskTier
 
 log = logging.getLogger(__name__)
@@ -94,14 +91,6 @@ class _Write:
     ok: bool = True
     started: float = 0.0
     demote: bool = False  # flagged on disk when queued; not locked (its host copy is going)
-
-
-@dataclass(slots=True)
-class Quarantine:
-    """A damaged environment moved aside at this start."""
-
-    path: str
-    reason: str
 
 
 @dataclass(slots=True, eq=False)
@@ -170,7 +159,7 @@ class DiskMover:
         raises DiskTierError, in one line, when the state directory is unusable."""
         prepare_state_dir(Path(config.state_dir))
         t0 = time.monotonic()
-        tier, by_salt, quarantined = _open_tier(config)
+        tier, by_salt, quarantined = open_tier(config)
         try:
             if config.reset_disk and (Path(config.state_dir) / NAMESPACES_FILE).exists():
                 (Path(config.state_dir) / NAMESPACES_FILE).unlink()
@@ -189,6 +178,9 @@ class DiskMover:
         try:
             data = self._ns_file.read_bytes()
         except FileNotFoundError:
+            return {}
+        except OSError as e:
+            log.warning("%s is unreadable (%s); disk pages of unknown namespaces will be dropped", self._ns_file, e)
             return {}
         try:
             table = msgpack.unpackb(data, raw=False)
@@ -229,7 +221,7 @@ class DiskMover:
 
     def rebuild(self, by_salt: dict[bytes, list[tuple]]) -> int:
         """Restore the disk part of each namespace's tree from the page metadata
-        (scanned by _open_tier), grouped by salt."""
+        (scanned by disk_startup.open_tier), grouped by salt."""
         restored = 0
         unknown: list[tuple[bytes, list[tuple]]] = []
         for salt, records in by_salt.items():
@@ -311,7 +303,7 @@ class DiskMover:
                     queued += 1
                     parent = key
                     continue
-                self.skipped_writes += node.n_pages - i
+                self.skipped_writes += node.n_pages - i - 1  # the tier counted the refused one
             done(key, False)
         return queued
 
@@ -486,50 +478,3 @@ class DiskMover:
     def close(self) -> None:
         self.tier.flush(timeout_s=60)
         self.tier.close()
-
-
-def _scan_meta(tier: DiskTier) -> dict[bytes, list[tuple]]:
-    """Every page's (key, parent or salt, tokens, last access), grouped by salt."""
-    by_salt: dict[bytes, list[tuple]] = {}
-    gc.disable()  # a million small tuples: cyclic-GC passes over them would find nothing
-    try:
-        for rec in tier.iter_meta():
-            parent = rec.parent_key if rec.parent_key is not None else rec.salt
-            by_salt.setdefault(rec.salt, []).append((rec.key, parent, rec.tokens, rec.last_access))
-    finally:
-        gc.enable()
-    return by_salt
-
-
-def _open_tier(config: Config) -> tuple[DiskTier, dict[bytes, list[tuple]], Quarantine | None]:
-    """Open the tier and scan its metadata; a damaged environment (at open, or in the
-    scan) is moved aside once, with one log line, and an empty one opened instead."""
-    path = str(config.disk_dir)
-    quarantined: Quarantine | None = None
-    while True:
-        try:
-            tier = DiskTier.open(path, config.disk_capacity, reset=config.reset_disk,
-                                 durability=config.durability)
-        except DiskTierDamaged as e:
-            if quarantined is not None:
-                raise
-            quarantined = _move_aside(path, str(e))
-            continue
-        except DiskTierError as e:
-            if quarantined is not None:  # the copy moved aside may be what fills the disk
-                raise DiskTierError(f"{e} (the damaged environment moved aside to {quarantined.path} "
-                                    "may be taking the space)") from e
-            raise
-        try:
-            return tier, _scan_meta(tier), quarantined
-        except lmdb.Error as e:  # the child's verification passed, yet a record cannot be read
-            tier.close()
-            if quarantined is not None:
-                raise DiskTierError(f"{path}: a fresh environment cannot be read back: {e}") from e
-            quarantined = _move_aside(path, f"{path}: damaged LMDB environment ({e})")
-
-
-def _move_aside(path: str, reason: str) -> Quarantine:
-    dest = disk_env.quarantine(path)
-    log.error("disk tier: %s; moved aside to %s, starting with an empty disk tier", reason, dest)
-    return Quarantine(dest, reason)

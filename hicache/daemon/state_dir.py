@@ -5,7 +5,8 @@ tenant's KV, i.e. their prompts) and ``namespaces.msgpack``. The daemon runs
 with umask 077 (``hicache.daemon.app.serve``), so what it creates is 0700 /
 0600; a directory or files left looser by an older version or by hand are
 tightened here when the daemon's uid owns them (one log line), and named in a
-warning when it does not. Symlinks are never followed or changed.
+warning when it does not. Symlinks inside it are never followed or changed
+(the state directory itself may be one: its target is checked).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def prepare_state_dir(state_dir: Path) -> None:
     tightened: list[str] = []
     for p in paths:
         try:
-            st = os.lstat(p)
+            st = os.stat(p) if p is state_dir else os.lstat(p)
         except FileNotFoundError:
             continue
         except OSError as e:

@@ -44,8 +44,8 @@ Durability (``durability=``; the environment always uses ``writemap=True``)
   records in ``hicache-disk.state`` whether it was closed cleanly and under
   which boot id; reopening an unclean ``"none"`` environment after a reboot
   raises ``DiskTierDamaged`` (the daemon moves it aside; see disk_env.py)
-  instead of trusting a possibly torn B-tree. For a cache, losing L3 after a power cut is cheap;
-  paying for every commit's flush is not (numbers below).
+  instead of trusting a possibly torn B-tree. For a cache, losing L3 after a
+  power cut is cheap; paying for every commit's flush is not (numbers below).
 - ``"batch"``: ``sync=True, metasync=False``: each writer batch's data is
   flushed at commit and its meta page at the next one; a power loss loses at
   most the last batch and leaves a consistent environment.
@@ -193,7 +193,7 @@ class DiskTier:
             raise ConfigError(f"map_size must be >= 1 MiB, got {map_size}")
         map_size = -(-map_size // 4096) * 4096
         opened = disk_env.open_environment(os.fspath(path), map_size, durability, reset=reset,
-                                      max_spare_txns=config.readers + 1)
+                                           max_spare_txns=config.readers + 1)
         try:
             return cls(opened, capacity_bytes, durability, config, evict_hook)
         except BaseException:
