@@ -262,17 +262,21 @@ def test_a_page_whose_parent_never_reached_disk_is_never_acknowledged(daemon_fac
 
 
 def test_every_page_acknowledged_on_disk_survives_kill9_under_write_load(daemon_factory):
-    # a disk budget well below what is written keeps evicting under the writes in flight
-    d = daemon_factory("--host-capacity", "64MiB", "--disk-capacity", "256KiB", env=WAIT).start()
+    # A 64 KiB disk budget (~85 pages of 768 B) keeps evicting under the writes in flight, and
+    # the 100-page prefix that half the conversations share never fits it: their own pages
+    # hang under a parent that is not on disk (today they are acknowledged all the same).
+    d = daemon_factory("--host-capacity", "64MiB", "--disk-capacity", "64KiB", env=WAIT).start()
     acks = DiskAcks(d.socket)
     workers = []
     try:
-        for w in range(3):  # conversations sharing prefixes, from three engines at once
-            ops = [f"store:{w * 100 + i}:{64 + 8 * (i % 5)}:{32 if i % 2 else 0}" for i in range(60)]
+        for w in range(3):  # three engines at once
+            ops = [f"store:{w * 100 + i}:400:400" if i == 0 else
+                   f"store:{w * 100 + i}:{416 + 16 * (i % 4)}:400" if i % 2 else
+                   f"store:{w * 100 + i}:{64 + 8 * (i % 5)}" for i in range(80)]
             workers.append(subprocess.Popen([*WORKER, "--socket", d.socket, *ops], stdout=subprocess.DEVNULL,
                                             stderr=subprocess.DEVNULL))
-        wait_for(lambda: acks.count() >= 300 or all(p.poll() is not None for p in workers), 120,
-                 "300 pages acknowledged on disk")
+        wait_for(lambda: acks.count() >= 150 or all(p.poll() is not None for p in workers), 120,
+                 "150 pages acknowledged on disk")
         d.kill9()  # mid-load: the workers are still storing
     finally:
         for p in workers:
@@ -280,7 +284,7 @@ def test_every_page_acknowledged_on_disk_survives_kill9_under_write_load(daemon_
             p.wait()
         acks.stop()
     acked = acks.snapshot()
-    assert acks.count() >= 300, "the workers finished before 300 pages were acknowledged on disk"
+    assert acks.count() >= 150, "the workers finished before 150 pages were acknowledged on disk"
     found, _unreachable = reachable_keys(Path(d.state_dir) / "disk")
     for ns, keys in acked.items():
         missing = keys - found.get(bytes.fromhex(ns), set())
