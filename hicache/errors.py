@@ -22,6 +22,11 @@ class DiskTierError(HiCacheError):
     """The LMDB environment is foreign, damaged or unusable."""
 
 
+class DiskTierDamaged(DiskTierError):
+    """The environment's files are damaged, torn, foreign or of another format: an
+    owner may move them aside (disk_format.quarantine) and start with an empty tier."""
+
+
 class ClientError(HiCacheError):
     """Raised by the engine client when the daemon answered with an error."""
 

@@ -130,6 +130,11 @@ class Metrics:
             "hicache_disk_latency_seconds", "Duration of disk tier operations.", ["op"],
             buckets=DISK_LATENCY_BUCKETS_S, registry=reg,
         )
+        self._disk_faults = counter(
+            "hicache_disk_faults", "Disk tier faults: environments moved aside, corrupt pages, write faults, "
+            "pages dropped at the rebuild or refused for lack of their parent.", ("fault",)
+        )
+        self._disk_degraded = gauge("hicache_disk_degraded", "1 while the disk tier is degraded (writes refused).")
         self._engines = gauge("hicache_engines_connected", "Engine connections currently open.")
         self._queue_depth = gauge("hicache_queue_depth", "Items waiting in a daemon work queue.", ("queue",))
         self._dropped_subscribers = counter(
@@ -154,6 +159,7 @@ class Metrics:
         }
         self._request_children: dict[tuple[str, str], Counter] = {}
         self._disk_children: dict[str, Histogram] = {}
+        self._fault_children: dict[str, Counter] = {}
         self._queue_children: dict[str, Gauge] = {}
 
     # --- tiers ------------------------------------------------------------
@@ -211,6 +217,17 @@ class Metrics:
             _check_label(op)
             child = self._disk_children.setdefault(op, self._disk_latency.labels(op))
         child.observe(seconds)
+
+    def add_disk_faults(self, fault: str, n: int = 1) -> None:
+        """Disk faults by kind (``quarantined``, ``corrupt_pages``, ``write_faults``, ...)."""
+        child = self._fault_children.get(fault)
+        if child is None:
+            _check_label(fault)
+            child = self._fault_children.setdefault(fault, self._disk_faults.labels(fault))
+        child.inc(_count(n))
+
+    def set_disk_degraded(self, degraded: bool) -> None:
+        self._disk_degraded.set(1 if degraded else 0)
 
     # --- daemon state -----------------------------------------------------
 

@@ -173,6 +173,10 @@ class Daemon:
                 m.add_bytes_moved("disk", "host", delta("s2h", disk["bytes_read"]))
                 for op, seconds in self.disk.take_latencies():
                     m.observe_disk(op, seconds)
+                dst = st["tiers"]["disk"]
+                for fault in ("quarantined", "corrupt_pages", "write_faults", "orphans_dropped", "rejected_orphan"):
+                    m.add_disk_faults(fault, delta(f"fault.{fault}", dst[fault]))
+                m.set_disk_degraded(not dst["writable"])
             m.set_engines(len(st["engines"]))
             m.add_dropped_subscribers(delta("dropped_subscribers", st["events"]["dropped_subscribers"]))
             for reason in ("output_overflows", "input_overflows"):
@@ -184,7 +188,11 @@ class Daemon:
     def _start_disk(self) -> None:
         from hicache.daemon.disk_mover import DiskMover  # the disk tier is optional
 
-        self.disk = DiskMover.start(self.config, self.service)
+        try:
+            self.disk = DiskMover.start(self.config, self.service)
+        except HiCacheError as e:  # read-only, full, not ours: one line, not a traceback
+            raise HiCacheError(f"the disk tier cannot start: {e}; fix the state directory "
+                               f"({self.config.state_dir}) or run with --no-disk") from e
 
     async def shutdown(self) -> None:
         log.info("shutting down: draining requests")
@@ -268,6 +276,10 @@ class Daemon:
 
 def serve(config: Config) -> int:
     """Run the daemon until SIGTERM / SIGINT; uvloop when installed."""
+    # Before anything is created: the state directory, LMDB's files and the namespaces
+    # file hold every tenant's KV (their prompts), so they are the daemon's alone. The
+    # socket sets its own mode (0660; peers are checked by credentials).
+    os.umask(0o077)
     daemon = Daemon(config)
     try:
         import uvloop

@@ -17,13 +17,30 @@ reader pool only move bytes and report back through `post` (batched
   into fresh host pages at once; `load` waits for it per the load policy.
 - Rebuild: at startup the disk part of every namespace's tree is restored from
   page metadata; the namespaces themselves (model, layout, ...) come from a
-  small sidecar file written when a namespace first reaches disk.
+  small sidecar file written (and fsynced) before a namespace's first page is
+  queued. Pages the rebuild cannot hang on the tree are deleted and counted
+  (``orphans_dropped``, ``unknown_ns_pages_dropped``).
+
+Parents first: a page is acknowledged on disk (``on_disk`` set, a ``stored``
+event of tier ``disk``) only after its commit, and the tier commits a page
+only if its parent page is already on disk (DiskTier.put_async). While a
+node's write is in flight its path is DISK-locked, so no ancestor leaves the
+disk under it; a node whose write fails part way has its committed pages
+deleted. So every page acknowledged on disk, and not evicted since (a
+``removed`` event), is restored after kill -9 or a power loss survived by the
+environment; ``orphans_dropped`` stays 0 unless a page failed its checksum.
+
+Faults: a damaged environment at start is moved aside (disk_env.quarantine)
+and the tier starts empty (``quarantined``); a state directory that cannot be
+written is an error at start; at run time a failed sidecar write or a tier
+whose writes are disabled degrades the tier (``degraded`` says why, counted
+in ``write_faults``, logged once): pages that cannot be made durable are not
+written, reads go on, and the first write that succeeds ends it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import threading
@@ -32,21 +49,20 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgpack
 import numpy as np
 
 from hicache.config import Config
 from hicache.daemon.service import CacheService, NamespaceState, Pin, path_with_offsets
+from hicache.daemon.disk_startup import Quarantine, open_tier
+from hicache.daemon.state_dir import prepare_state_dir
 from hicache.index.keys import Namespace
 from hicache.index.radix import Tier, TreeNode
 from hicache.layout import KVLayout
 from hicache.state_layout import StateLayout
 from hicache.tiers.disk import DiskTier
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +83,14 @@ class _PageViews:
 @dataclass(slots=True, eq=False)
 class _Write:
     ns: NamespaceState
-    node: TreeNode  # HOST-locked while the write is in flight
+    node: TreeNode  # write-through: HOST- and DISK-locked while the write is in flight
+    keys: list[bytes]  # the node's keys when queued (a split may shorten node.keys)
     start: int
     end: int
     remaining: int
     ok: bool = True
     started: float = 0.0
+    demote: bool = False  # flagged on disk when queued; not locked (its host copy is going)
 
 
 @dataclass(slots=True, eq=False)
@@ -109,6 +127,10 @@ class DiskMover:
         self._drain_scheduled = False
         self._ns_file = Path(config.state_dir) / NAMESPACES_FILE
         self._known_ns: dict[bytes, dict] = self._read_namespaces()
+        self.quarantine: Quarantine | None = None
+        self.rebuilt = dict(restored_pages=0, orphans_dropped=0, unknown_ns_pages_dropped=0)
+        self._ns_fault = ""  # why the last namespaces-file write failed ("" when it did not)
+        self._ns_faults = 0
         service.on_host_stored = self.write_through
         service.before_host_evict = self.demote
         service.on_disk_freed = self.delete
@@ -133,14 +155,20 @@ class DiskMover:
 
     @classmethod
     def start(cls, config: Config, service: CacheService) -> DiskMover:
-        config.disk_dir.mkdir(parents=True, exist_ok=True)
-        tier = DiskTier.open(config.disk_dir, config.disk_capacity, reset=config.reset_disk,
-                             durability=config.durability)
-        if config.reset_disk and (Path(config.state_dir) / NAMESPACES_FILE).exists():
-            (Path(config.state_dir) / NAMESPACES_FILE).unlink()
-        mover = cls(config, service, tier, asyncio.get_running_loop())
+        """Open the tier (moving a damaged environment aside) and rebuild the index;
+        raises DiskTierError, in one line, when the state directory is unusable."""
+        prepare_state_dir(Path(config.state_dir))
         t0 = time.monotonic()
-        n = mover.rebuild()
+        tier, by_salt, quarantined = open_tier(config)
+        try:
+            if config.reset_disk and (Path(config.state_dir) / NAMESPACES_FILE).exists():
+                (Path(config.state_dir) / NAMESPACES_FILE).unlink()
+            mover = cls(config, service, tier, asyncio.get_running_loop())
+            mover.quarantine = quarantined
+            n = mover.rebuild(by_salt)
+        except BaseException:
+            tier.close()
+            raise
         log.info("disk tier: %d pages restored in %.2fs (%s used of %s)", n, time.monotonic() - t0,
                  tier.used_bytes, config.disk_capacity)
         return mover
@@ -151,6 +179,9 @@ class DiskMover:
             data = self._ns_file.read_bytes()
         except FileNotFoundError:
             return {}
+        except OSError as e:
+            log.warning("%s is unreadable (%s); disk pages of unknown namespaces will be dropped", self._ns_file, e)
+            return {}
         try:
             table = msgpack.unpackb(data, raw=False)
             return {bytes.fromhex(k): v for k, v in table.items()}
@@ -158,29 +189,39 @@ class DiskMover:
             log.warning("%s is unreadable; disk pages of unknown namespaces will be dropped", self._ns_file)
             return {}
 
-    def _remember(self, ns: NamespaceState) -> None:
+    def _remember(self, ns: NamespaceState) -> bool:
+        """Save the namespace's descriptor (before any of its pages is queued: the
+        rebuild needs it); False, with the tier degraded, when it cannot be saved."""
         if ns.salt in self._known_ns:
-            return
+            return True
         n = ns.namespace
-        self._known_ns[ns.salt] = {"model": n.model, "layout": n.layout.to_dict(), "tp_rank": n.tp_rank,
-                                   "tp_size": n.tp_size, "extra_key": n.extra_key,
-                                   "state": n.state.to_dict() if n.state is not None else None}
+        desc = {"model": n.model, "layout": n.layout.to_dict(), "tp_rank": n.tp_rank, "tp_size": n.tp_size,
+                "extra_key": n.extra_key, "state": n.state.to_dict() if n.state is not None else None}
+        table = {**self._known_ns, ns.salt: desc}
         tmp = self._ns_file.with_suffix(".tmp")
-        tmp.write_bytes(msgpack.packb({k.hex(): v for k, v in self._known_ns.items()}))
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, self._ns_file)
-
-    def rebuild(self) -> int:
-        """Restore the disk part of each namespace's tree from the page metadata."""
-        by_salt: dict[bytes, list[tuple]] = {}
-        gc.disable()  # a million small tuples: cyclic-GC passes over them would find nothing
         try:
-            for rec in self.tier.iter_meta():
-                parent = rec.parent_key if rec.parent_key is not None else rec.salt
-                by_salt.setdefault(rec.salt, []).append((rec.key, parent, rec.tokens, rec.last_access))
-        finally:
-            gc.enable()
+            with open(tmp, "wb") as f:
+                f.write(msgpack.packb({k.hex(): v for k, v in table.items()}))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self._ns_file)
+        except OSError as e:  # ENOSPC, EROFS, EIO: keep serving; this namespace's pages stay off disk
+            tmp.unlink(missing_ok=True)
+            if not self._ns_fault:
+                self._ns_faults += 1
+                log.error("disk tier degraded: cannot save %s (%s); pages of namespaces first seen from now "
+                          "on are not written to disk until it succeeds", self._ns_file, e.strerror or e)
+            self._ns_fault = f"cannot save {self._ns_file.name}: {e.strerror or e}"
+            return False
+        self._known_ns = table
+        if self._ns_fault:
+            log.warning("disk tier: %s saved again; the degrade is over", self._ns_file.name)
+            self._ns_fault = ""
+        return True
+
+    def rebuild(self, by_salt: dict[bytes, list[tuple]]) -> int:
+        """Restore the disk part of each namespace's tree from the page metadata
+        (scanned by disk_startup.open_tier), grouped by salt."""
         restored = 0
         unknown: list[tuple[bytes, list[tuple]]] = []
         for salt, records in by_salt.items():
@@ -199,13 +240,16 @@ class DiskMover:
             restored += ns.index.restore_disk(records, orphans)
             if orphans:
                 log.warning("dropping %d disk pages whose prefix is gone", len(orphans))
+                self.rebuilt["orphans_dropped"] += len(orphans)
                 self.tier.delete_async(orphans)
         hybrid = self.service.hybrid
         for salt, records in unknown:  # after the KV: state checkpoints hang on restored nodes
             if hybrid is not None and hybrid.restore_disk(salt, records, self.tier):
                 continue
             log.warning("dropping %d disk pages of an unknown namespace %s", len(records), salt.hex()[:16])
+            self.rebuilt["unknown_ns_pages_dropped"] += len(records)
             self.tier.delete_async(r[0] for r in records)
+        self.rebuilt["restored_pages"] += restored
         return restored
 
     # -- host -> disk ----------------------------------------------------------------
@@ -224,30 +268,44 @@ class DiskMover:
         todo = [n for n in nodes if not n.on_disk and n.host is not None]
         if not todo:
             return
-        self._remember(ns)
+        if not self._remember(ns):
+            self.skipped_writes += sum(n.n_pages for n in todo)
+            return
         view = self._host_view(ns)
         page_bytes = ns.page_class.page_bytes
-        for node in todo:
+        for node in todo:  # parents before children: the order the tier must commit them in
             nbytes = node.n_pages * page_bytes
             if not self._make_room(ns, nbytes):
                 self.skipped_writes += node.n_pages
                 continue
             pos = path_with_offsets(node)[-1][1]
-            self._wid += 1
-            wid = self._wid
-            write = _Write(ns, node, pos, pos + node.n_pages, node.n_pages, started=time.monotonic())
-            ns.index.lock(node, Tier.HOST)
-            self.writes[wid] = write
-            self.inflight_bytes += nbytes
-            parent = node.parent.keys[-1] if node.parent is not None and node.parent.keys else None
-            for i, key in enumerate(node.keys):
-                slot = int(node.host[i])
+            write = _Write(ns, node, node.keys, pos, pos + node.n_pages, node.n_pages, started=time.monotonic())
+            ns.index.lock(node, Tier.HOST)  # its slots stay put under the writer
+            ns.index.lock(node, Tier.DISK)  # no ancestor leaves the disk before this commits
+            self._queue(write, view, page_bytes, copy=False)
+
+    def _queue(self, write: _Write, view: _PageViews, page_bytes: int, copy: bool) -> int:
+        """Queue the node's pages in order; after the first refusal the rest are
+        refused too (a page is never written without the one before it)."""
+        self._wid += 1
+        wid = self._wid
+        self.writes[wid] = write
+        ns, node = write.ns, write.node
+        parent = node.parent.keys[-1] if node.parent is not None and node.parent.keys else None
+        queued = 0
+        for i, key in enumerate(node.keys):
+            self.inflight_bytes += page_bytes
+            done = self._done_cb(wid, page_bytes)
+            if queued == i:
                 toks = node.tokens[i * ns.index.page_size:(i + 1) * ns.index.page_size]
-                done = self._done_cb(wid, page_bytes)
-                if not self.tier.put_async(ns.salt, key, parent, toks, view.page_view(slot), done):
-                    self.skipped_writes += 1
-                    done(key, False)
-                parent = key
+                page = view.page_view(int(node.host[i]))
+                if self.tier.put_async(ns.salt, key, parent, toks, bytes(page) if copy else page, done):
+                    queued += 1
+                    parent = key
+                    continue
+                self.skipped_writes += node.n_pages - i - 1  # the tier counted the refused one
+            done(key, False)
+        return queued
 
     def _done_cb(self, wid: int, page_bytes: int):
         def done(key: bytes, ok: bool) -> None:
@@ -265,53 +323,46 @@ class DiskMover:
             return
         del self.writes[wid]
         if len(self._latencies) < 10000:
-            self._latencies.append(("write", time.monotonic() - write.started))
-        index = write.ns.index
-        if write.ok and not write.node.removed:
+            self._latencies.append(("demote" if write.demote else "write", time.monotonic() - write.started))
+        index, node = write.ns.index, write.node
+        if write.demote:
+            if write.ok and node.on_disk and not node.removed:
+                self.service.emit_nodes("stored", Tier.DISK, None, [node], write.ns)
+            return  # a failed one is a disk miss at prefetch, which clears the flag
+        if write.ok and not node.removed:
             # covers the node even if it was split meanwhile (its lower part keeps the identity)
-            index.set_disk(write.node, True, write.end - write.start)
-            self.service.emit_nodes("stored", Tier.DISK, None, [write.node], write.ns)
-        index.unlock(write.node, Tier.HOST)
+            index.set_disk(node, True, write.end - write.start)
+            self.service.emit_nodes("stored", Tier.DISK, None, [node], write.ns)
+        elif not node.on_disk:
+            self.tier.delete_async(write.keys)  # the pages committed before the one that failed
+        index.unlock(node, Tier.DISK)
+        index.unlock(node, Tier.HOST)
         self.service.reap(write.ns)
 
     def demote(self, ns: NamespaceState, num_pages: int) -> None:
         """Before host eviction: copy victims that are not on disk yet into the write queue."""
         victims = [v for v in ns.index.select_victims(Tier.HOST, num_pages) if not v.on_disk]
-        if not victims:
+        if not victims or not self._remember(ns):
+            self.skipped_writes += sum(v.n_pages for v in victims)
             return
-        self._remember(ns)
         view = self._host_view(ns)
         page_bytes = ns.page_class.page_bytes
         for node in victims:
             if not self._make_room(ns, node.n_pages * page_bytes):
                 self.skipped_writes += node.n_pages
                 continue
-            parent = node.parent.keys[-1] if node.parent is not None and node.parent.keys else None
-            queued = 0
-            for i, key in enumerate(node.keys):
-                toks = node.tokens[i * ns.index.page_size:(i + 1) * ns.index.page_size]
-                data = bytes(view.page_view(int(node.host[i])))  # the slot is reused right after this
-                self.inflight_bytes += page_bytes
-                ok = self.tier.put_async(ns.salt, key, parent, toks, data, self._demote_cb(page_bytes))
-                if not ok:
-                    self.inflight_bytes -= page_bytes
-                    self.skipped_writes += 1
-                    break
-                queued += 1
-                parent = key
+            pos = path_with_offsets(node)[-1][1]
+            write = _Write(ns, node, node.keys, pos, pos + node.n_pages, node.n_pages, started=time.monotonic(),
+                           demote=True)
+            queued = self._queue(write, view, page_bytes, copy=True)  # the slots are reused right after this
             if queued == node.n_pages:
-                # Flagged now so the node survives losing its host copy; a write that fails
-                # later shows up as a disk miss at prefetch, which clears the flag.
+                # Flagged now so the node survives losing its host copy; acknowledged (a `stored`
+                # event) once committed. A write that fails shows up as a disk miss at prefetch,
+                # which clears the flag.
                 ns.index.set_disk(node, True)
                 self.demoted_pages += queued
-
-    def _demote_cb(self, page_bytes: int):
-        def done(key: bytes, ok: bool) -> None:
-            self.post(self._demote_done, page_bytes)
-        return done
-
-    def _demote_done(self, page_bytes: int) -> None:
-        self.inflight_bytes -= page_bytes
+            elif queued:
+                self.tier.delete_async(node.keys[:queued])  # the node goes: nothing would own them
 
     def delete(self, ns: NamespaceState, keys: list[bytes]) -> None:
         self.tier.delete_async(keys)
@@ -409,13 +460,20 @@ class DiskMover:
     # -- lifecycle -----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         st = self.tier.stats()
+        q = self.quarantine
+        degraded = "; ".join(x for x in (st["write_fault"], self._ns_fault) if x)
         return {"capacity_bytes": self.capacity_bytes, "used_bytes": st["used_bytes"], "pages": st["num_pages"],
-                "queue_depth": st["queue_depth"], "skipped_writes": self.skipped_writes + st["skipped_queue_full"],
+                "queue_depth": st["queue_depth"],
+                "skipped_writes": self.skipped_writes + st["skipped_queue_full"] + st["skipped_disabled"],
                 "demoted_pages": self.demoted_pages, "prefetched_pages": self.prefetched_pages,
                 "prefetch_misses": self.prefetch_misses, "corrupt_pages": st["corrupt_pages"],
                 "bytes_written": st["bytes_written"], "bytes_read": st["bytes_read"],
                 "evicted_pages": st["evicted_pages"], "last_write_time": st["last_write_time"],
-                "durability": st["durability"], "rejected_budget": st["rejected_budget"]}
+                "durability": st["durability"], "rejected_budget": st["rejected_budget"],
+                "rejected_orphan": st["rejected_orphan"], **self.rebuilt,
+                "quarantined": int(q is not None), "quarantine_path": q.path if q else None,
+                "quarantine_reason": q.reason if q else None,
+                "writable": not degraded, "degraded": degraded, "write_faults": st["write_faults"] + self._ns_faults}
 
     def close(self) -> None:
         self.tier.flush(timeout_s=60)

@@ -43,13 +43,14 @@ import asyncio
 import hashlib
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hicache.daemon.host_tier import PageClass
-from hicache.daemon.hybrid_disk import HybridDiskMover, StatePrefetch
+from hicache.daemon.hybrid_disk import HybridDiskMover
+from hicache.daemon.hybrid_types import NsStates, StateCounters, StatePin
 from hicache.daemon.service import CacheService, EngineRecord, NamespaceState, Pin
 from hicache.errors import LayoutError
 from hicache.index.checkpoints import Checkpoint, CheckpointIndex, EvictedState
@@ -68,50 +69,11 @@ def state_salt(salt: bytes) -> bytes:
 
 
 @dataclass(slots=True, eq=False)
-class NsStates:
-    """One hybrid namespace's checkpoints."""
-
-    ns: NamespaceState
-    layout: StateLayout
-    ckpts: CheckpointIndex
-    slots: PageClass  # host state slots
-    disk_salt: bytes
-
-
-@dataclass(slots=True, eq=False)
-class StatePin:
-    """The state side of one match: what the request may restore."""
-
-    pin: Pin
-    hs: NsStates
-    kv_tokens: int                 # the whole KV match, before the cut at the checkpoint
-    fork_tokens: int | None        # where the request leaves the tree inside a node
-    best: Checkpoint | None        # locked
-    fallback: Checkpoint | None    # locked: deepest host copy above a disk-only `best`
-    prefetch: StatePrefetch | None = None
-
-
-@dataclass(slots=True, eq=False)
 class StateBackup:
     backup_id: int
     engine: EngineRecord
     hs: NsStates
     entries: list[tuple[TreeNode, int, int, int]]  # (node, position, host slot, device slot)
-
-
-@dataclass(slots=True)
-class StateCounters:
-    matches: int = 0
-    usable_tokens: int = 0
-    kv_tokens: int = 0
-    stored: int = 0
-    skipped_no_space: int = 0
-    evicted: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
-    tombstones: int = 0
-    disk_writes: int = 0
-    disk_reads: int = 0
-    disk_misses: int = 0
-    restored: int = 0
 
 
 class HybridStates:
@@ -438,7 +400,7 @@ class HybridStates:
                 "matches": c.matches, "usable_tokens": c.usable_tokens, "kv_tokens": c.kv_tokens,
                 "stored": c.stored, "skipped_no_space": c.skipped_no_space, "evicted": dict(c.evicted),
                 "tombstones": c.tombstones, "disk_writes": c.disk_writes, "disk_reads": c.disk_reads,
-                "disk_misses": c.disk_misses, "restored": c.restored, "pending_backups": len(self.backups)}
+                "disk_misses": c.disk_misses, "restored": c.restored, "disk_orphans": c.disk_orphans, "pending_backups": len(self.backups)}
 
 
 def state_layout_param(value: Any) -> StateLayout | None:

@@ -25,16 +25,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hicache.daemon.hybrid_types import NsStates, StateHost, StatePin, StatePrefetch
 from hicache.index.checkpoints import Checkpoint, checkpoint_disk_key
 from hicache.index.node import Tier, TreeNode
 
 if TYPE_CHECKING:
-    from hicache.daemon.hybrid import HybridStates, NsStates, StatePin
     from hicache.tiers.disk import DiskTier
 
 log = logging.getLogger(__name__)
@@ -42,18 +41,8 @@ log = logging.getLogger(__name__)
 NO_TOKENS = np.empty(0, dtype=np.int32)
 
 
-@dataclass(slots=True, eq=False)
-class StatePrefetch:
-    """A disk -> host read of one checkpoint for a pin."""
-
-    ckpt: Checkpoint
-    host_slot: int
-    future: asyncio.Future | None = None
-    done: bool = False
-
-
 class HybridDiskMover:
-    def __init__(self, states: HybridStates) -> None:
+    def __init__(self, states: StateHost) -> None:
         self.states = states
         self.tier: DiskTier | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -94,7 +83,9 @@ class HybridDiskMover:
         def done(key: bytes, ok: bool) -> None:  # on the writer thread
             loop.call_soon_threadsafe(self._written, hs, ck, ok, demote)
 
-        if not self.tier.put_async(hs.disk_salt, ck.disk_key, ck.node.keys[-1], NO_TOKENS, data, done):
+        # its parent field anchors it to a KV page of another salt, which may reach disk later
+        if not self.tier.put_async(hs.disk_salt, ck.disk_key, ck.node.keys[-1], NO_TOKENS, data, done,
+                                   parent_required=False):
             return
         self._writing.add(ck)
         self.disk_bytes += nbytes
@@ -203,6 +194,7 @@ class HybridDiskMover:
             restored += 1
         self.disk_bytes += restored * hs.layout.checkpoint_bytes  # the reads check the size
         states.counters.restored += restored
+        states.counters.disk_orphans += len(orphans)
         if orphans:
             tier.delete_async(orphans)
         log.info("restored %d state checkpoints of namespace %s (%d orphans dropped)", restored,

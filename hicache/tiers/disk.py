@@ -29,7 +29,9 @@ Budget
   pages come on top: ~100 B + 4 B per token, per page). The tier never picks
   victims: a put that does not fit asks ``evict_hook(bytes_needed)`` for keys
   and is rejected (``on_done(key, False)``) when too little is freed; a full
-  map or an LMDB error never kills the writer (see disk_writer.py).
+  map or an LMDB error never kills the writer (see disk_writer.py). A batch
+  that fails with an I/O or other non-budget error even op by op disables
+  writes for ``write_retry_s`` (counted, logged once; reads go on).
 - ``map_size`` (default 1.5 x capacity + 64 MiB) leaves LMDB room for B-tree
   pages and for pages freed by recent transactions (LMDB reuses a page freed
   by transaction T only from T+2 on).
@@ -41,9 +43,9 @@ Durability (``durability=``; the environment always uses ``writemap=True``)
   can tear the environment (writemap gives no write ordering), so the tier
   records in ``hicache-disk.state`` whether it was closed cleanly and under
   which boot id; reopening an unclean ``"none"`` environment after a reboot
-  raises ``DiskTierError`` (reopen with ``reset=True``) instead of trusting a
-  possibly torn B-tree. For a cache, losing L3 after a power cut is cheap;
-  paying for every commit's flush is not (numbers below).
+  raises ``DiskTierDamaged`` (the daemon moves it aside; see disk_env.py)
+  instead of trusting a possibly torn B-tree. For a cache, losing L3 after a
+  power cut is cheap; paying for every commit's flush is not (numbers below).
 - ``"batch"``: ``sync=True, metasync=False``: each writer batch's data is
   flushed at commit and its meta page at the next one; a power loss loses at
   most the last batch and leaves a consistent environment.
@@ -61,7 +63,8 @@ Durability (``durability=``; the environment always uses ``writemap=True``)
   faster with it (LIMITS.md). Its hazard is SIGBUS when a write lands in a
   sparse hole of a full disk, so ``open`` reserves the whole map with
   ``posix_fallocate``: a full disk then fails ``open`` with ``DiskTierError``
-  instead of killing the daemon later.
+  (and no half-allocated file left behind) instead of killing the daemon
+  later, and LMDB itself never needs more space at run time.
 
 Throughput against raw py-lmdb (disk_bench: same flags, batches, keys and
 order; raw writes no meta record and computes no checksum), durability
@@ -87,14 +90,15 @@ import os
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Literal
 
 import lmdb
 import numpy as np
 
 from hicache.errors import ConfigError, DiskTierError
+from hicache.tiers import disk_env
 from hicache.tiers import disk_format as fmt
+from hicache.tiers.disk_config import DiskTierConfig
 from hicache.tiers.disk_format import DiskRecord
 from hicache.tiers.disk_writer import DiskWriter, EvictHook, OnDone
 
@@ -104,36 +108,6 @@ __all__ = ["DiskTier", "DiskTierConfig", "DiskRecord", "Durability", "DEFAULT_DU
 
 Durability = Literal["none", "batch", "sync"]
 DEFAULT_DURABILITY: Durability = "none"
-
-
-@dataclass(frozen=True)
-class DiskTierConfig:
-    """Tuning knobs; the defaults are the measured ones."""
-
-    readers: int = 2  # reader threads behind get_many_async
-    max_queue_pages: int = 1024  # queued puts before put_async returns False
-    max_queue_bytes: int = 512 << 20
-    # One write transaction takes at most this much. Big batches matter for small
-    # pages: every begin/commit drops the GIL and may wait up to the switch
-    # interval to get it back from a busy event loop.
-    batch_pages: int = 256
-    batch_bytes: int = 64 << 20
-    touch_interval_s: float = 30.0  # last_access updates are flushed this often
-    max_pending_touches: int = 1 << 20
-    checksum: str = "auto"  # "sum64" (~30 GB/s), "crc32" (~2.7 GB/s), auto: crc32 below 16 KiB
-    # False skips the read-side checksum pass (for storage that checksums
-    # itself, e.g. ZFS/btrfs); corrupt pages are then served, not dropped.
-    verify_reads: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("readers", "max_queue_pages", "max_queue_bytes", "batch_pages", "batch_bytes",
-                     "max_pending_touches"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"DiskTierConfig.{name} must be >= 1")
-        if self.touch_interval_s <= 0:
-            raise ConfigError("DiskTierConfig.touch_interval_s must be > 0")
-        if self.checksum not in fmt.CHECKSUM_NAMES:
-            raise ConfigError(f"DiskTierConfig.checksum must be one of {fmt.CHECKSUM_NAMES}")
 
 
 def _check_key(name: str, value: object) -> bytes:
@@ -173,7 +147,7 @@ def _writable_u8(out: object) -> np.ndarray:
 class DiskTier:
     """KV pages on disk under a byte budget. Build it with ``DiskTier.open``."""
 
-    def __init__(self, opened: fmt.OpenedEnv, capacity_bytes: int, durability: Durability,
+    def __init__(self, opened: disk_env.OpenedEnv, capacity_bytes: int, durability: Durability,
                  config: DiskTierConfig, evict_hook: EvictHook | None) -> None:
         self.path = opened.path
         self.capacity_bytes = capacity_bytes
@@ -202,8 +176,10 @@ class DiskTier:
              evict_hook: EvictHook | None = None, config: DiskTierConfig | None = None) -> DiskTier:
         """Open or create the tier in directory `path`.
 
-        Raises ``DiskTierError`` for a foreign, damaged, torn or busy environment
-        (``reset=True`` deletes the environment's files first) and
+        Raises ``DiskTierDamaged`` for a foreign, damaged or torn environment
+        (``reset=True`` deletes the environment's files first; an owner may move
+        them aside with ``disk_env.quarantine``), ``DiskTierError`` for a busy or
+        unusable directory (read-only, full: see disk_env.py) and
         ``ConfigError`` for bad arguments.
         """
         config = config or DiskTierConfig()
@@ -216,8 +192,8 @@ class DiskTier:
         if map_size < (1 << 20):
             raise ConfigError(f"map_size must be >= 1 MiB, got {map_size}")
         map_size = -(-map_size // 4096) * 4096
-        opened = fmt.open_environment(os.fspath(path), map_size, durability, reset=reset,
-                                      max_spare_txns=config.readers + 1)
+        opened = disk_env.open_environment(os.fspath(path), map_size, durability, reset=reset,
+                                           max_spare_txns=config.readers + 1)
         try:
             return cls(opened, capacity_bytes, durability, config, evict_hook)
         except BaseException:
@@ -232,7 +208,7 @@ class DiskTier:
         self._readers.shutdown(wait=True)
         try:
             self._env.sync(True)
-            fmt.write_state(self.path, clean=True, durability=self.durability)
+            disk_env.write_state(self.path, clean=True, durability=self.durability)
         except (lmdb.Error, OSError) as e:
             log.error("disk tier %s: final sync failed: %s", self.path, e)
         self._closed = True
@@ -252,10 +228,19 @@ class DiskTier:
     # --------------------------------------------------------------------- writes
 
     def put_async(self, salt: bytes, key: bytes, parent_key: bytes | None, tokens: object,
-                  page: object, on_done: OnDone | None = None) -> bool:
-        """Queue one page for writing; False (counted) when the queue is full or
-        the tier is closing. Never blocks. ``on_done(key, ok)`` fires on the
-        writer thread after the commit (or the rejection)."""
+                  page: object, on_done: OnDone | None = None, *, parent_required: bool = True) -> bool:
+        """Queue one page for writing; False (counted) when the queue is full, the
+        tier is closing or its writes are disabled after a fault. Never blocks.
+        ``on_done(key, ok)`` fires on the writer thread after the commit (or the
+        rejection).
+
+        Parents first: with ``parent_required`` a page is committed only if its
+        parent's record is on disk (committed before, or earlier in the same
+        transaction), and rejected otherwise (``rejected_orphan``). So a page
+        acknowledged by ``on_done(key, True)`` is reachable from its namespace
+        after any crash, and a page queued under a parent whose write failed is
+        refused too. Pass False for records whose ``parent_key`` only anchors
+        them (state checkpoints name a KV page of another salt)."""
         _check_key("salt", salt)
         _check_key("key", key)
         if parent_key is not None:
@@ -265,7 +250,7 @@ class DiskTier:
             raise ValueError("tokens must be a one-dimensional integer array")
         tok_bytes = tok.astype("<i4", copy=False).tobytes()
         mv = _readable_bytes(page)
-        return self._writer.put(salt, key, parent_key, tok_bytes, mv, on_done)
+        return self._writer.put(salt, key, parent_key, tok_bytes, mv, on_done, parent_required)
 
     def delete_async(self, keys: Iterable[bytes]) -> None:
         """Queue deletions (not bounded by the queue limits: they carry no pages)."""
@@ -287,8 +272,10 @@ class DiskTier:
     def get_into(self, salt: bytes, key: bytes, out: object) -> bool:
         """Copy page `key` of namespace `salt` into `out`; False on a miss.
 
-        A checksum or size mismatch is a miss too: counted as corrupt and the
-        entry is deleted, so False means "not on disk (any more)". On False
+        A checksum or size mismatch, or an LMDB error (a damaged B-tree), is a
+        miss too: counted as corrupt and the entry is deleted, so False means
+        "not on disk (any more)"; a page that fails its checksum is never
+        served (unless ``verify_reads`` is off). On False
         the content of `out` is unspecified. Raises ValueError if `out` does
         not have the stored page's size (a caller error; nothing changes).
         """
@@ -299,26 +286,30 @@ class DiskTier:
             raise DiskTierError(f"{self.path}: disk tier is closed")
         hdr = None
         status = "miss"
-        with self._env.begin(buffers=True) as txn:
-            raw = txn.get(key, db=self._meta)
-            if raw is not None:
-                hdr = fmt.unpack_meta_header(raw)
-                if hdr is None:
-                    status = "corrupt"
-                elif hdr.salt != salt:
-                    status = "miss"  # another namespace's page
-                elif hdr.size != dst.size:
-                    status = "size"
-                else:
-                    page = txn.get(key, db=self._pages)
-                    if page is None or len(page) != hdr.size:
+        try:
+            with self._env.begin(buffers=True) as txn:
+                raw = txn.get(key, db=self._meta)
+                if raw is not None:
+                    hdr = fmt.unpack_meta_header(raw)
+                    if hdr is None:
                         status = "corrupt"
-                    elif not self.config.verify_reads:  # copy before the view dies with the transaction
-                        np.copyto(dst, np.frombuffer(page, dtype=np.uint8))
-                        status = "hit"
-                    else:  # the checksum of what landed in `dst`, fused with the copy
-                        digest = fmt.copy_checksum(hdr.algo, np.frombuffer(page, dtype=np.uint8), dst)
-                        status = "hit" if digest == hdr.checksum else "corrupt"
+                    elif hdr.salt != salt:
+                        status = "miss"  # another namespace's page
+                    elif hdr.size != dst.size:
+                        status = "size"
+                    else:
+                        page = txn.get(key, db=self._pages)
+                        if page is None or len(page) != hdr.size:
+                            status = "corrupt"
+                        elif not self.config.verify_reads:  # copy before the view dies with the transaction
+                            np.copyto(dst, np.frombuffer(page, dtype=np.uint8))
+                            status = "hit"
+                        else:  # the checksum of what landed in `dst`, fused with the copy
+                            digest = fmt.copy_checksum(hdr.algo, np.frombuffer(page, dtype=np.uint8), dst)
+                            status = "hit" if digest == hdr.checksum else "corrupt"
+        except lmdb.Error as e:  # MDB_CORRUPTED / MDB_PAGE_NOTFOUND: the B-tree under this key is damaged
+            self._writer.warn("reading page %s failed: %s", key.hex(), e)
+            status = "corrupt"
         if status == "size":
             raise ValueError(f"out has {dst.size} bytes, page {key.hex()} has {hdr.size}")
         with self._rlock:
@@ -402,7 +393,7 @@ class DiskTier:
             r = dict(self._r)
         return dict(used_bytes=w.used_bytes, capacity_bytes=self.capacity_bytes,
                     num_pages=w.num_pages, map_size=self.map_size, durability=self.durability,
-                    last_write_time=w.last_write_time, **q, **r, **w.write_counters())
+                    last_write_time=w.last_write_time, **q, **r, **w.write_counters(), **w.health())
 
     def reader_health(self) -> dict:
         """LMDB reader slots and map use, for `hicache doctor`. Runs ``reader_check``,

@@ -1,5 +1,5 @@
-"""On-disk format of the LMDB disk tier (hicache/tiers/disk.py): records,
-checksums, and the protocol for opening the environment's directory.
+"""On-disk format of the LMDB disk tier (hicache/tiers/disk.py): records and
+checksums (the protocol for opening the environment's directory is disk_env.py's).
 
 Three named databases live in one LMDB environment:
 
@@ -18,7 +18,8 @@ Three named databases live in one LMDB environment:
 
 Beside LMDB's ``data.mdb``/``lock.mdb`` the directory holds ``hicache-disk.lock``
 (an ``flock`` held by the one owner process) and ``hicache-disk.state`` (JSON:
-closed cleanly or not, durability mode, boot id; see DiskTier's docstring).
+closed cleanly or not, durability mode, boot id; see DiskTier's docstring and
+disk_env.py).
 
 Checksums. ``zlib.crc32`` runs at ~2.7 GB/s on this machine (LIMITS.md class),
 less than half of LMDB's put rate and a fifteenth of a warm read, so it would
@@ -36,20 +37,15 @@ configured.
 
 from __future__ import annotations
 
-import fcntl
-import json
-import os
 import struct
 import threading
 import time
 import zlib
 from dataclasses import dataclass
-from typing import NamedTuple
 
-import lmdb
 import numpy as np
 
-from hicache.errors import DiskTierError
+from hicache.errors import DiskTierDamaged
 
 KEY_BYTES = 16
 FORMAT_MAGIC = b"hicache-disk-v1\0"  # 16 bytes
@@ -255,14 +251,14 @@ def pack_info() -> bytes:
 def check_info(value: bytes | None, path: str) -> float:
     """Validate the ``info/format`` record; return the creation time."""
     if value is None:
-        raise DiskTierError(f"{path}: LMDB environment has no hicache format record (foreign or damaged)")
+        raise DiskTierDamaged(f"{path}: LMDB environment has no hicache format record (foreign or damaged)")
     if len(value) != _INFO.size:
-        raise DiskTierError(f"{path}: malformed hicache format record ({len(value)} bytes)")
+        raise DiskTierDamaged(f"{path}: malformed hicache format record ({len(value)} bytes)")
     magic, version, _reserved, created = _INFO.unpack(value)
     if magic != FORMAT_MAGIC:
-        raise DiskTierError(f"{path}: not a hicache disk tier (bad magic {magic!r})")
+        raise DiskTierDamaged(f"{path}: not a hicache disk tier (bad magic {magic!r})")
     if version != FORMAT_VERSION:
-        raise DiskTierError(f"{path}: disk tier format version {version}, this build reads "
+        raise DiskTierDamaged(f"{path}: disk tier format version {version}, this build reads "
                             f"{FORMAT_VERSION}; open with reset=True to discard it")
     return created
 
@@ -273,159 +269,5 @@ def pack_totals(used_bytes: int, num_pages: int) -> bytes:
 
 def unpack_totals(value: bytes | None, path: str) -> tuple[int, int]:
     if value is None or len(value) != _TOTALS.size:
-        raise DiskTierError(f"{path}: missing or malformed totals record (damaged environment)")
+        raise DiskTierDamaged(f"{path}: missing or malformed totals record (damaged environment)")
     return _TOTALS.unpack(value)
-
-
-# ------------------------------------------------------- the environment directory
-
-
-def boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def read_state(path: str) -> dict | None:
-    try:
-        with open(os.path.join(path, STATE_FILE), "rb") as f:
-            state = json.loads(f.read())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        raise DiskTierError(f"{path}: unreadable {STATE_FILE}: {e}") from e
-    return state if isinstance(state, dict) else None
-
-
-def write_state(path: str, *, clean: bool, durability: str) -> None:
-    """Atomically replace the clean/unclean marker (tmp + fsync + rename + dir fsync)."""
-    data = json.dumps({"clean": clean, "durability": durability, "boot_id": boot_id(),
-                       "pid": os.getpid(), "time": time.time()}).encode()
-    tmp = os.path.join(path, STATE_FILE + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, os.path.join(path, STATE_FILE))
-    dfd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-
-
-def lock_dir(path: str) -> int:
-    fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise DiskTierError(f"{path}: disk tier is already open (in this or another process)") from None
-    return fd
-
-
-def inspect_env(path: str) -> tuple[int, int] | None:
-    """Validate an existing environment without writing to it: None if it is
-    empty (a fresh one), else its (used_bytes, num_pages)."""
-    try:
-        env = lmdb.open(path, readonly=True, create=False, max_dbs=8, lock=True)
-    except lmdb.Error as e:
-        raise DiskTierError(f"{path}: not a usable LMDB environment ({e}); "
-                            "open with reset=True to discard it") from e
-    try:
-        with env.begin() as txn:
-            if txn.stat()["entries"] == 0:
-                return None
-            try:
-                dbs = {name: env.open_db(name, txn=txn, create=False)
-                       for name in (DB_INFO, DB_PAGES, DB_META)}
-            except lmdb.Error as e:
-                raise DiskTierError(f"{path}: LMDB environment without the hicache databases "
-                                    f"(foreign or damaged: {e}); open with reset=True to discard it") from e
-            check_info(txn.get(INFO_FORMAT_KEY, db=dbs[DB_INFO]), path)
-            return unpack_totals(txn.get(INFO_TOTALS_KEY, db=dbs[DB_INFO]), path)
-    except lmdb.Error as e:
-        raise DiskTierError(f"{path}: damaged LMDB environment ({e})") from e
-    finally:
-        env.close()
-
-
-def reserve(data_file: str, nbytes: int) -> None:
-    """Allocate the whole map up front: with writemap, a write into a sparse
-    hole on a full disk is a SIGBUS; with the blocks reserved it cannot happen."""
-    fd = os.open(data_file, os.O_RDWR)
-    try:
-        os.posix_fallocate(fd, 0, nbytes)
-    except OSError as e:
-        raise DiskTierError(f"{data_file}: cannot reserve {nbytes} bytes for the LMDB map: {e}") from e
-    finally:
-        os.close(fd)
-
-
-
-class OpenedEnv(NamedTuple):
-    path: str
-    env: lmdb.Environment
-    lock_fd: int  # holds the directory's flock; close it to release
-    map_size: int
-    used_bytes: int
-    num_pages: int
-
-
-def open_environment(path: str, map_size: int, durability: str, *, reset: bool,
-                     max_spare_txns: int) -> OpenedEnv:
-    """The open protocol: lock the directory, optionally reset it, refuse a
-    foreign, damaged or possibly torn environment WITHOUT writing to it, mark
-    the state unclean, open LMDB (writemap), create the databases if fresh,
-    clear stale readers and reserve the map on disk."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise DiskTierError(f"{path}: exists and is not a directory")
-    os.makedirs(path, exist_ok=True)
-    lock_fd = lock_dir(path)
-    try:
-        if reset:
-            for name in ENV_FILES:
-                try:
-                    os.unlink(os.path.join(path, name))
-                except FileNotFoundError:
-                    pass
-        data_file = os.path.join(path, "data.mdb")
-        totals = None
-        if os.path.exists(data_file) and os.path.getsize(data_file) > 0:
-            state = read_state(path)
-            if (state is not None and not state.get("clean", True) and state.get("durability") == "none"
-                    and state.get("boot_id") and state.get("boot_id") != boot_id()):
-                raise DiskTierError(f"{path}: the machine went down while this environment was open "
-                                    "with durability='none'; it may be torn. Open with reset=True")
-            totals = inspect_env(path)
-        write_state(path, clean=False, durability=durability)
-        sync, metasync = SYNC_FLAGS[durability]
-        try:
-            env = lmdb.open(path, map_size=map_size, writemap=True, sync=sync, metasync=metasync,
-                            max_dbs=4, max_readers=126, max_spare_txns=max_spare_txns,
-                            readahead=True, meminit=False)
-        except lmdb.Error as e:
-            raise DiskTierError(f"{path}: cannot open LMDB environment: {e}") from e
-        try:
-            env.reader_check()  # clear reader slots left by dead processes
-            if totals is None:
-                with env.begin(write=True) as txn:
-                    for name in (DB_PAGES, DB_META):
-                        env.open_db(name, txn=txn)
-                    info = env.open_db(DB_INFO, txn=txn)
-                    txn.put(INFO_FORMAT_KEY, pack_info(), db=info)
-                    txn.put(INFO_TOTALS_KEY, pack_totals(0, 0), db=info)
-                totals = (0, 0)
-            real_map_size = env.info()["map_size"]  # LMDB raises it to the data size if smaller
-            reserve(data_file, real_map_size)
-            return OpenedEnv(path, env, lock_fd, real_map_size, totals[0], totals[1])
-        except BaseException:
-            env.close()
-            raise
-    except BaseException:
-        os.close(lock_fd)
-        raise

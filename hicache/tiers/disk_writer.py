@@ -14,11 +14,21 @@ transaction of hicache/tiers/disk.py, the queue that feeds it, and the budget.
   returns are as good as deleted (a failed transaction retries them). With no
   hook, or too little freed, the put is rejected (``on_done(key, False)``,
   counted).
+- Parents first: a put whose ``parent_required`` parent has no record on disk
+  (not committed earlier, nor earlier in this transaction) is rejected
+  (``rejected_orphan``), so no committed page is ever unreachable from its
+  namespace, whatever happened to the writes before it.
 - ``MapFullError`` or any other LMDB error aborts the batch; the writer then
   evicts through the hook, commits twice so the freed pages become reusable
   (LMDB reuses a page freed by transaction T only from T+2 on), retries the
   batch once and otherwise commits it op by op: what fits goes in, the rest is
   rejected. The writer thread never dies and never stalls.
+- A fault: when not even one op of a batch commits on its own, for a reason
+  other than the budget (an I/O error, a damaged B-tree, a read-only file),
+  writes are disabled for ``write_retry_s``: puts return False (counted as
+  ``skipped_disabled``), queued ones are rejected without touching the disk,
+  reads go on. The next batch after that retries; one commit ends the fault.
+  Logged once per fault, counted in ``write_faults``.
 """
 
 from __future__ import annotations
@@ -30,16 +40,13 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import lmdb
 import numpy as np
 
 from hicache.errors import DiskTierError
 from hicache.tiers import disk_format as fmt
-
-if TYPE_CHECKING:  # for annotations only: disk.py imports this module
-    from hicache.tiers.disk import DiskTierConfig
+from hicache.tiers.disk_config import DiskTierConfig
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +63,7 @@ class _Put:
     tokens: bytes
     page: memoryview
     on_done: OnDone | None
+    parent_required: bool = True
     algo: int = 0  # checksum algorithm id, set by the writer
     digest: tuple[int, int] | None = None
     job: fmt.ChecksumJob | None = None  # computes `digest` on the hasher thread
@@ -103,8 +111,13 @@ class DiskWriter:
         self._doomed: dict[bytes, bool] = {}  # key -> evicted?; kept until a commit succeeds
         self._drops: dict[bytes, tuple[int, int] | None] = {}
         self._w = dict(pages_written=0, bytes_written=0, dedup_puts=0, rejected_budget=0,
-                       rejected_errors=0, write_errors=0, evicted_pages=0, deleted_pages=0,
-                       batches=0)
+                       rejected_errors=0, rejected_orphan=0, write_errors=0, evicted_pages=0,
+                       deleted_pages=0, batches=0)
+        # The fault state (see the module docstring); written on the writer thread.
+        self._fault = ""
+        self._faults = 0
+        self._retry_at = 0.0
+        self._op_fault: BaseException | None = None
         self.last_write_time = 0.0
         self._last_warning = -1e9
         self._suppressed = 0
@@ -116,6 +129,7 @@ class DiskWriter:
         self._queued_bytes = 0
         self._puts = 0
         self._skipped_queue_full = 0
+        self._skipped_disabled = 0
         self._touches: dict[bytes, float] = {}
         self._closing = False
         # Checksums of big pages run here, overlapping the writer's copies into the map:
@@ -127,10 +141,13 @@ class DiskWriter:
     # ------------------------------------------------------- any thread: the queue
 
     def put(self, salt: bytes, key: bytes, parent: bytes | None, tokens: bytes, page: memoryview,
-            on_done: OnDone | None) -> bool:
-        """Queue one (validated) page; False (counted) when full or closing."""
-        op = _Put(salt, key, parent, tokens, page, on_done)
+            on_done: OnDone | None, parent_required: bool = True) -> bool:
+        """Queue one (validated) page; False (counted) when full, closing or disabled."""
+        op = _Put(salt, key, parent, tokens, page, on_done, parent_required)
         with self._cond:
+            if self._fault and time.monotonic() < self._retry_at:
+                self._skipped_disabled += 1
+                return False
             if self._closing or self._queued_pages >= self.config.max_queue_pages or \
                     self._queued_bytes + page.nbytes > self.config.max_queue_bytes:
                 self._skipped_queue_full += 1
@@ -196,10 +213,15 @@ class DiskWriter:
     def queue_stats(self) -> dict:
         with self._cond:
             return dict(queue_depth=len(self._queue), queue_bytes=self._queued_bytes, puts=self._puts,
-                        skipped_queue_full=self._skipped_queue_full, pending_touches=len(self._touches))
+                        skipped_queue_full=self._skipped_queue_full, skipped_disabled=self._skipped_disabled,
+                        pending_touches=len(self._touches))
 
     def write_counters(self) -> dict:
         return dict(self._w)
+
+    def health(self) -> dict:
+        """``writable`` is False from a fault until a commit succeeds again."""
+        return dict(writable=not self._fault, write_fault=self._fault, write_faults=self._faults)
 
     def warn(self, msg: str, *args: object) -> None:
         """A warning at most every 10 s (any thread; races only blur the count):
@@ -254,7 +276,10 @@ class DiskWriter:
     def _run_batch(self, ops: list, force_touch: bool) -> None:
         results = None
         try:
-            results = self._write(ops, force_touch)
+            if self._fault and time.monotonic() < self._retry_at:
+                results = self._refuse(ops)
+            else:
+                results = self._write(ops, force_touch)
         except Exception:  # a bug: reject the batch but never let the writer thread die
             log.exception("disk tier %s: write batch failed", self.path)
         finally:
@@ -296,31 +321,59 @@ class DiskWriter:
             log.exception("disk tier %s: write batch failed; retrying op by op", self.path)
         # Commit op by op, in order: what fits goes in, the rest is rejected.
         results: list[tuple[_Put, bool]] = []
+        self._op_fault = None
+        committed = 0
         for op in ops:
-            results += self._commit_alone(op, force_touch)
+            res, ok = self._commit_alone(op, force_touch)
+            results += res
+            committed += ok
+        if not committed and self._op_fault is not None:
+            self._disable(self._op_fault)
         return results
 
-    def _commit_alone(self, op: object, force_touch: bool) -> list[tuple[_Put, bool]]:
+    def _commit_alone(self, op: object, force_touch: bool) -> tuple[list[tuple[_Put, bool]], bool]:
         try:
-            return self._commit([op], force_touch)
+            return self._commit([op], force_touch), True
         except Exception as e:
             self._w["write_errors"] += 1
-            if isinstance(op, _Put):
-                self._w["rejected_errors"] += 1
-                log.debug("disk tier %s: put %s rejected: %s", self.path, op.key.hex(), e)
-                return [(op, False)]
-            if isinstance(op, _Delete):  # not lost: the next transaction retries it
-                self._doomed.update(dict.fromkeys(op.keys, False))
-            elif isinstance(op, _Drop):
-                self._drops[op.key] = op.checksum
-            return []
+            if not isinstance(e, lmdb.MapFullError):
+                self._op_fault = e
+            return self._keep_or_reject(op, e), False
+
+    def _keep_or_reject(self, op: object, e: BaseException | None) -> list[tuple[_Put, bool]]:
+        """An op that could not be committed: a put is rejected (counted), a deletion
+        is kept for the next transaction (never lost)."""
+        if isinstance(op, _Put):
+            self._w["rejected_errors"] += 1
+            log.debug("disk tier %s: put %s rejected: %s", self.path, op.key.hex(), e)
+            return [(op, False)]
+        if isinstance(op, _Delete):
+            self._doomed.update(dict.fromkeys(op.keys, False))
+        elif isinstance(op, _Drop):
+            self._drops[op.key] = op.checksum
+        return []
+
+    def _refuse(self, ops: list) -> list[tuple[_Put, bool]]:
+        """While writes are disabled: reject the batch without touching the disk."""
+        results: list[tuple[_Put, bool]] = []
+        for op in ops:
+            results += self._keep_or_reject(op, None)
+        return results
+
+    def _disable(self, e: BaseException) -> None:
+        self._retry_at = time.monotonic() + self.config.write_retry_s
+        if not self._fault:
+            self._faults += 1
+            log.error("disk tier %s: writes disabled: a batch failed even op by op (%s: %s); reads go on, "
+                      "retrying in %.0fs", self.path, type(e).__name__, e, self.config.write_retry_s)
+        self._fault = f"{type(e).__name__}: {e}"
 
     def _commit(self, ops: list, force_touch: bool) -> list[tuple[_Put, bool]]:
         """Apply leftover deletions, then `ops` in order, then due touches, in
         ONE write transaction. Shared state changes only after the commit."""
         self._used_bytes_tx, self._num_pages_tx = self.used_bytes, self.num_pages
         c = dict(evicted_pages=0, deleted_pages=0, pages_written=0, bytes_written=0, dedup_puts=0,
-                 rejected_budget=0)
+                 rejected_budget=0, rejected_orphan=0)
         results: list[tuple[_Put, bool]] = []
         touches = None
         with self._env.begin(write=True, buffers=True) as txn:
@@ -350,6 +403,9 @@ class DiskWriter:
             txn.put(fmt.INFO_TOTALS_KEY, fmt.pack_totals(self._used_bytes_tx, self._num_pages_tx),
                     db=self._info)
         # committed
+        if self._fault:
+            log.warning("disk tier %s: writes resumed after %s", self.path, self._fault)
+            self._fault = ""
         if touches is not None:
             self._last_touch_flush = time.monotonic()
         self._doomed.clear()
@@ -365,6 +421,9 @@ class DiskWriter:
              c: dict[str, int]) -> tuple[bool, bool]:
         """One put inside the writer's transaction; (accepted, hook_dry)."""
         size = p.page.nbytes
+        if p.parent_required and p.parent is not None and txn.get(p.parent, db=self._meta) is None:
+            c["rejected_orphan"] += 1  # its parent never reached disk, or left it: never acknowledged
+            return False, hook_dry
         old = txn.get(p.key, db=self._meta)
         if old is not None:
             hdr = fmt.unpack_meta_header(old)
