@@ -319,7 +319,7 @@ class Portable:
                 mover.inflight_bytes += page_bytes
                 deadline = loop.time() + QUEUE_FULL_WAIT_S
                 while not mover.tier.put_async(ns.salt, rec.key, rec.parent, rec.tokens, rec.page, done):
-                    if loop.time() > deadline:  # the writer is stuck: fail the page
+                    if loop.time() > deadline or not mover.tier.writable:  # stuck or faulted: fail the page
                         mover.inflight_bytes -= page_bytes
                         batch.results[i] = False
                         break

@@ -395,6 +395,11 @@ class DiskTier:
                     num_pages=w.num_pages, map_size=self.map_size, durability=self.durability,
                     last_write_time=w.last_write_time, **q, **r, **w.write_counters(), **w.health())
 
+    @property
+    def writable(self) -> bool:
+        """False from a write fault until a commit succeeds again (puts are refused meanwhile)."""
+        return bool(self._writer.health()["writable"])
+
     def reader_health(self) -> dict:
         """LMDB reader slots and map use, for `hicache doctor`. Runs ``reader_check``,
         which only frees slots left by dead processes (LMDB's own maintenance)."""
