@@ -1,19 +1,23 @@
 """HiCacheClient: the engine's synchronous view of the daemon.
 
-An engine must never crash or hang because the daemon is gone: every call
-goes through `_call`, which reconnects with exponential backoff and, while
-the daemon is away, answers lookups with a miss and skips stores. Each
-successful (re)connect bumps `epoch`; the daemon forgets an engine's device
-residency when its connection drops, so the engine-side cache layer treats a
-new epoch as "the daemon no longer tracks any of my device pages".
+An engine must never crash or hang because the daemon is gone or hung. Every
+call has a deadline suited to its place on the engine's critical path
+(hicache/client/deadlines.py). A call that fails (refused, broken, timed out)
+opens the circuit breaker: the connection is dropped, lookups answer a miss and
+stores are skipped at once, and a background probe reconnects
+(hicache/client/reconnect.py); the engine thread adopts the probe's connection
+on its next call. Each adoption bumps `epoch`; the daemon forgets an engine's
+device residency when its connection drops, so the engine-side cache layer
+treats a new epoch as "the daemon no longer tracks any of my device pages".
+Before anything is sent, the listener's uid is checked (hicache/client/peer.py).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,7 +28,10 @@ from hicache.index.keys import Namespace, as_tokens, page_keys
 from hicache.layout import KVLayout
 from hicache.state_layout import StateLayout
 from hicache.rpc.framing import bytes_to_ids, ids_to_bytes
-from hicache.client.connection import RpcConnection
+from hicache.client.connection import RpcConnection, _close_fd
+from hicache.client.deadlines import CallDeadlines
+from hicache.client.peer import trusted_daemon_uids
+from hicache.client.reconnect import Reconnector
 
 log = logging.getLogger(__name__)
 
@@ -95,61 +102,126 @@ class InsertReply:
     state_backup: StateBackupPlan | None = None  # hybrid namespaces: checkpoints to copy to host
 
 
+@dataclass(slots=True)
+class _Handshake:
+    """A connection made off the engine's path: peer checked, hello'd, registered."""
+
+    conn: RpcConnection
+    hello: dict
+    fds: list[int]
+    reply: dict = field(default_factory=dict)
+
+    def close(self) -> None:
+        self.conn.close()
+        for fd in self.fds:
+            _close_fd(fd)
+        self.fds = []
+
+
 class HiCacheClient:
+    """`deadlines` (default CallDeadlines()): seconds per call kind; `timeout_s` is a shorthand
+    for the same deadline on every call. `backoff_s`: (first, longest) pause between background
+    reconnect attempts. `daemon_uids`: uids (or user names) trusted to serve the socket besides
+    this user and root (default: $HICACHE_DAEMON_UIDS, else the `hicache` service user)."""
+
     def __init__(self, layout: KVLayout, device_pages: int, *, model: str, socket_path: str | None = None,
-                 tp_rank: int = 0, tp_size: int = 1, extra_key: str = "", timeout_s: float = 5.0,
-                 backoff_s: tuple[float, float] = (0.05, 2.0), state: StateLayout | None = None) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, extra_key: str = "", timeout_s: float | None = None,
+                 backoff_s: tuple[float, float] = (0.05, 2.0), state: StateLayout | None = None,
+                 deadlines: CallDeadlines | None = None, daemon_uids: Iterable[int | str] | None = None) -> None:
+        if timeout_s is not None and deadlines is not None:
+            raise ValueError("pass timeout_s or deadlines, not both")
         self.layout = layout
         self.device_pages = device_pages
         self.namespace = Namespace(model, layout, tp_rank, tp_size, extra_key, state)
         self.salt = self.namespace.salt()
         self.socket_path = str(socket_path or os.environ.get("HICACHE_SOCKET_PATH") or default_socket_path())
-        self.timeout_s = timeout_s
-        self.backoff_min_s, self.backoff_max_s = backoff_s
-        self._backoff_s = self.backoff_min_s
-        self._next_try = 0.0
+        self.deadlines = deadlines or (CallDeadlines() if timeout_s is None else CallDeadlines.uniform(timeout_s))
+        self.daemon_uids = trusted_daemon_uids(daemon_uids)
+        self.backoff_s = backoff_s
         self.conn: RpcConnection | None = None
         self.engine_id: int | None = None
         self.epoch = 0
         self.arena_fd: int | None = None
         self.arena_bytes = 0
-        self.on_reconnect: list[Any] = []  # callbacks(epoch) run after each (re)connect
+        self.on_reconnect: list[Any] = []  # callbacks(epoch) run after each (re)connect, on the engine thread
         self.misses_while_away = 0
         self.refusals = 0
+        self.outages = 0  # times the breaker opened
+        self._reconnector: Reconnector[_Handshake] | None = None
 
     # -- connection management -------------------------------------------------
     @property
     def connected(self) -> bool:
         return self.conn is not None and not self.conn.closed
 
-    def connect(self) -> bool:
-        """Try now (ignoring backoff). True when connected and registered."""
-        self._next_try = 0.0
-        return self._ensure()
+    @property
+    def reconnect_attempts(self) -> int:
+        """Attempts of the background probe since the breaker last opened (0 when none runs)."""
+        return 0 if self._reconnector is None else self._reconnector.attempts
 
-    def _ensure(self) -> bool:
-        if self.connected:
+    def connect(self) -> bool:
+        """Connect now, on this thread (at start-up, or to skip the probe's backoff); each step
+        waits at most `deadlines.connect_s`. True when connected and registered; otherwise the
+        background probe keeps trying."""
+        if self.connected or self._adopt_ready():
             return True
-        now = time.monotonic()
-        if now < self._next_try:
-            return False
+        if self._reconnector is not None:
+            self._reconnector.close()
+            self._reconnector = None
         try:
-            conn = RpcConnection.connect(self.socket_path, self.timeout_s)
-            hello, fds = conn.hello(want_arena=True)
+            hs = self._handshake()
+        except DaemonUnavailable as e:
+            self._open(str(e))
+            return False
+        self._adopt(hs)
+        return True
+
+    def poll(self) -> bool:
+        """Adopt a connection the background probe made, running `on_reconnect` here (the
+        engine thread); True when connected. Engines may call it when idle; `match` does."""
+        self._adopt_ready()
+        return self.connected
+
+    def _handshake(self) -> _Handshake:
+        """Connect, check the peer, hello, register (the probe thread runs this too: it
+        touches nothing of the client but its immutable settings)."""
+        d = self.deadlines
+        conn = RpcConnection.connect(self.socket_path, d.connect_s, self.daemon_uids)
+        try:
+            hello, fds = conn.hello(want_arena=True, timeout_s=d.connect_s)
+        except BaseException:
+            conn.close()
+            raise
+        hs = _Handshake(conn, hello, fds)
+        try:
             if not fds:
-                conn.close()
                 raise DaemonUnavailable("the daemon sent no arena descriptor")
             params = {"model": self.namespace.model, "layout": self.layout.to_dict(),
                       "tp_rank": self.namespace.tp_rank, "tp_size": self.namespace.tp_size,
                       "extra_key": self.namespace.extra_key, "device_pages": self.device_pages}
             if self.namespace.state is not None:
                 params["state"] = self.namespace.state.to_dict()
-            reply = conn.call("register", params)
-        except DaemonUnavailable as e:
-            self._schedule_retry(now, str(e))
+            hs.reply = conn.call("register", params, timeout_s=d.connect_s)
+        except BaseException:
+            hs.close()
+            raise
+        return hs
+
+    def _adopt_ready(self) -> bool:
+        if self._reconnector is None:
             return False
+        hs = self._reconnector.take()
+        if hs is None:
+            return False
+        self._reconnector = None  # its thread ended when it parked the connection
+        self._adopt(hs)
+        return True
+
+    def _adopt(self, hs: _Handshake) -> None:
+        conn, hello, fds, reply = hs.conn, hs.hello, hs.fds, hs.reply
         if reply["salt"] != self.salt:
-            conn.close()
+            hs.close()
+            self._open("namespace salt mismatch")
             raise ClientError("BAD_NAMESPACE", "the daemon computed a different namespace salt")
         self._adopt_arena(fds[0], int(hello["arena_bytes"]))
         for fd in fds[1:]:
@@ -157,12 +229,10 @@ class HiCacheClient:
         self.conn = conn
         self.engine_id = int(reply["engine"])
         self.epoch += 1
-        self._backoff_s = self.backoff_min_s
         log.info("connected to hicache daemon %s (engine %d, epoch %d)", hello.get("server"), self.engine_id,
                  self.epoch)
         for cb in list(self.on_reconnect):
             cb(self.epoch)
-        return True
 
     def _adopt_arena(self, fd: int, nbytes: int) -> None:
         """Keep the first arena fd; a restarted daemon has a new arena, which replaces it."""
@@ -170,29 +240,37 @@ class HiCacheClient:
             os.close(self.arena_fd)
         self.arena_fd, self.arena_bytes = fd, nbytes
 
-    def _schedule_retry(self, now: float, why: str) -> None:
-        self._next_try = now + self._backoff_s
-        log.debug("hicache daemon unavailable (%s); retry in %.2fs", why, self._backoff_s)
-        self._backoff_s = min(self._backoff_s * 2, self.backoff_max_s)
+    def _open(self, why: str) -> None:
+        """Open the breaker: drop the connection, probe in the background (once)."""
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+        if self._reconnector is None:
+            self.outages += 1
+            log.warning("hicache daemon unavailable (%s): answering misses and skipping stores while "
+                        "reconnecting in the background", why)
+            self._reconnector = Reconnector(self._handshake, self.backoff_s)
+            self._reconnector.start()
 
-    def _call(self, method: str, params: dict) -> Any:
-        """One RPC; raises DaemonUnavailable when the daemon is away or refused the call.
+    def _call(self, method: str, params: dict, timeout_s: float) -> Any:
+        """One RPC within `timeout_s`; raises DaemonUnavailable when the daemon is away, hung
+        or refused the call.
 
         A refusal (ClientError) on the engine cycle means a bug on one side; the engine
         must keep serving, so it is logged and treated like an absent daemon: a miss,
         a skipped store."""
         if not self.connected:
             # Every cycle call carries ids (engine, pin, backup) of the epoch it was built
-            # in; a reconnect here would send them to a daemon that never issued them.
-            # So this call is a miss, and the (re)connect serves the next one.
-            self._ensure()
+            # in; a connection adopted here would get them from a daemon that never issued
+            # them. So this call is a miss, and the new connection serves the next one.
+            if not self._adopt_ready():
+                self._open("not connected")
             raise DaemonUnavailable("daemon unavailable" if not self.connected else "daemon reconnected")
         assert self.conn is not None
         try:
-            return self.conn.call(method, params)
+            return self.conn.call(method, params, timeout_s)
         except DaemonUnavailable as e:
-            self.conn = None
-            self._schedule_retry(time.monotonic(), str(e))
+            self._open(e.message)
             raise
         except ClientError as e:
             self.refusals += 1
@@ -200,6 +278,9 @@ class HiCacheClient:
             raise DaemonUnavailable(f"{method} refused: {e}") from e
 
     def close(self) -> None:
+        if self._reconnector is not None:
+            self._reconnector.close()
+            self._reconnector = None
         if self.conn is not None:
             self.conn.close()
             self.conn = None
@@ -214,10 +295,12 @@ class HiCacheClient:
     # -- the engine cycle ----------------------------------------------------------
     def match(self, tokens: Any = None, *, keys: list[bytes] | None = None) -> Match:
         """Longest cached prefix of `tokens`, per tier. A miss when the daemon is away."""
+        self._adopt_ready()  # a request's lookup may use the connection the probe just made
         if keys is None:
             keys = self.page_keys(tokens)
         try:
-            r = self._call("match", {"engine": self.engine_id, "keys": b"".join(keys)}) if keys else None
+            r = self._call("match", {"engine": self.engine_id, "keys": b"".join(keys)},
+                           self.deadlines.match_s) if keys else None
         except DaemonUnavailable:
             self.misses_while_away += 1
             r = None
@@ -229,7 +312,7 @@ class HiCacheClient:
         if disk_len or (state is not None and state["pending"]):
             # the daemon is bringing that part to host: ask for the plan (it waits per policy)
             try:
-                ld = self._call("load", {"pin": r["pin"]})
+                ld = self._call("load", {"pin": r["pin"]}, self.deadlines.load_s)
                 from_disk = len(ld["host_pages"]) // 4 - len(host_pages)
                 host_pages, disk_len = bytes_to_ids(ld["host_pages"]), int(ld["disk_len"])
                 state = ld.get("state", state)
@@ -244,7 +327,8 @@ class HiCacheClient:
         if match.pin is None or match.epoch != self.epoch:
             return None
         try:
-            r = self._call("load_done", {"pin": match.pin, "device_pages": ids_to_bytes(device_pages)})
+            r = self._call("load_done", {"pin": match.pin, "device_pages": ids_to_bytes(device_pages)},
+                           self.deadlines.update_s)
         except DaemonUnavailable:
             return None
         return bytes_to_ids(r["free_pages"])
@@ -253,7 +337,7 @@ class HiCacheClient:
         if match.pin is None or match.epoch != self.epoch:
             return
         try:
-            self._call("release", {"pin": match.pin})
+            self._call("release", {"pin": match.pin}, self.deadlines.update_s)
         except DaemonUnavailable:
             pass
 
@@ -282,7 +366,7 @@ class HiCacheClient:
         if states:
             params["states"] = [[int(p), int(s)] for p, s in sorted(states.items())]
         try:
-            r = self._call("insert", params)
+            r = self._call("insert", params, self.deadlines.update_s)
         except DaemonUnavailable:
             return None
         sb = r.get("state_backup")
@@ -298,7 +382,7 @@ class HiCacheClient:
         if plan.epoch != self.epoch:
             return None
         try:
-            r = self._call("state_backup_done", {"backup": plan.backup_id, "ok": ok})
+            r = self._call("state_backup_done", {"backup": plan.backup_id, "ok": ok}, self.deadlines.update_s)
         except DaemonUnavailable:
             return None
         return int(r["stored"])
@@ -312,7 +396,7 @@ class HiCacheClient:
         if plan.epoch != self.epoch:
             return None
         try:
-            r = self._call("backup_done", {"backup": plan.backup_id, "ok": ok})
+            r = self._call("backup_done", {"backup": plan.backup_id, "ok": ok}, self.deadlines.update_s)
         except DaemonUnavailable:
             return None
         return bytes_to_ids(r["free_pages"])
@@ -320,15 +404,17 @@ class HiCacheClient:
     def evict(self, num_pages: int) -> tuple[np.ndarray, BackupPlan | None]:
         """Ask for about num_pages of this engine's cached device pages back."""
         try:
-            r = self._call("evict", {"engine": self.engine_id, "num_pages": int(num_pages)})
+            r = self._call("evict", {"engine": self.engine_id, "num_pages": int(num_pages)},
+                           self.deadlines.update_s)
         except DaemonUnavailable:
             return EMPTY, None
         return bytes_to_ids(r["free_pages"]), self._plan(r["backup"])
 
     def stats(self) -> dict:
-        if not self._ensure():
+        """The daemon's stats (connecting now if needed); DaemonUnavailable when it is away."""
+        if not self.connect():
             raise DaemonUnavailable("daemon unavailable")
-        return self.conn.call("stats", {})
+        return self._call("stats", {}, self.deadlines.admin_s)
 
 
-__all__ = ["HiCacheClient", "Match", "InsertReply", "BackupPlan", "StateMatch", "StateBackupPlan"]
+__all__ = ["HiCacheClient", "CallDeadlines", "Match", "InsertReply", "BackupPlan", "StateMatch", "StateBackupPlan"]
