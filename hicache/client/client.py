@@ -155,6 +155,11 @@ class HiCacheClient:
         return self.conn is not None and not self.conn.closed
 
     @property
+    def reconnect_ready(self) -> bool:
+        """The background probe made a connection; the next call (or `poll`) adopts it."""
+        return self._reconnector is not None and self._reconnector.ready
+
+    @property
     def reconnect_attempts(self) -> int:
         """Attempts of the background probe since the breaker last opened (0 when none runs)."""
         return 0 if self._reconnector is None else self._reconnector.attempts

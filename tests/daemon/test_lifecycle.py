@@ -14,6 +14,7 @@ from hicache.client.connection import RpcConnection
 from hicache.rpc.framing import pack_frame
 
 from tests.daemon.test_robustness import LAYOUT, recv_frame
+from tests.wait import wait_until
 
 WORKER = [sys.executable, str(Path(__file__).with_name("engine_worker.py"))]
 
@@ -98,11 +99,10 @@ def test_ids_of_an_old_daemon_never_reach_a_new_one(daemon_factory):
     assert old.pin is not None and old.device_len == 8
     d.kill9()
     d.start()
-    time.sleep(0.1)
     # the old connection is dead: this call fails on it (a skipped store) ...
     assert client.insert(tokens, np.arange(1, 9, dtype=np.int64), pin=old) is None
-    time.sleep(0.1)  # past the backoff
-    # ... and this one reconnects but is not sent: its pin belongs to the dead daemon
+    wait_until(lambda: client.reconnect_ready, 30, "the background reconnect")
+    # ... and this one adopts the new connection but is not sent: its pin belongs to the dead daemon
     client.release(old)
     assert client.connected and client.epoch == 2
     assert client.refusals == 0  # nothing stale was refused, because nothing stale was sent
