@@ -1,15 +1,57 @@
-"""`hicache` command line: serve, admin commands, benchmarks, demo."""
+"""`hicache` command line: serve, admin commands, benchmarks, demo.
+
+Every error reaches the user as one line on stderr and a non-zero exit status:
+bad arguments (2), a daemon that cannot be reached, is not trusted or refuses
+this peer (2), anything else hicache or the OS reports (1), a closed stdout
+such as `| head` (141, quietly, as if killed by SIGPIPE). `--debug` or
+HICACHE_DEBUG=1 shows the traceback instead.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from hicache.config import admin_socket_path, format_size, load_config
-from hicache.errors import ClientError, ConfigError, DaemonUnavailable, HiCacheError
+from hicache.errors import DaemonRefused, DaemonUnavailable, DaemonUntrusted, HiCacheError
+
+ADMIN_TIMEOUT_S = 10.0
+MAX_WATCH_S = 86400.0
+MAX_LS_DEPTH = 64  # the daemon walks the tree recursively; deeper views are unreadable anyway
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 2
+EXIT_SIGPIPE = 128 + 13
+
+
+class Parser(argparse.ArgumentParser):
+    """Usage errors in one line (subcommands' parsers are of this class too)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def watch_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value <= MAX_WATCH_S:
+        raise argparse.ArgumentTypeError(f"must be > 0 and at most {MAX_WATCH_S:.0f} seconds, got {text!r}")
+    return value
+
+
+def ls_depth(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 <= value <= MAX_LS_DEPTH:
+        raise argparse.ArgumentTypeError(f"must be between 0 and {MAX_LS_DEPTH}, got {text!r}")
+    return value
 
 
 def _add_socket(p: argparse.ArgumentParser) -> None:
@@ -21,8 +63,9 @@ def _add_json(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hicache", description="Tiered KV-cache daemon for LLM inference engines.")
+    parser = Parser(prog="hicache", description="Tiered KV-cache daemon for LLM inference engines.")
     parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks (also HICACHE_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run the daemon")
@@ -44,9 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
         _add_socket(p)
         _add_json(p)
         if name == "stats":
-            p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS")
+            p.add_argument("--watch", type=watch_seconds, metavar="SECONDS", help="refresh every SECONDS")
         else:
-            p.add_argument("--depth", type=int, default=2)
+            p.add_argument("--depth", type=ls_depth, default=2, help=f"tree levels to show (0..{MAX_LS_DEPTH})")
 
     p = sub.add_parser("evict", help="evict bytes from a tier")
     _add_socket(p)
@@ -76,9 +119,9 @@ def _admin_call(args: argparse.Namespace, method: str, params: dict[str, Any] | 
     from hicache.client.connection import RpcConnection
 
     path = admin_socket_path(args.socket_path)
-    conn = RpcConnection.connect(path, timeout_s=10.0)
+    conn = RpcConnection.connect(path, timeout_s=ADMIN_TIMEOUT_S)  # checks who listens before sending
     try:
-        conn.hello(want_arena=False)
+        conn.hello()
         return conn.call(method, params or {})
     finally:
         conn.close()
@@ -194,16 +237,50 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    debug = args.debug or os.environ.get("HICACHE_DEBUG", "").strip() not in ("", "0")
     try:
-        return COMMANDS[args.command](args)
-    except DaemonUnavailable as e:
-        print(f"hicache: the daemon is not running or not reachable ({e.message})", file=sys.stderr)
-        return 2
-    except (ConfigError, ClientError, HiCacheError) as e:
-        print(f"hicache: {e}", file=sys.stderr)
-        return 1
+        rc = COMMANDS[args.command](args)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return rc
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_SIGPIPE
     except KeyboardInterrupt:
         return 130
+    except Exception as e:
+        if debug:
+            raise
+        rc, line = describe_error(e)
+        print(f"hicache: {line}", file=sys.stderr)
+        return rc
+
+
+def describe_error(e: Exception) -> tuple[int, str]:
+    """The exit status and the one line a user sees for `e`."""
+    if isinstance(e, (DaemonUntrusted, DaemonRefused)):
+        return EXIT_UNREACHABLE, e.message
+    if isinstance(e, DaemonUnavailable):
+        return EXIT_UNREACHABLE, f"the daemon is not running or not reachable ({e.message})"
+    if isinstance(e, HiCacheError):
+        return 1, _one_line(str(e))
+    if isinstance(e, OSError):
+        where = f"{e.filename}: " if e.filename else ""
+        return 1, _one_line(f"{where}{e.strerror or e}")
+    return 1, _one_line(f"internal error: {type(e).__name__}: {e} (--debug or HICACHE_DEBUG=1 shows the traceback)")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

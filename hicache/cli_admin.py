@@ -50,11 +50,12 @@ from hicache.portable_format import (
     FILE_HEAD, TAG_END, TAG_PAGE, ExportHeader, PathEntry, PathStack, PortableFormatError,
     decode_header, head_size, header_length, page_head, parse_records, record_rest,
 )
-from hicache.errors import DaemonUnavailable, HiCacheError
+from hicache.errors import ConfigError, DaemonUnavailable, HiCacheError
 from hicache.tiers.arena import HostArena, new_slab_memfd
 
 SYSTEM_SOCKET = str(SERVICE_SOCKET)  # where hicache.socket listens
 CHUNK_BYTES = 8 << 20
+MAX_CHUNK_BYTES = 1 << 30
 READ_BLOCK_BYTES = 4 << 20
 EXPORT_OPEN_TIMEOUT_S = 600.0  # reads every page record of the disk tier
 CHUNK_TIMEOUT_S = 300.0
@@ -75,7 +76,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
     def chunk(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--chunk-bytes", type=parse_size, default=CHUNK_BYTES, metavar="SIZE",
+        p.add_argument("--chunk-bytes", type=chunk_size, default=CHUNK_BYTES, metavar="SIZE",
                        help="page bytes per RPC (default 8MiB; at least one page goes in each)")
 
     p = sub.add_parser("doctor", help="check the daemon, its socket, memlock, shared memory and disk tier")
@@ -89,6 +90,17 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     common(p)
     chunk(p)
     p.add_argument("file", help="input file")
+
+
+def chunk_size(text: str) -> int:
+    """--chunk-bytes: a size (`8MiB`), 1 byte to MAX_CHUNK_BYTES; a usage error otherwise."""
+    try:
+        value = parse_size(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if not 1 <= value <= MAX_CHUNK_BYTES:
+        raise argparse.ArgumentTypeError(f"must be between 1 byte and {format_size(MAX_CHUNK_BYTES)}, got {text!r}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:

@@ -60,12 +60,18 @@ def format_size(n: int) -> str:
     return f"{n}B"
 
 
+def private_socket_dir() -> Path:
+    """The socket's directory when there is no runtime directory: `$TMPDIR/hicache-<uid>`.
+    Any local user can create that name first, so the daemon serves there only when it is
+    a real directory of its own with mode 0700 (hicache/daemon/app.py)."""
+    return Path(tempfile.gettempdir()) / f"hicache-{os.getuid()}"
+
+
 def default_socket_path() -> Path:
     runtime = os.environ.get("RUNTIME_DIRECTORY") or os.environ.get("XDG_RUNTIME_DIR")
     if runtime:
         return Path(runtime.split(":")[0]) / "hicache.sock"
-    # A per-user private directory: other users must not be able to swap the socket.
-    return Path(tempfile.gettempdir()) / f"hicache-{os.getuid()}" / "hicache.sock"
+    return private_socket_dir() / "hicache.sock"
 
 
 SERVICE_SOCKET = Path("/run/hicache/hicache.sock")  # where systemd/hicache.socket listens

@@ -180,7 +180,7 @@ def _daemon_stats(daemon: LocalDaemon) -> dict:
 
     conn = RpcConnection.connect(daemon.socket, timeout_s=10.0)
     try:
-        conn.hello(want_arena=False)
+        conn.hello()
         return conn.call("stats", {})
     finally:
         conn.close()

@@ -39,5 +39,21 @@ class ClientError(HiCacheError):
 class DaemonUnavailable(ClientError):
     """The daemon cannot be reached; engines treat this as a miss."""
 
+    def __init__(self, message: str, code: str = "UNAVAILABLE") -> None:
+        super().__init__(code, message)
+
+
+class DaemonUntrusted(DaemonUnavailable):
+    """The process serving the socket runs as a uid the client does not trust (not its own,
+    not root, not configured): nothing was sent to it. Engines treat it as an absent daemon."""
+
     def __init__(self, message: str) -> None:
-        super().__init__("UNAVAILABLE", message)
+        super().__init__(message, "UNTRUSTED")
+
+
+class DaemonRefused(DaemonUnavailable):
+    """The daemon closed the connection at hello: it refuses this peer (its uid/gid is not
+    allowed), or it is shutting down."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "REFUSED")

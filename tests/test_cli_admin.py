@@ -43,7 +43,7 @@ def cli_json(*args: str) -> dict:
 def call(daemon: DaemonProcess, method: str, params: dict | None = None):
     conn = RpcConnection.connect(daemon.socket, timeout_s=30)
     try:
-        conn.hello(want_arena=False)
+        conn.hello()
         return conn.call(method, params)
     finally:
         conn.close()
@@ -299,7 +299,7 @@ def test_the_daemon_verifies_chunks_itself(tmp_path, start, exported):
     pages, end = records[:-1], records[-1]
     b = start("b", "--host-capacity", "64MiB", "--disk-capacity", "256MiB")
     conn = RpcConnection.connect(b.socket, timeout_s=30)
-    conn.hello(want_arena=False)
+    conn.hello()
     imp = conn.call("import_open", {"header": header})["import"]
 
     desc = decode_header(header)

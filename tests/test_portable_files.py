@@ -232,7 +232,7 @@ def test_the_daemon_refuses_a_chunk_with_a_damaged_record_size(daemons):
     }
     conn = RpcConnection.connect(b.socket, timeout_s=30)
     try:
-        conn.hello(want_arena=False)
+        conn.hello()
         imp = conn.call("import_open", {"header": header.encode()})["import"]
         for name, chunk in bad_chunks.items():
             with pytest.raises(ClientError, match="record 1: ") as err:

@@ -77,7 +77,7 @@ def _pct(xs: np.ndarray, q: float) -> float:
 
 def _hicache_client(path: str, kind: str, n: int, tokens: np.ndarray, q: mp.Queue) -> None:
     conn = RpcConnection.connect(path, timeout_s=30)
-    conn.hello(want_arena=False)
+    conn.hello()
     reg = conn.call("register", {"model": "bench", "layout": LAYOUT.to_dict(), "device_pages": 4096})
     engine, salt = reg["engine"], reg["salt"]
     keys = b"".join(page_keys(salt, tokens, LAYOUT.page_size))

@@ -1,5 +1,6 @@
 """An asyncio client: many requests in flight on one connection, responses matched
-by id, and the KV event stream for routers (`subscribe`).
+by id, and the KV event stream for routers (`subscribe`). Like the blocking
+client it checks who listens (hicache/client/peer.py) before sending anything.
 
 The handshake that passes the arena descriptor needs recvmsg, which asyncio
 streams do not offer, so it runs on the plain socket before the stream wraps it.
@@ -11,6 +12,7 @@ import asyncio
 import itertools
 import logging
 import os
+from collections.abc import Collection
 from typing import Any
 
 from hicache.client.connection import RpcConnection
@@ -34,10 +36,17 @@ class AsyncRpcConnection:
         self.closed = False
 
     @classmethod
-    async def connect(cls, path: str, *, want_arena: bool = False, timeout_s: float = 5.0) -> AsyncRpcConnection:
+    async def connect(cls, path: str, *, timeout_s: float = 5.0,
+                      daemon_uids: Collection[int] | None = None) -> AsyncRpcConnection:
+        """`daemon_uids`: trusted uids of the daemon besides this user and root (default per
+        hicache/client/peer.py); DaemonUntrusted, with nothing sent, for any other."""
         def handshake() -> tuple[RpcConnection, dict, list[int]]:
-            conn = RpcConnection.connect(path, timeout_s)
-            hello, fds = conn.hello(want_arena=want_arena)
+            conn = RpcConnection.connect(path, timeout_s, daemon_uids)
+            try:
+                hello, fds = conn.hello()
+            except BaseException:
+                conn.close()
+                raise
             return conn, hello, fds
 
         sync_conn, hello, fds = await asyncio.to_thread(handshake)
@@ -126,8 +135,10 @@ class AsyncHiCacheClient:
     """Reconnecting asyncio client: `call` raises DaemonUnavailable while the daemon is away,
     and the next call after the backoff tries again."""
 
-    def __init__(self, socket_path: str, backoff_s: tuple[float, float] = (0.05, 2.0)) -> None:
+    def __init__(self, socket_path: str, backoff_s: tuple[float, float] = (0.05, 2.0),
+                 daemon_uids: Collection[int] | None = None) -> None:
         self.socket_path = socket_path
+        self.daemon_uids = daemon_uids
         self.conn: AsyncRpcConnection | None = None
         self._backoff = backoff_s[0]
         self._backoff_range = backoff_s
@@ -140,7 +151,7 @@ class AsyncHiCacheClient:
         if loop.time() < self._next_try:
             raise DaemonUnavailable("daemon unavailable (backing off)")
         try:
-            self.conn = await AsyncRpcConnection.connect(self.socket_path)
+            self.conn = await AsyncRpcConnection.connect(self.socket_path, daemon_uids=self.daemon_uids)
         except DaemonUnavailable:
             self._next_try = loop.time() + self._backoff
             self._backoff = min(self._backoff * 2, self._backoff_range[1])

@@ -1,19 +1,23 @@
 """HiCacheClient: the engine's synchronous view of the daemon.
 
-An engine must never crash or hang because the daemon is gone: every call
-goes through `_call`, which reconnects with exponential backoff and, while
-the daemon is away, answers lookups with a miss and skips stores. Each
-successful (re)connect bumps `epoch`; the daemon forgets an engine's device
-residency when its connection drops, so the engine-side cache layer treats a
-new epoch as "the daemon no longer tracks any of my device pages".
+An engine must never crash or hang because the daemon is gone or hung. Every
+call has a deadline suited to its place on the engine's critical path
+(hicache/client/deadlines.py). A call that fails (refused, broken, timed out)
+opens the circuit breaker: the connection is dropped, lookups answer a miss and
+stores are skipped at once, and a background probe reconnects
+(hicache/client/reconnect.py); the engine thread adopts the probe's connection
+on its next call. Each adoption bumps `epoch`; the daemon forgets an engine's
+device residency when its connection drops, so the engine-side cache layer
+treats a new epoch as "the daemon no longer tracks any of my device pages".
+Before anything is sent, the listener's uid is checked (hicache/client/peer.py).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,10 +28,15 @@ from hicache.index.keys import Namespace, as_tokens, page_keys
 from hicache.layout import KVLayout
 from hicache.state_layout import StateLayout
 from hicache.rpc.framing import bytes_to_ids, ids_to_bytes
-from hicache.client.connection import RpcConnection
+from hicache.client.connection import RpcConnection, _close_fd
+from hicache.client.deadlines import CallDeadlines
+from hicache.client.peer import trusted_daemon_uids
+from hicache.client.reconnect import Reconnector
 from hicache.tiers.arena import HostArena
 
 log = logging.getLogger(__name__)
+
+SLAB_SYNC_TRIES = 3  # map_slabs answers BUSY while replies (events) are unread; reading them clears it
 
 EMPTY = np.empty(0, dtype=np.int64)
 
@@ -96,68 +105,138 @@ class InsertReply:
     state_backup: StateBackupPlan | None = None  # hybrid namespaces: checkpoints to copy to host
 
 
+@dataclass(slots=True)
+class _Handshake:
+    """A connection made off the engine's path: peer checked, hello'd, registered."""
+
+    conn: RpcConnection
+    hello: dict
+    fds: list[int]
+    reply: dict = field(default_factory=dict)
+
+    def close(self) -> None:
+        self.conn.close()
+        for fd in self.fds:
+            _close_fd(fd)
+        self.fds = []
+
+
 class HiCacheClient:
+    """`deadlines` (default CallDeadlines()): seconds per call kind; `timeout_s` is a shorthand
+    for the same deadline on every call. `backoff_s`: (first, longest) pause between background
+    reconnect attempts. `daemon_uids`: uids (or user names) trusted to serve the socket besides
+    this user and root (default: $HICACHE_DAEMON_UIDS, else the `hicache` service user)."""
+
     def __init__(self, layout: KVLayout, device_pages: int, *, model: str, socket_path: str | None = None,
-                 tp_rank: int = 0, tp_size: int = 1, extra_key: str = "", timeout_s: float = 5.0,
-                 backoff_s: tuple[float, float] = (0.05, 2.0), state: StateLayout | None = None) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, extra_key: str = "", timeout_s: float | None = None,
+                 backoff_s: tuple[float, float] = (0.05, 2.0), state: StateLayout | None = None,
+                 deadlines: CallDeadlines | None = None, daemon_uids: Iterable[int | str] | None = None) -> None:
+        if timeout_s is not None and deadlines is not None:
+            raise ValueError("pass timeout_s or deadlines, not both")
         self.layout = layout
         self.device_pages = device_pages
         self.namespace = Namespace(model, layout, tp_rank, tp_size, extra_key, state)
         self.salt = self.namespace.salt()
         self.socket_path = str(socket_path or os.environ.get("HICACHE_SOCKET_PATH") or default_socket_path())
-        self.timeout_s = timeout_s
-        self.backoff_min_s, self.backoff_max_s = backoff_s
-        self._backoff_s = self.backoff_min_s
-        self._next_try = 0.0
+        self.deadlines = deadlines or (CallDeadlines() if timeout_s is None else CallDeadlines.uniform(timeout_s))
+        self.daemon_uids = trusted_daemon_uids(daemon_uids)
+        self.backoff_s = backoff_s
         self.conn: RpcConnection | None = None
         self.engine_id: int | None = None
         self.epoch = 0
         self.arena: HostArena | None = None  # the daemon's arena; only our namespace's slabs mapped
         self.slab_version = 0  # of the slabs mapped; replies naming host pages carry the daemon's
-        self.on_reconnect: list[Any] = []  # callbacks(epoch) run after each (re)connect
+        self.on_reconnect: list[Any] = []  # callbacks(epoch) run after each (re)connect, on the engine thread
         self.misses_while_away = 0
         self.refusals = 0
+        self.outages = 0  # times the breaker opened
+        self._reconnector: Reconnector[_Handshake] | None = None
 
     # -- connection management -------------------------------------------------
     @property
     def connected(self) -> bool:
         return self.conn is not None and not self.conn.closed
 
-    def connect(self) -> bool:
-        """Try now (ignoring backoff). True when connected and registered."""
-        self._next_try = 0.0
-        return self._ensure()
+    @property
+    def reconnect_ready(self) -> bool:
+        """The background probe made a connection; the next call (or `poll`) adopts it."""
+        return self._reconnector is not None and self._reconnector.ready
 
-    def _ensure(self) -> bool:
-        if self.connected:
+    @property
+    def reconnect_attempts(self) -> int:
+        """Attempts of the background probe since the breaker last opened (0 when none runs)."""
+        return 0 if self._reconnector is None else self._reconnector.attempts
+
+    def connect(self) -> bool:
+        """Connect now, on this thread (at start-up, or to skip the probe's backoff); each step
+        waits at most `deadlines.connect_s`. True when connected and registered; otherwise the
+        background probe keeps trying."""
+        if self.connected or self._adopt_ready():
             return True
-        now = time.monotonic()
-        if now < self._next_try:
-            return False
+        if self._reconnector is not None:
+            self._reconnector.close()
+            self._reconnector = None
         try:
-            conn = RpcConnection.connect(self.socket_path, self.timeout_s)
-            hello, fds = conn.hello()
-            for fd in fds:  # a daemon of this protocol sends none with hello
-                os.close(fd)
+            hs = self._handshake()
+        except DaemonUnavailable as e:
+            self._open(str(e))
+            return False
+        self._adopt(hs)
+        return True
+
+    def poll(self) -> bool:
+        """Adopt a connection the background probe made, running `on_reconnect` here (the
+        engine thread); True when connected. Engines may call it when idle; `match` does."""
+        self._adopt_ready()
+        return self.connected
+
+    def _handshake(self) -> _Handshake:
+        """Connect, check the peer, hello, register (the probe thread runs this too: it
+        touches nothing of the client but its immutable settings)."""
+        d = self.deadlines
+        conn = RpcConnection.connect(self.socket_path, d.connect_s, self.daemon_uids)
+        try:
+            hello, fds = conn.hello(timeout_s=d.connect_s)
+        except BaseException:
+            conn.close()
+            raise
+        hs = _Handshake(conn, hello, fds)
+        try:
             params = {"model": self.namespace.model, "layout": self.layout.to_dict(),
                       "tp_rank": self.namespace.tp_rank, "tp_size": self.namespace.tp_size,
                       "extra_key": self.namespace.extra_key, "device_pages": self.device_pages}
             if self.namespace.state is not None:
                 params["state"] = self.namespace.state.to_dict()
-            reply = conn.call("register", params)
-        except DaemonUnavailable as e:
-            self._schedule_retry(now, str(e))
+            hs.reply = conn.call("register", params, timeout_s=d.connect_s)
+        except BaseException:
+            hs.close()
+            raise
+        return hs
+
+    def _adopt_ready(self) -> bool:
+        if self._reconnector is None:
             return False
+        hs = self._reconnector.take()
+        if hs is None:
+            return False
+        self._reconnector = None  # its thread ended when it parked the connection
+        self._adopt(hs)
+        return True
+
+    def _adopt(self, hs: _Handshake) -> None:
+        conn, hello, fds, reply = hs.conn, hs.hello, hs.fds, hs.reply
         if reply["salt"] != self.salt:
-            conn.close()
+            hs.close()
+            self._open("namespace salt mismatch")
             raise ClientError("BAD_NAMESPACE", "the daemon computed a different namespace salt")
+        for fd in fds:  # a daemon of this protocol sends none with hello
+            os.close(fd)
         old_arena = self.arena
         self.arena = HostArena.reserve(int(hello["num_slabs"]), int(hello["slab_bytes"]))
         self.slab_version = 0
         self.conn = conn
         self.engine_id = int(reply["engine"])
         self.epoch += 1
-        self._backoff_s = self.backoff_min_s
         log.info("connected to hicache daemon %s (engine %d, epoch %d)", hello.get("server"), self.engine_id,
                  self.epoch)
         self._check_slabs(reply)
@@ -165,7 +244,6 @@ class HiCacheClient:
             cb(self.epoch)
         if old_arena is not None:  # a restarted daemon has a new arena; the callbacks left the old one
             old_arena.close()
-        return True
 
     def _check_slabs(self, reply: Any) -> None:
         """Map the slabs our namespace gained, when a reply says the daemon's are newer."""
@@ -176,62 +254,82 @@ class HiCacheClient:
         """Map every slab the daemon holds our namespace's pages in (fds for those we lack
         come with the answer) and drop those it no longer does. False when it failed: host
         pages in unmapped slabs are then not copied (`arena.covers`), never touched."""
-        arena = self.arena
-        if arena is None or self.conn is None:
+        arena, conn = self.arena, self.conn
+        if arena is None or conn is None:
             return False
-        have = [[s, arena.slab_gen(s)] for s in np.flatnonzero(arena.backed).tolist()]
-        fds: list[int] = []
-        try:
-            r = self.conn.call("map_slabs", {"engine": self.engine_id, "have": have}, fds=fds)
-            if len(fds) != len(r["sent"]):
-                raise ClientError("BAD_REPLY", f"{len(fds)} slab fds for {len(r['sent'])} slabs")
-            for (slab, gen), fd in zip(r["sent"], fds):
-                arena.map_slab(int(slab), fd, int(gen))  # takes the fd, even when it fails
-            fds = []
-            owned = {int(s) for s, _ in r["owned"]}
-            for slab in np.flatnonzero(arena.backed).tolist():
-                if slab not in owned:
-                    arena.unmap_slab(slab)
-        except (DaemonUnavailable, ClientError, HiCacheError, OSError) as e:
-            for fd in fds:
-                os.close(fd)
-            log.warning("could not map the host slabs of our namespace: %s", e)
-            return False
-        self.slab_version = int(r["version"])
-        return True
+        for _ in range(SLAB_SYNC_TRIES):
+            have = [[s, arena.slab_gen(s)] for s in np.flatnonzero(arena.backed).tolist()]
+            fds: list[int] = []
+            try:
+                r = conn.call("map_slabs", {"engine": self.engine_id, "have": have},
+                              self.deadlines.update_s, fds=fds)
+                if len(fds) != len(r["sent"]):
+                    raise ClientError("BAD_REPLY", f"{len(fds)} slab fds for {len(r['sent'])} slabs")
+                for (slab, gen), fd in zip(r["sent"], fds):
+                    arena.map_slab(int(slab), fd, int(gen))  # takes the fd, even when it fails
+                fds = []
+                owned = {int(s) for s, _ in r["owned"]}
+                for slab in np.flatnonzero(arena.backed).tolist():
+                    if slab not in owned:
+                        arena.unmap_slab(slab)
+            except DaemonUnavailable as e:
+                self._open(e.message)
+                return False
+            except (ClientError, HiCacheError, OSError) as e:
+                for fd in fds:
+                    _close_fd(fd)
+                if isinstance(e, ClientError) and e.code == "BUSY":  # events were unread: they are now
+                    continue
+                log.warning("could not map the host slabs of our namespace: %s", e)
+                return False
+            self.slab_version = int(r["version"])
+            return True
+        log.warning("could not map the host slabs of our namespace: the daemon stayed busy")
+        return False
 
-    def _schedule_retry(self, now: float, why: str) -> None:
-        self._next_try = now + self._backoff_s
-        log.debug("hicache daemon unavailable (%s); retry in %.2fs", why, self._backoff_s)
-        self._backoff_s = min(self._backoff_s * 2, self.backoff_max_s)
+    def _open(self, why: str) -> None:
+        """Open the breaker: drop the connection, probe in the background (once)."""
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+        if self._reconnector is None:
+            self.outages += 1
+            log.warning("hicache daemon unavailable (%s): answering misses and skipping stores while "
+                        "reconnecting in the background", why)
+            self._reconnector = Reconnector(self._handshake, self.backoff_s)
+            self._reconnector.start()
 
-    def _call(self, method: str, params: dict) -> Any:
-        """One RPC; raises DaemonUnavailable when the daemon is away or refused the call.
+    def _call(self, method: str, params: dict, timeout_s: float) -> Any:
+        """One RPC within `timeout_s`; raises DaemonUnavailable when the daemon is away, hung
+        or refused the call.
 
         A refusal (ClientError) on the engine cycle means a bug on one side; the engine
         must keep serving, so it is logged and treated like an absent daemon: a miss,
         a skipped store."""
         if not self.connected:
             # Every cycle call carries ids (engine, pin, backup) of the epoch it was built
-            # in; a reconnect here would send them to a daemon that never issued them.
-            # So this call is a miss, and the (re)connect serves the next one.
-            self._ensure()
+            # in; a connection adopted here would get them from a daemon that never issued
+            # them. So this call is a miss, and the new connection serves the next one.
+            if not self._adopt_ready():
+                self._open("not connected")
             raise DaemonUnavailable("daemon unavailable" if not self.connected else "daemon reconnected")
         assert self.conn is not None
         try:
-            reply = self.conn.call(method, params)
-            self._check_slabs(reply)
-            return reply
+            reply = self.conn.call(method, params, timeout_s)
         except DaemonUnavailable as e:
-            self.conn = None
-            self._schedule_retry(time.monotonic(), str(e))
+            self._open(e.message)
             raise
         except ClientError as e:
             self.refusals += 1
             log.error("hicache daemon refused %s: %s", method, e)
             raise DaemonUnavailable(f"{method} refused: {e}") from e
+        self._check_slabs(reply)
+        return reply
 
     def close(self) -> None:
+        if self._reconnector is not None:
+            self._reconnector.close()
+            self._reconnector = None
         if self.conn is not None:
             self.conn.close()
             self.conn = None
@@ -246,10 +344,12 @@ class HiCacheClient:
     # -- the engine cycle ----------------------------------------------------------
     def match(self, tokens: Any = None, *, keys: list[bytes] | None = None) -> Match:
         """Longest cached prefix of `tokens`, per tier. A miss when the daemon is away."""
+        self._adopt_ready()  # a request's lookup may use the connection the probe just made
         if keys is None:
             keys = self.page_keys(tokens)
         try:
-            r = self._call("match", {"engine": self.engine_id, "keys": b"".join(keys)}) if keys else None
+            r = self._call("match", {"engine": self.engine_id, "keys": b"".join(keys)},
+                           self.deadlines.match_s) if keys else None
         except DaemonUnavailable:
             self.misses_while_away += 1
             r = None
@@ -261,7 +361,7 @@ class HiCacheClient:
         if disk_len or (state is not None and state["pending"]):
             # the daemon is bringing that part to host: ask for the plan (it waits per policy)
             try:
-                ld = self._call("load", {"pin": r["pin"]})
+                ld = self._call("load", {"pin": r["pin"]}, self.deadlines.load_s)
                 from_disk = len(ld["host_pages"]) // 4 - len(host_pages)
                 host_pages, disk_len = bytes_to_ids(ld["host_pages"]), int(ld["disk_len"])
                 state = ld.get("state", state)
@@ -276,7 +376,8 @@ class HiCacheClient:
         if match.pin is None or match.epoch != self.epoch:
             return None
         try:
-            r = self._call("load_done", {"pin": match.pin, "device_pages": ids_to_bytes(device_pages)})
+            r = self._call("load_done", {"pin": match.pin, "device_pages": ids_to_bytes(device_pages)},
+                           self.deadlines.update_s)
         except DaemonUnavailable:
             return None
         return bytes_to_ids(r["free_pages"])
@@ -285,7 +386,7 @@ class HiCacheClient:
         if match.pin is None or match.epoch != self.epoch:
             return
         try:
-            self._call("release", {"pin": match.pin})
+            self._call("release", {"pin": match.pin}, self.deadlines.update_s)
         except DaemonUnavailable:
             pass
 
@@ -314,7 +415,7 @@ class HiCacheClient:
         if states:
             params["states"] = [[int(p), int(s)] for p, s in sorted(states.items())]
         try:
-            r = self._call("insert", params)
+            r = self._call("insert", params, self.deadlines.update_s)
         except DaemonUnavailable:
             return None
         sb = r.get("state_backup")
@@ -330,7 +431,7 @@ class HiCacheClient:
         if plan.epoch != self.epoch:
             return None
         try:
-            r = self._call("state_backup_done", {"backup": plan.backup_id, "ok": ok})
+            r = self._call("state_backup_done", {"backup": plan.backup_id, "ok": ok}, self.deadlines.update_s)
         except DaemonUnavailable:
             return None
         return int(r["stored"])
@@ -344,7 +445,7 @@ class HiCacheClient:
         if plan.epoch != self.epoch:
             return None
         try:
-            r = self._call("backup_done", {"backup": plan.backup_id, "ok": ok})
+            r = self._call("backup_done", {"backup": plan.backup_id, "ok": ok}, self.deadlines.update_s)
         except DaemonUnavailable:
             return None
         return bytes_to_ids(r["free_pages"])
@@ -352,15 +453,17 @@ class HiCacheClient:
     def evict(self, num_pages: int) -> tuple[np.ndarray, BackupPlan | None]:
         """Ask for about num_pages of this engine's cached device pages back."""
         try:
-            r = self._call("evict", {"engine": self.engine_id, "num_pages": int(num_pages)})
+            r = self._call("evict", {"engine": self.engine_id, "num_pages": int(num_pages)},
+                           self.deadlines.update_s)
         except DaemonUnavailable:
             return EMPTY, None
         return bytes_to_ids(r["free_pages"]), self._plan(r["backup"])
 
     def stats(self) -> dict:
-        if not self._ensure():
+        """The daemon's stats (connecting now if needed); DaemonUnavailable when it is away."""
+        if not self.connect():
             raise DaemonUnavailable("daemon unavailable")
-        return self.conn.call("stats", {})
+        return self._call("stats", {}, self.deadlines.admin_s)
 
 
-__all__ = ["HiCacheClient", "Match", "InsertReply", "BackupPlan", "StateMatch", "StateBackupPlan"]
+__all__ = ["HiCacheClient", "CallDeadlines", "Match", "InsertReply", "BackupPlan", "StateMatch", "StateBackupPlan"]

@@ -2,7 +2,11 @@
 
 Low-level errors are translated once, here: any OSError or broken frame
 becomes `DaemonUnavailable` and the connection is dropped, because after an
-interrupted exchange the stream position is unknown.
+interrupted exchange the stream position is unknown. Each exchange has a
+deadline (`timeout_s` per call, the connection's default otherwise) over all
+of its reads, so a daemon that stopped mid-reply costs one deadline, not one
+per read. `connect` checks who listens (hicache/client/peer.py) before a byte
+is sent.
 """
 
 from __future__ import annotations
@@ -10,14 +14,18 @@ from __future__ import annotations
 import array
 import itertools
 import socket
+import time
 from collections import deque
+from collections.abc import Collection
 from typing import Any
 
-from hicache.errors import ClientError, DaemonUnavailable, ProtocolError
+from hicache.client.peer import check_daemon
+from hicache.errors import ClientError, DaemonRefused, DaemonUnavailable, ProtocolError
 from hicache.rpc.framing import HEADER, pack_frame, unpack_body
 from hicache.rpc.protocol import PROTOCOL_VERSION
 
 MAX_FRAME_BYTES = 256 << 20
+REFUSED_CODES = {"FORBIDDEN"}  # a daemon that says why it refuses this peer
 MAX_FDS = 253  # the most one SCM_RIGHTS message carries (the kernel's SCM_MAX_FD)
 
 
@@ -31,48 +39,73 @@ class RpcConnection:
         self.closed = False
 
     @classmethod
-    def connect(cls, path: str, timeout_s: float = 5.0) -> RpcConnection:
+    def connect(cls, path: str, timeout_s: float = 5.0, daemon_uids: Collection[int] | None = None
+                ) -> RpcConnection:
+        """Connect and check the listener's uid (`daemon_uids`: the trusted ones, default
+        per hicache/client/peer.py); DaemonUntrusted, with nothing sent, when it is not."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout_s)
         try:
             sock.connect(path)
         except OSError as e:
             sock.close()
-            raise DaemonUnavailable(f"cannot connect to {path}: {e.strerror or e}") from e
+            raise DaemonUnavailable(_connect_failure(path, e)) from e
+        try:
+            check_daemon(sock, path, daemon_uids)
+        except BaseException:
+            sock.close()
+            raise
         return cls(sock, timeout_s)
 
-    def hello(self, want_arena: bool = False) -> tuple[dict, list[int]]:
+    def hello(self, timeout_s: float | None = None) -> tuple[dict, list[int]]:
         """Handshake: negotiate the version. Returns the answer and any descriptors that came
-        with it (the caller closes them). `want_arena` is ignored (protocol 1 sent the arena)."""
+        with it (none from a daemon of this protocol; the caller closes them).
+
+        Its own deadline matters: `connect()` succeeds into a stopped daemon's listen
+        backlog, so only the hello tells a live daemon from a hung one."""
+        deadline = self._deadline(timeout_s)
         req_id = next(self._ids)
-        self._send({"id": req_id, "method": "hello", "params": {"version": PROTOCOL_VERSION}})
+        frame = pack_frame({"id": req_id, "method": "hello", "params": {"version": PROTOCOL_VERSION}})
         fds: list[int] = []
         try:
-            header, fds = self._recv_with_fds(4)
+            self._wait(deadline)
+            self.sock.sendall(frame)
+            header, fds = self._recv_with_fds(4, deadline)
             (n,) = HEADER.unpack(header)
-            body = self._recv_exact(n)
+            body = self._recv_exact(n, deadline)
         except OSError as e:
             for fd in fds:
                 _close_fd(fd)
             self.close()
-            raise DaemonUnavailable(f"hello failed: {e}") from e
+            if isinstance(e, (ConnectionResetError, BrokenPipeError)) and not fds:
+                # The daemon hangs up on a peer it does not allow before reading a byte.
+                raise DaemonRefused("refused by the daemon (peer credentials): it closed the connection "
+                                    "before answering hello (this uid/group is not allowed, or it is "
+                                    "shutting down)") from e
+            raise DaemonUnavailable(f"hello failed: {_describe(e, timeout_s or self.timeout_s)}") from e
         msg = self._decode(body)
         if "error" in msg:
             for fd in fds:
                 _close_fd(fd)
             err = msg["error"]
+            if err.get("code") in REFUSED_CODES:
+                self.close()
+                raise DaemonRefused(f"refused by the daemon (peer credentials): {err.get('message', '')}")
             raise ClientError(err.get("code", "INTERNAL"), err.get("message", ""))
         return msg["result"], fds
 
-    def call(self, method: str, params: dict[str, Any] | None = None, *, fds: list[int] | None = None) -> Any:
-        """One request and its answer. With `fds`, descriptors that come with the answer
-        (SCM_RIGHTS) are appended there; the caller owns them."""
+    def call(self, method: str, params: dict[str, Any] | None = None, timeout_s: float | None = None, *,
+             fds: list[int] | None = None) -> Any:
+        """One request; its reply within `timeout_s` (the connection's default when None),
+        else DaemonUnavailable and the connection is dropped. With `fds`, descriptors that
+        come with the answer (SCM_RIGHTS) are appended there; the caller owns them."""
         if self.closed:
             raise DaemonUnavailable("connection closed")
+        deadline = self._deadline(timeout_s)
         req_id = next(self._ids)
-        self._send({"id": req_id, "method": method, "params": params or {}})
+        self._send({"id": req_id, "method": method, "params": params or {}}, deadline)
         while True:
-            msg = self._read_message(fds)
+            msg = self._read_message(deadline, method, fds)
             if "event" in msg:
                 self.events.append(msg["event"])
                 continue
@@ -100,24 +133,33 @@ class RpcConnection:
                 pass
 
     # -- internals -------------------------------------------------------------
-    def _send(self, msg: dict) -> None:
+    def _send(self, msg: dict, deadline: float | None = None) -> None:
         try:
+            self._wait(deadline)
             self.sock.sendall(pack_frame(msg))
         except OSError as e:
             self.close()
             raise DaemonUnavailable(f"send failed: {e}") from e
 
-    def _read_message(self, fds: list[int] | None = None) -> dict:
+    def _deadline(self, timeout_s: float | None) -> float:
+        return time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+
+    def _read_message(self, deadline: float | None = None, method: str = "", fds: list[int] | None = None
+                      ) -> dict:
         try:
             if fds is None:
-                header = self._recv_exact(4)
+                header = self._recv_exact(4, deadline)
             else:  # descriptors ride on the first byte of their frame
-                header, got = self._recv_with_fds(4)
+                header, got = self._recv_with_fds(4, deadline)
                 fds.extend(got)
             (n,) = HEADER.unpack(header)
             if n > MAX_FRAME_BYTES:
                 raise ProtocolError(f"frame of {n} bytes from the daemon")
-            return self._decode(self._recv_exact(n))
+            return self._decode(self._recv_exact(n, deadline))
+        except TimeoutError as e:
+            self.close()
+            raise DaemonUnavailable(f"no answer to {method or 'a read'} in time (the daemon is hung or "
+                                    "overloaded)") from e
         except (OSError, ProtocolError) as e:
             self.close()
             raise DaemonUnavailable(f"receive failed: {e}") from e
@@ -129,19 +171,31 @@ class RpcConnection:
             self.close()
             raise
 
-    def _recv_exact(self, n: int) -> bytes:
+    def _wait(self, deadline: float | None) -> None:
+        """Bound the next blocking read by the exchange's deadline (None: the default timeout)."""
+        if deadline is None:
+            self.sock.settimeout(self.timeout_s)
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("timed out")
+        self.sock.settimeout(left)
+
+    def _recv_exact(self, n: int, deadline: float | None = None) -> bytes:
         buf = bytearray(n)
         view = memoryview(buf)
         got = 0
         while got < n:
+            self._wait(deadline)
             k = self.sock.recv_into(view[got:], n - got)
             if k == 0:
                 raise ConnectionResetError("the daemon closed the connection")
             got += k
         return bytes(buf)
 
-    def _recv_with_fds(self, n: int) -> tuple[bytes, list[int]]:
+    def _recv_with_fds(self, n: int, deadline: float | None = None) -> tuple[bytes, list[int]]:
         fds = array.array("i")
+        self._wait(deadline)
         data, ancdata, _, _ = self.sock.recvmsg(n, socket.CMSG_SPACE(MAX_FDS * fds.itemsize),
                                               socket.MSG_CMSG_CLOEXEC)
         for level, kind, payload in ancdata:
@@ -150,8 +204,22 @@ class RpcConnection:
         if not data:
             raise ConnectionResetError("the daemon closed the connection")
         if len(data) < n:
-            data += self._recv_exact(n - len(data))
+            data += self._recv_exact(n - len(data), deadline)
         return data, list(fds)
+
+
+def _connect_failure(path: str, e: OSError) -> str:
+    if isinstance(e, FileNotFoundError):
+        return f"no socket at {path}"
+    if isinstance(e, ConnectionRefusedError):
+        return f"nothing listens on {path} (a stale socket of a daemon that died?)"
+    return f"cannot connect to {path}: {e.strerror or e}"
+
+
+def _describe(e: OSError, timeout_s: float) -> str:
+    if isinstance(e, TimeoutError):
+        return f"no answer in {timeout_s:g}s (the daemon is hung or overloaded)"
+    return str(e)
 
 
 def _close_fd(fd: int) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hicache import __version__
-from hicache.config import Config, format_size
+from hicache.config import Config, format_size, private_socket_dir
 from hicache.daemon.handlers import ADMIN_METHODS, build_handlers
 from hicache.daemon.host_tier import HostTier
 from hicache.daemon.hybrid import HybridStates
@@ -35,13 +35,15 @@ log = logging.getLogger(__name__)
 
 
 def prepare_socket_path(path: Path) -> None:
-    """Create the socket's directory (private when we create it) and clear a stale socket."""
+    """Create the socket's directory (private when we create it), check that no other user
+    can swap the socket in it, and clear a stale socket."""
     parent = path.parent
-    if not parent.exists():
-        parent.mkdir(mode=0o700, parents=True)
-    st = parent.stat()
-    if st.st_uid != os.getuid() and st.st_uid != 0:
-        raise HiCacheError(f"socket directory {parent} belongs to uid {st.st_uid}, not to us")
+    private = parent == private_socket_dir()
+    try:
+        parent.mkdir(mode=0o700, parents=not private)
+    except FileExistsError:
+        pass  # checked below, never trusted for existing
+    check_socket_dir(parent, private)
     if path.exists() or path.is_symlink():
         if not stat.S_ISSOCK(path.lstat().st_mode):
             raise HiCacheError(f"{path} exists and is not a socket; refusing to replace it")
@@ -54,6 +56,35 @@ def prepare_socket_path(path: Path) -> None:
             raise HiCacheError(f"another daemon is already serving on {path}")
         finally:
             probe.close()
+
+
+def check_socket_dir(parent: Path, private: bool) -> None:
+    """`lstat` the socket's directory: never a symlink (its owner chose where we bind); the
+    default one under the temp dir exactly ours with mode 0700 (anyone may create that name
+    first); any other ours or root's, and not writable by others unless sticky."""
+    try:
+        st = parent.lstat()
+    except OSError as e:
+        raise HiCacheError(f"socket directory {parent}: {e.strerror or e}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise HiCacheError(f"socket directory {parent} is a symbolic link, refusing to bind through it: remove it "
+                           "or use --socket in a real directory")
+    if not stat.S_ISDIR(st.st_mode):
+        raise HiCacheError(f"socket directory {parent} is not a directory")
+    uid, mode = os.getuid(), stat.S_IMODE(st.st_mode)
+    if private:
+        if st.st_uid != uid:
+            raise HiCacheError(f"socket directory {parent} belongs to uid {st.st_uid}, not to us (uid {uid}): "
+                               f"another user may have created it to catch engines; rm -r {parent} as root, or "
+                               "set XDG_RUNTIME_DIR or --socket")
+        if mode != 0o700:
+            raise HiCacheError(f"socket directory {parent} has mode {mode:04o}, expected 0700: chmod 700 {parent}")
+        return
+    if st.st_uid not in (uid, 0):
+        raise HiCacheError(f"socket directory {parent} belongs to uid {st.st_uid}, not to us")
+    if mode & 0o022 and not mode & stat.S_ISVTX:
+        raise HiCacheError(f"socket directory {parent} is writable by other users (mode {mode:04o}), who could "
+                           f"replace the socket: chmod go-w {parent}")
 
 
 class Daemon:

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from hicache.client.client import HiCacheClient
+from hicache.client.deadlines import CallDeadlines
 from hicache.client.engine_cache import EngineCache, Prefix
 from hicache.engine.attention import EngineError
 from hicache.engine.model import ModelConfig, TinyTransformer
@@ -125,17 +126,21 @@ class CachedEngine:
 
     @classmethod
     def create(cls, config: ModelConfig | TinyTransformer, *, page_size: int = 16, device_pages: int = 64,
-               socket_path: str | None = None, use_cache: bool = True, timeout_s: float = 10.0,
-               backoff_s: tuple[float, float] = (0.05, 2.0), device: str | torch.device = "cpu") -> CachedEngine:
+               socket_path: str | None = None, use_cache: bool = True, timeout_s: float | None = None,
+               backoff_s: tuple[float, float] = (0.05, 2.0), device: str | torch.device = "cpu",
+               deadlines: CallDeadlines | None = None) -> CachedEngine:
         """A model (or a shared one), its own device pool and, with `use_cache`, a daemon
-        connection. The pool lives where the model does (`device` builds a new model there)."""
+        connection. The pool lives where the model does (`device` builds a new model there).
+        `deadlines` (default CallDeadlines()) or `timeout_s` (one for every call) bound each
+        daemon call; a hung daemon costs the first connect at most `connect_s` per step."""
         model = config if isinstance(config, TinyTransformer) else TinyTransformer(config, device=device)
         pool = DevicePool(model.layout(page_size), num_slots=device_pages * page_size, device=model.device)
         allocator = PagedTokenToKVPoolAllocator(pool.num_slots, page_size, device=model.device)
         cache = None
         if use_cache:
             client = HiCacheClient(pool.layout, pool.num_pages, model=model_name(model.config),
-                                   socket_path=socket_path, timeout_s=timeout_s, backoff_s=backoff_s)
+                                   socket_path=socket_path, timeout_s=timeout_s, backoff_s=backoff_s,
+                                   deadlines=deadlines)
             cache = EngineCache(client, pool, allocator)
         return cls(model, pool, allocator, cache)
 

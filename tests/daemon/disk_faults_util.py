@@ -27,7 +27,7 @@ WAIT = {"HICACHE_LOAD_POLICY": "wait_complete"}
 def stats(sock: str) -> dict:
     conn = RpcConnection.connect(sock)
     try:
-        conn.hello(want_arena=False)
+        conn.hello()
         return conn.call("stats")
     finally:
         conn.close()
@@ -36,7 +36,7 @@ def stats(sock: str) -> dict:
 def admin(sock: str, method: str, params: dict | None = None) -> Any:
     conn = RpcConnection.connect(sock)
     try:
-        conn.hello(want_arena=False)
+        conn.hello()
         return conn.call(method, params or {})
     finally:
         conn.close()

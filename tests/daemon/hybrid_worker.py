@@ -20,9 +20,14 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
-import numpy as np
-import torch
+# Run as a script, this file's directory heads sys.path: put the checkout it belongs to
+# before any installed hicache, so a worktree's tests drive that worktree's code.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 from hicache.client.client import HiCacheClient
 from hicache.client.hybrid_cache import HybridEngineCache

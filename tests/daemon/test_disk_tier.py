@@ -39,7 +39,7 @@ def test_disk_pages_survive_kill9(daemon_factory):
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         c = RpcConnection.connect(d.socket)
-        c.hello(want_arena=False)
+        c.hello()
         st = c.call("stats")
         c.close()
         if st["tiers"]["disk"]["pages"] >= 16 and st["tiers"]["disk"]["queue_depth"] == 0:

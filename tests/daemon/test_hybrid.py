@@ -59,7 +59,7 @@ def engines():
 def daemon_stats(socket: str) -> dict:
     c = RpcConnection.connect(socket)
     try:
-        c.hello(want_arena=False)
+        c.hello()
         return c.call("stats")
     finally:
         c.close()
@@ -134,7 +134,7 @@ def test_register_and_insert_refuse_bad_state_parameters(daemon):
     model = HybridModel(HybridConfig())
     layout, state = model.kv_layout(16), model.state_layout(64).to_dict()
     c = RpcConnection.connect(daemon.socket)
-    c.hello(want_arena=False)
+    c.hello()
     base = {"model": "hybrid-bad", "layout": layout.to_dict(), "device_pages": 64}
     for bad in ({**state, "chunk_size": 40}, {**state, "conv_shapes": [[0, 3]]}, {**state, "extra": 1}, [1]):
         with pytest.raises(ClientError) as e:

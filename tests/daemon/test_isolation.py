@@ -163,7 +163,7 @@ def test_a_client_that_asks_for_slab_fds_without_reading_gets_one_message_of_the
             last, since = now, time.monotonic()
         time.sleep(0.01)
     fds: list[int] = []
-    replies = [a.client.conn._read_message(fds) for _ in range(n)]
+    replies = [a.client.conn._read_message(fds=fds) for _ in range(n)]
     assert sorted(r["id"] for r in replies) == list(range(10_000, 10_000 + n))
     with_fds = [r for r in replies if "result" in r and r["result"]["sent"]]
     assert len(with_fds) == 1 and len(fds) == len(with_fds[0]["result"]["sent"]) == 2

@@ -14,6 +14,7 @@ from hicache.client.connection import RpcConnection
 from hicache.rpc.framing import pack_frame
 
 from tests.daemon.test_robustness import LAYOUT, recv_frame
+from tests.wait import wait_until
 
 WORKER = [sys.executable, str(Path(__file__).with_name("engine_worker.py"))]
 
@@ -52,20 +53,19 @@ def test_kill9_daemon_mid_cycle_then_restart(daemon_factory):
     assert time.monotonic() - t0 < 30
     d.start()  # same socket path; the stale socket file is replaced
     deadline = time.monotonic() + 60
-    while True:  # the client retries with backoff; a store re-teaches the new daemon
-        res = eng.do("store:1:40")
-        if res["connected"] or time.monotonic() > deadline:
+    while True:  # the client reconnects in the background; a store on the new connection re-teaches it
+        eng.do("store:1:40")
+        again = eng.do("load:1:40")
+        if again["device_len"] == 10 or time.monotonic() > deadline:
             break
         time.sleep(0.1)
-    assert res["connected"], d.read_log()
-    again = eng.do("load:1:40")
-    assert again["device_len"] == 10 and again["bad_pages"] == 0
+    assert again["connected"] and again["device_len"] == 10 and again["bad_pages"] == 0, d.read_log()
     assert eng.close() == 0
 
 
 def test_sigterm_answers_what_it_read_and_exits_0(daemon):
     conn = RpcConnection.connect(daemon.socket)
-    conn.hello(want_arena=False)
+    conn.hello()
     reg = conn.call("register", {"model": "m", "layout": LAYOUT.to_dict(), "device_pages": 8})
     n = 200
     conn.sock.sendall(b"".join(pack_frame({"id": 1000 + i, "method": "match",
@@ -98,11 +98,10 @@ def test_ids_of_an_old_daemon_never_reach_a_new_one(daemon_factory):
     assert old.pin is not None and old.device_len == 8
     d.kill9()
     d.start()
-    time.sleep(0.1)
     # the old connection is dead: this call fails on it (a skipped store) ...
     assert client.insert(tokens, np.arange(1, 9, dtype=np.int64), pin=old) is None
-    time.sleep(0.1)  # past the backoff
-    # ... and this one reconnects but is not sent: its pin belongs to the dead daemon
+    wait_until(lambda: client.reconnect_ready, 30, "the background reconnect")
+    # ... and this one adopts the new connection but is not sent: its pin belongs to the dead daemon
     client.release(old)
     assert client.connected and client.epoch == 2
     assert client.refusals == 0  # nothing stale was refused, because nothing stale was sent

@@ -23,7 +23,7 @@ def as_user(socket: str, uid: int, gid: int, groups: list[int]) -> str:
             os.setgid(gid)
             os.setuid(uid)
             c = RpcConnection.connect(socket, timeout_s=10)
-            c.hello(want_arena=False)
+            c.hello()
             c.call("stats")
             msg = "served"
         except Exception as e:  # noqa: BLE001 - reported to the parent

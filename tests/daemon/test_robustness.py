@@ -52,7 +52,7 @@ def register(conn: RpcConnection, device_pages: int = 64, model: str = "m") -> d
 
 def stats(path: str) -> dict:
     conn = RpcConnection.connect(path)
-    conn.hello(want_arena=False)
+    conn.hello()
     try:
         return conn.call("stats")
     finally:
@@ -110,7 +110,7 @@ def test_oversized_frame_closes_only_that_connection(daemon):
 ])
 def test_bad_requests_are_refused(daemon, method, params, code):
     conn = RpcConnection.connect(daemon.socket)
-    conn.hello(want_arena=False)
+    conn.hello()
     before = state_of(conn.call("stats"))
     with pytest.raises(ClientError) as err:
         conn.call(method, params)
@@ -121,7 +121,7 @@ def test_bad_requests_are_refused(daemon, method, params, code):
 
 def test_engine_calls_validate_before_changing_anything(daemon):
     conn = RpcConnection.connect(daemon.socket)
-    conn.hello(want_arena=False)
+    conn.hello()
     engine = register(conn, device_pages=16)["engine"]
     salt = conn.call("register", {"model": "m", "layout": LAYOUT.to_dict(), "device_pages": 16})["salt"]
     tokens = np.arange(32, dtype=np.int32)
@@ -156,11 +156,11 @@ def test_engine_calls_validate_before_changing_anything(daemon):
 
 def test_another_connection_cannot_touch_my_pins_or_engine(daemon):
     a = RpcConnection.connect(daemon.socket)
-    a.hello(want_arena=False)
+    a.hello()
     reg = register(a)
     m = a.call("match", {"engine": reg["engine"], "keys": b""})
     b = RpcConnection.connect(daemon.socket)
-    b.hello(want_arena=False)
+    b.hello()
     for method, params in (("release", {"pin": m["pin"]}), ("match", {"engine": reg["engine"], "keys": b""}),
                            ("evict", {"engine": reg["engine"], "num_pages": 1})):
         with pytest.raises(ClientError) as err:
@@ -174,7 +174,7 @@ def test_another_connection_cannot_touch_my_pins_or_engine(daemon):
 def test_busy_beyond_the_inflight_cap(daemon_factory):
     d = daemon_factory("--host-capacity", "64MiB", "--no-disk", env={"HICACHE_MAX_INFLIGHT": "1"}).start()
     conn = RpcConnection.connect(d.socket)
-    conn.hello(want_arena=False)
+    conn.hello()
     reg = register(conn)
     pin = conn.call("match", {"engine": reg["engine"], "keys": b""})["pin"]
     s = conn.sock

@@ -23,6 +23,7 @@ from hicache.engine.attention import EngineError
 from hicache.engine.cached import CachedEngine, Generation
 from hicache.engine.model import ModelConfig, TinyTransformer
 from hicache.daemon.launcher import LocalDaemon
+from tests.wait import wait_until
 
 PAGE = 8
 SMALL = dict(num_layers=2, hidden=64, head_dim=16, intermediate=128)
@@ -95,7 +96,7 @@ def tiers(g: Generation) -> tuple[int, int, int, int]:
 def admin(socket: str, method: str, params: dict | None = None) -> dict:
     conn = RpcConnection.connect(socket, timeout_s=10.0)
     try:
-        conn.hello(want_arena=False)
+        conn.hello()
         return conn.call(method, params or {})
     finally:
         conn.close()
@@ -173,7 +174,8 @@ def test_engine_keeps_serving_exactly_across_a_daemon_restart(kind, sig, models,
     # The first request after the restart finds the connection stale: a miss, computed.
     other = tokens(30, 33)
     assert_bitwise(serve(a, other), from_scratch(model, other))
-    time.sleep(0.2)  # past the client's reconnect backoff
+    # the client reconnects in the background; wait for it (adopting it here, the engine thread)
+    wait_until(a.cache.client.poll, 30, "the engine's reconnect to the restarted daemon")
     # Reconnected, the engine's old device pages are forgotten; the prefix comes back from disk.
     g = serve(a, prompt)
     assert tiers(g) == (0, 0, CACHED, PROMPT_LEN - CACHED)

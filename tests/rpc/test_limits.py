@@ -61,7 +61,7 @@ REG = {"model": "m", "layout": LAYOUT.to_dict(), "device_pages": 64}
 ])
 def test_sizes_over_the_limits_are_refused_and_change_nothing(small, method, params):
     conn = RpcConnection.connect(small.socket)
-    conn.hello(want_arena=False)
+    conn.hello()
     engine = conn.call("register", {**REG, "device_pages": 4096})["engine"]  # refusals only for the size tried
     params = {k: engine if v == "ENGINE" else v for k, v in params.items()}
     before = state_of(conn.call("stats"))
@@ -73,7 +73,7 @@ def test_sizes_over_the_limits_are_refused_and_change_nothing(small, method, par
 
 def test_limits_still_serve_what_fits(small):
     conn = RpcConnection.connect(small.socket)
-    conn.hello(want_arena=False)
+    conn.hello()
     reg = conn.call("register", {**REG, "device_pages": 4096})
     tokens = np.arange(64 * 4, dtype=np.int32)
     blob = b"".join(page_keys(reg["salt"], tokens, 4))
@@ -101,7 +101,7 @@ def test_half_sent_frames_are_capped_across_connections(daemon_factory):
     closed = wait_until(lambda: sum(hung_up(s, 0.01) for s in socks) >= 4, 20)
     assert closed, "the daemon kept every half-sent frame (5.6 MB over a 3 MiB cap)"
     conn = RpcConnection.connect(d.socket)
-    conn.hello(want_arena=False)
+    conn.hello()
     st = conn.call("stats")
     assert st["rpc"]["buffered_input_bytes"] <= 3 << 20
     assert st["rpc"]["input_overflows"] == sum(hung_up(s, 0.01) for s in socks) == 4
@@ -130,7 +130,7 @@ def test_a_subscriber_that_falls_behind_is_dropped_and_counted(daemon_factory):
     greet(sub)
     assert request(sub, 1, "subscribe")["result"] is True  # and never reads again
     conn = RpcConnection.connect(d.socket)
-    conn.hello(want_arena=False)
+    conn.hello()
     reg = conn.call("register", {"model": "m", "layout": LAYOUT.to_dict(), "device_pages": 1 << 15})
     for batch in range(0, 2000, 200):  # each insert: a "stored" event of 16 keys (~300 bytes)
         frames = []
@@ -153,7 +153,7 @@ def test_a_burst_of_frames_does_not_hold_the_loop(daemon_factory):
     """One write of thousands of requests: other connections are served between them."""
     d = daemon_factory("--host-capacity", "16MiB", "--no-disk").start()
     conn = RpcConnection.connect(d.socket, timeout_s=60)
-    conn.hello(want_arena=False)
+    conn.hello()
     reg = conn.call("register", {"model": "m", "layout": LAYOUT.to_dict(), "device_pages": 8192})
     for batch in range(0, 6000, 200):  # 6000 one-page branches: each `ls` of them costs a few ms
         frames = []

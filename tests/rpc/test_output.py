@@ -17,7 +17,7 @@ from tests.rpc.wire import LAYOUT, greet, hung_up, raw, request, unread_bytes, w
 def served(path: str) -> bool:
     conn = RpcConnection.connect(path, timeout_s=20)
     try:
-        conn.hello(want_arena=False)
+        conn.hello()
         return "pid" in conn.call("stats")
     finally:
         conn.close()
@@ -56,7 +56,7 @@ def test_a_connection_over_its_output_cap_is_aborted(daemon_factory):
                        env={"HICACHE_MAX_OUTPUT_BYTES": "64KiB"}).start()
     # a tree whose `ls` reply (~500 KiB) is larger than the socket holds (~200 KiB) plus the cap
     conn = RpcConnection.connect(d.socket)
-    conn.hello(want_arena=False)
+    conn.hello()
     reg = conn.call("register", {"model": "m", "layout": LAYOUT.to_dict(), "device_pages": 8192})
     for batch in range(0, 8000, 200):  # pipelined, a batch at a time (the replies are read by the call)
         frames = []

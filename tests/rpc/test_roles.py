@@ -51,7 +51,7 @@ def test_nothing_is_served_before_hello(daemon):
         assert request(s, i, method, params)["error"]["code"] == "HELLO_REQUIRED"
     assert request(s, 10, "hello", {"version": 999})["error"]["code"] == "VERSION"
     assert request(s, 11, "stats")["error"]["code"] == "HELLO_REQUIRED"  # a failed hello is no hello
-    assert "result" in request(s, 12, "hello", {"version": PROTOCOL_VERSION, "want_arena": False})
+    assert "result" in request(s, 12, "hello", {"version": PROTOCOL_VERSION})
     assert "tiers" in request(s, 13, "stats")["result"]
     s.close()
 
@@ -61,14 +61,14 @@ def test_a_non_admin_peer_cannot_flush_import_export_or_look_into_other_tenants(
     d = start_public(daemon_factory, "--host-capacity", "16MiB", "--no-disk",
                      env={"HICACHE_ALLOWED_UIDS": "0,4343,4444", "HICACHE_ADMIN_GIDS": "4242"})
     root = RpcConnection.connect(d.socket)
-    root.hello(want_arena=False)
+    root.hello()
     a = store(root, "tenant-a", seed=1)
 
     def tenant_b(ch: AsUser) -> dict:
         c = RpcConnection.connect(d.socket, timeout_s=10)
-        c.hello(want_arena=False)
+        c.hello()
         sub = RpcConnection.connect(d.socket, timeout_s=10)
-        sub.hello(want_arena=False)
+        sub.hello()
         out = {"before_register": c.call("ls", {"depth": 1})["namespaces"]}
         b = store(c, "tenant-b", seed=2)
         sub.call("register", {"model": "tenant-b", "layout": LAYOUT.to_dict(), "device_pages": 8})
@@ -117,13 +117,13 @@ def test_a_member_of_an_admin_group_is_an_admin(daemon_factory):
     d = start_public(daemon_factory, "--host-capacity", "16MiB", "--no-disk",
                      env={"HICACHE_ALLOWED_UIDS": "0,4444", "HICACHE_ADMIN_GIDS": "4242"})
     root = RpcConnection.connect(d.socket)
-    root.hello(want_arena=False)
+    root.hello()
     store(root, "tenant-a", seed=1)
     assert root.call("stats")["tiers"]["host"]["used_bytes"] > 0
 
     def operator(ch: AsUser) -> dict:
         c = RpcConnection.connect(d.socket, timeout_s=10)
-        c.hello(want_arena=False)
+        c.hello()
         return {"ls": [ns["model"] for ns in c.call("ls", {"depth": 1})["namespaces"]],
                 "flush": c.call("flush", {"tier": "host"})["pages"],
                 "engines": len(c.call("stats")["engines"])}
@@ -136,7 +136,7 @@ def test_a_member_of_an_admin_group_is_an_admin(daemon_factory):
 
 def test_engines_act_only_on_what_their_connection_registered(daemon):
     a = RpcConnection.connect(daemon.socket)
-    a.hello(want_arena=False)
+    a.hello()
     reg = a.call("register", {"model": "m", "layout": LAYOUT.to_dict(), "device_pages": 64})
     tokens = np.arange(16, dtype=np.int32)
     blob = b"".join(page_keys(reg["salt"], tokens, 4))
@@ -144,7 +144,7 @@ def test_engines_act_only_on_what_their_connection_registered(daemon):
                             "device_pages": ids_to_bytes(range(1, 5))})
     m = a.call("match", {"engine": reg["engine"], "keys": blob})
     b = RpcConnection.connect(daemon.socket)
-    b.hello(want_arena=False)
+    b.hello()
     mine = b.call("register", {"model": "m", "layout": LAYOUT.to_dict(), "device_pages": 64})["engine"]
     theirs = {"engine": reg["engine"], "keys": blob, "tokens": tokens.tobytes(),
               "device_pages": ids_to_bytes(range(1, 5))}
@@ -168,5 +168,5 @@ def test_hello_first_survives_garbage_before_it(daemon):
     s.sendall(len(b"\xc1").to_bytes(4, "big") + b"\xc1")  # undecodable: BAD_REQUEST, not served
     assert request(s, 1, "stats")["error"]["code"] == "HELLO_REQUIRED"
     s.sendall(len(msgpack.packb([1])).to_bytes(4, "big") + msgpack.packb([1]))
-    assert request(s, 2, "hello", {"version": PROTOCOL_VERSION, "want_arena": False})["result"]["version"] == PROTOCOL_VERSION
+    assert request(s, 2, "hello", {"version": PROTOCOL_VERSION})["result"]["version"] == PROTOCOL_VERSION
     s.close()

@@ -55,7 +55,7 @@ def request(s: socket.socket, req_id: int, method: str, params: dict | None = No
 
 
 def greet(s: socket.socket) -> dict:
-    reply = request(s, 0, "hello", {"version": PROTOCOL_VERSION, "want_arena": False})
+    reply = request(s, 0, "hello", {"version": PROTOCOL_VERSION})
     assert "result" in reply, reply
     return reply["result"]
 

@@ -110,7 +110,7 @@ def _launch_activated(tmp: Path, listener: socket.socket, *extra: str, env: dict
 def _call(path: str, method: str, params: dict | None = None):
     conn = RpcConnection.connect(path, timeout_s=RECV_TIMEOUT_S)
     try:
-        conn.hello(want_arena=False)
+        conn.hello()
         return conn.call(method, params)
     finally:
         conn.close()
@@ -204,7 +204,7 @@ def test_socket_activation_serves_on_the_passed_socket_across_restarts(tmp_path,
     waiting = RpcConnection.connect(path, timeout_s=RECV_TIMEOUT_S)  # queued in the backlog, no daemon
     second = _launch_activated(tmp_path, listener, env=env)
     procs.append(second)
-    hello, _ = waiting.hello(want_arena=False)
+    hello, _ = waiting.hello()
     assert hello["pid"] == second.pid
     assert waiting.call("stats")["pid"] == second.pid
     waiting.close()

@@ -19,6 +19,7 @@ import pytest
 from hicache.errors import ConfigError, DiskTierError
 from hicache.tiers import disk_format as fmt
 from hicache.tiers.disk import DiskTier, DiskTierConfig
+from tests.wait import wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SALT_A = bytes(range(16))
@@ -369,7 +370,7 @@ def test_touch_updates_last_access(open_tier):
     tier = open_tier()
     put_all(tier, [(key(1), np.zeros(64, np.uint8))])
     before = next(tier.iter_meta()).last_access
-    time.sleep(0.01)
+    wait_until(lambda: time.time() > before, 10, "the wall clock to pass the stored access time")
     tier.touch([key(1), key(2)])  # key(2) is not stored: ignored
     assert tier.flush(timeout_s=60)
     after = next(tier.iter_meta()).last_access

@@ -1,0 +1,41 @@
+"""How long HiCacheClient waits for each call, by its place on the engine's critical path.
+
+A daemon answers every call in well under a millisecond when it is healthy, so
+a deadline only decides how much a hung daemon (SIGSTOP, a stuck disk, a
+swapped-out process) costs the engine before the client gives up, drops the
+connection and answers misses / skips from then on (hicache/client/reconnect.py).
+One timeout per call kind, not one for all: a lookup blocks a request's first
+token, a disk load may legitimately wait for the disk, an admin call has all the
+time it needs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from hicache.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class CallDeadlines:
+    """Seconds per call. The defaults cost a request at most a quarter second of a hung
+    daemon, then nothing until it answers again."""
+
+    connect_s: float = 0.5  # connect, hello, register: each (a stopped daemon still accepts connect())
+    match_s: float = 0.25   # the lookup at the start of every request
+    load_s: float = 5.0     # the disk part of a match: the daemon waits per its load policy
+                            # (wait_complete: the whole read; timeout: prefetch_timeout_s), then answers
+    update_s: float = 0.5   # insert, load_done, release, backup_done, state_backup_done, evict
+    admin_s: float = 5.0    # stats
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ConfigError(f"CallDeadlines.{f.name} must be a finite number of seconds > 0, got {value!r}")
+
+    @classmethod
+    def uniform(cls, timeout_s: float) -> CallDeadlines:
+        """The same deadline for every call (benchmarks and tests on loaded machines)."""
+        return cls(timeout_s, timeout_s, timeout_s, timeout_s, timeout_s)

@@ -1,0 +1,132 @@
+"""The `hicache` command line never shows a traceback (issue 14, defect 12): bad arguments,
+a closed stdout, a daemon that refuses this peer, a stale socket, an OS error each give
+one line on stderr and a non-zero exit. The CLI runs as a real process throughout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import traceback
+
+import pytest
+
+# imported here, as root: the child running as another user cannot read the interpreter's files
+import hicache.bench.cli  # noqa: F401
+import hicache.cli_admin  # noqa: F401
+from hicache.cli import main as cli_main
+from tests.wait import wait_until
+
+CLI = [sys.executable, "-m", "hicache.cli"]
+ENV = {**os.environ, "PYTHONPATH": os.getcwd()}
+
+
+def hicache(*args: str, env: dict | None = None, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout_s, env=env or ENV)
+
+
+def one_line_error(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode != 0, r
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["stats", "--watch", "-1"], "--watch"),
+    (["stats", "--watch", "0"], "--watch"),
+    (["stats", "--watch", "nan"], "--watch"),
+    (["stats", "--watch", "1e400"], "--watch"),
+    (["ls", "--depth", "99999999999999999999"], "--depth"),
+    (["ls", "--depth", "-1"], "--depth"),
+    (["export", "--chunk-bytes", "abc", "--namespace", "m", "out.bin"], "--chunk-bytes"),
+    (["export", "--chunk-bytes", "0", "--namespace", "m", "out.bin"], "--chunk-bytes"),
+    (["import", "--chunk-bytes", "1e30", "in.bin"], "--chunk-bytes"),
+])
+def test_bad_arguments_are_one_line_usage_errors(daemon, args, expect):
+    """Against a live daemon: before the fix `--watch -1` printed the stats, then a traceback."""
+    line = one_line_error(hicache(*args, "--socket", daemon.socket))
+    assert expect in line
+
+
+def test_output_into_a_closed_pipe_exits_quietly(daemon):
+    """`hicache stats --watch 0.01 --json | head -1`: the reader goes away, the CLI stops."""
+    proc = subprocess.Popen([*CLI, "stats", "--json", "--watch", "0.01", "--socket", daemon.socket], env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().startswith("{")
+        proc.stdout.close()  # as `head` exits
+        assert proc.wait(60) == 128 + 13  # as if killed by SIGPIPE, the shell's convention
+        assert proc.stderr.read() == ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_stale_socket_of_a_killed_daemon_is_one_line(daemon):
+    daemon.kill9()
+    assert os.path.exists(daemon.socket)  # the stale file stays behind
+    for args in (["stats"], ["ls"], ["doctor"], ["flush", "--tier", "host"]):
+        line = one_line_error(hicache(*args, "--socket", daemon.socket))
+        assert "not running" in line and daemon.socket in line, line
+
+
+def test_debug_shows_the_traceback(daemon):
+    daemon.kill9()
+    r = hicache("stats", "--socket", daemon.socket, env={**ENV, "HICACHE_DEBUG": "1"})
+    assert r.returncode != 0 and "Traceback" in r.stderr
+    r = hicache("--debug", "stats", "--socket", daemon.socket)
+    assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+def test_an_os_error_is_one_line(tmp_path):
+    r = hicache("serve", "--socket", str(tmp_path / "s.sock"), "--state-dir", "/proc/no/such/dir",
+                "--host-capacity", "16MiB", "--disk-capacity", "64MiB")
+    err = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert err[-1].startswith("hicache: ") and "/proc/no" in err[-1]  # after the daemon's own log lines
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the CLI as another user")
+def test_a_daemon_refusing_this_peer_is_named(daemon_factory):
+    public = tempfile.mkdtemp(prefix="hicache-cli-")  # pytest's tmp dirs are private to root
+    os.chmod(public, 0o755)
+    d = daemon_factory("--host-capacity", "16MiB", "--no-disk")
+    d.socket = os.path.join(public, "hicache.sock")
+    d.start("--socket", d.socket)
+    os.chmod(d.socket, 0o666)  # reachable by anyone: the daemon's peer check alone decides
+    rc, err = run_cli_as(4446, ["stats", "--socket", d.socket])
+    assert rc == 2 and "Traceback" not in err, (rc, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "refused by the daemon (peer credentials)" in lines[0], err
+    wait_until(lambda: "refusing connection" in d.read_log(), 30, "the daemon's log of the refusal")
+
+
+def run_cli_as(uid: int, argv: list[str]) -> tuple[int, str]:
+    """The real CLI in a forked child running as `uid` (no exec: the interpreter under /root is
+    not readable by other users); its exit status and stderr."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 99
+        try:
+            os.close(r)
+            os.dup2(w, 2)
+            sys.stderr = open(2, "w", buffering=1, closefd=False)  # not pytest's capture
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            code = cli_main(argv)
+        except BaseException:  # shown to the parent, which fails the test
+            traceback.print_exc()
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        err = f.read()
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), err
