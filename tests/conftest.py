@@ -9,6 +9,12 @@ import pytest
 from hicache.daemon.launcher import LocalDaemon
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--long", action="store_true", default=False,
+                     help="run tests/robustness at full length (>= 100k fuzzed frames, >= 20 kill -9 "
+                          "rounds, a soak of minutes) instead of CI's short run")
+
+
 class DaemonProcess(LocalDaemon):
     def kill9(self) -> None:
         self.stop(signal.SIGKILL)
