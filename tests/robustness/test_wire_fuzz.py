@@ -16,7 +16,7 @@ from typing import Any
 
 from hicache.daemon.handlers import build_handlers
 
-from tests.robustness.contracts import INTERNAL, error_code
+from tests.robustness.contracts import HELLO_REQUIRED, INTERNAL, error_code
 from tests.robustness.fuzz_frames import METHODS, Context, Frame, FrameFuzzer
 from tests.robustness.proc import cap_address_space, memory_kib
 from tests.robustness.wire import RawConn, WireError, exchange, served_stats
@@ -131,3 +131,20 @@ def test_fuzzed_frames_never_crash_stall_or_reach_a_handler_unvalidated(daemon_f
     print("\n" + run.summary(seconds, (rss_before, memory_kib(d.proc.pid))))
     unserved = [m for m, codes in run.seen.items() if not codes - {"UNKNOWN_METHOD"}]
     assert not unserved, f"methods the fuzz never got a real answer for: {unserved}"
+
+
+def test_every_method_before_hello_is_refused_and_changes_nothing(daemon_factory):
+    d = daemon_factory("--host-capacity", "16MiB", "--disk-capacity", "64MiB").start()
+    before = served_stats(d.socket)
+    fuzz, ctx = FrameFuzzer(SEED), Context()
+    answered = {}
+    with RawConn(d.socket, timeout_s=REPLY_TIMEOUT_S) as conn:
+        for method in METHODS:
+            if method != "hello":
+                answered[method] = error_code(conn.call(method, fuzz.valid_params(method, ctx))) or "served"
+        conn.hello()  # and the connection is still usable
+        assert "result" in conn.call("stats")
+    after = served_stats(d.socket)
+    wrong = {m: code for m, code in answered.items() if code != HELLO_REQUIRED}
+    assert not wrong, f"requests before hello must get {HELLO_REQUIRED}; got {wrong}"
+    assert (after["namespaces"], len(after["engines"])) == (before["namespaces"], len(before["engines"]))
