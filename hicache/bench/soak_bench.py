@@ -16,6 +16,7 @@ same numbers.
 
 from __future__ import annotations
 
+import logging
 import tempfile
 import threading
 import time
@@ -206,6 +207,7 @@ def run_soak(socket: str, *, clients: int = 32, duration_s: float = 180.0, warmu
 
 
 def run(args: Any) -> list[dict]:
+    logging.getLogger("hicache.client").setLevel(logging.WARNING)  # a line per reconnect otherwise
     with tempfile.TemporaryDirectory(prefix="hicache-soak-") as tmp:
         daemon = None
         sock = args.socket_path

@@ -216,26 +216,29 @@ def _tenant_b(socket: str, a: dict, inbox: Lines, out: int) -> None:
         rpc["match A keys"] = (len(r["device_pages"]) // 4 + len(r["host_pages"]) // 4 + r["disk_len"]
                                  if r else error_code(m))
 
-    # 3. events: subscribe, let A store, then our own store marks the end of A's events
+    # 3. events: subscribe on the connection of an engine of B's own, let A store, then our
+    # own insert marks the end of what A's store could have shown us
     events: dict[str, Any] = {}
     with RawConn(socket, timeout_s=30) as sub:
         sub.hello()
+        eng = WireEngine(sub, LAYOUT, 64, model="tenant-b")
         reply = sub.call("subscribe")
         events["subscribe"] = error_code(reply) or "served"
         send(out, {"phase": "subscribed", "rpc": rpc, "subscribe": events["subscribe"]})
         inbox.recv(120)  # A stored a conversation meanwhile
         if "result" in reply:
-            store(cache, conversation(4242, np.random.default_rng(4242)))
-            b_salt = cache.client.salt.hex()
-            a_hits = 0
-            while True:
-                ev = sub.recv(timeout_s=30, skip_events=False).get("event")
+            eng.insert(conversation(4242, np.random.default_rng(4242)))
+            b_salt = eng.salt.hex()
+            a_hits, mine = 0, False
+            while not mine:
+                if not sub.events:
+                    sub.events.append(sub.recv(timeout_s=30, skip_events=False).get("event"))
+                ev = sub.events.pop(0)
                 if not isinstance(ev, dict):
                     continue
                 if ev.get("namespace") == a["salt"] or set(map(bytes.hex, ev.get("keys", []))) & set(a["keys"]):
                     a_hits += 1
-                if ev.get("namespace") == b_salt:
-                    break
+                mine = ev.get("namespace") == b_salt
             events["events about A"] = a_hits
     send(out, {"phase": "events", "events": events})
 

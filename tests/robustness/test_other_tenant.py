@@ -149,9 +149,10 @@ def test_another_tenant_gets_no_byte_of_my_pages_by_any_path(daemon_factory):
 
         # A takes all host memory over, from a flushed host tier: B's old mappings must show none of it
         admin_call(d.socket, "flush", {"tier": "host"})
-        refill = [conversation(300 + i, np.random.default_rng(300 + i)) for i in range(3)]
-        refill = [np.concatenate([t, np.random.default_rng(400 + i).integers(0, 50000, 4000, dtype=np.int32)])
-                  for i, t in enumerate(refill)]  # ~1000 pages each: more than the 8 MiB host tier holds
+        # 12 conversations of ~1000 pages: 12k pages of 768 B, more than the 8 MiB host tier holds
+        refill = [np.concatenate([conversation(300 + i, np.random.default_rng(300 + i)),
+                                  np.random.default_rng(400 + i).integers(0, 50000, 4000, dtype=np.int32)])
+                  for i in range(12)]
         a_cache = engine(d.socket, model=A_MODEL, extra_key=A_EXTRA, pool_pages=1100)
         try:
             for tokens in refill:

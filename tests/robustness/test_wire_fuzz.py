@@ -46,6 +46,7 @@ def test_the_fuzzer_knows_every_method_the_daemon_serves():
 class FuzzRun:
     def __init__(self, socket: str, seed: int) -> None:
         self.socket = socket
+        self.seed = seed
         self.fuzz = FrameFuzzer(seed)
         self.rng = random.Random(seed + 1)
         self.frames = 0
@@ -102,7 +103,7 @@ class FuzzRun:
         return internal
 
     def summary(self, seconds: float, rss: tuple[dict, dict]) -> str:
-        return (f"wire fuzz: seed={SEED} frames={self.frames} connections={self.connections} "
+        return (f"wire fuzz: seed={self.seed} frames={self.frames} connections={self.connections} "
                 f"replies={self.replies} closed_after_stream_breaker={self.closed_after_breaker} "
                 f"closed_unprovoked={self.closed_unprovoked} in {seconds:.1f}s; "
                 f"daemon RSS {rss[0]['VmRSS']} -> {rss[1]['VmRSS']} KiB (anon {rss[0]['RssAnon']} -> "

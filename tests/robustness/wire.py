@@ -47,6 +47,7 @@ class RawConn:
         self._buf = bytearray()
         self._ids = iter(range(1, 1 << 62))
         self.eof = False
+        self.events: list[dict] = []  # events that arrived while waiting for a reply
 
     # -- bytes ------------------------------------------------------------------
     def send(self, data: bytes) -> None:
@@ -97,12 +98,14 @@ class RawConn:
         return msg
 
     def recv(self, timeout_s: float | None = None, skip_events: bool = True) -> dict:
-        """The next reply (events skipped); TimeoutError / ConnectionError as they come."""
+        """The next reply (events set aside in `events`); TimeoutError / ConnectionError as they come."""
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         while True:
             msg = self.take_frame()
             if msg is not None:
                 if skip_events and "event" in msg:
+                    if len(self.events) < 10000:
+                        self.events.append(msg["event"])
                     continue
                 return msg
             if not self._read_some(deadline):
