@@ -5,8 +5,10 @@ each, so a rename at merge time is a one-line change here.
   namespace it did not register.
 - `Code.HELLO_REQUIRED`: a request before a successful `hello`.
 - Disk tier counters in `stats()["tiers"]["disk"]`: `quarantined` (environments moved
-  aside at start, defect 8) and `degraded` (times the tier was switched off at run
-  time by ENOSPC / EROFS / EACCES, defect 11).
+  aside at start, defect 8) and `write_faults` (ENOSPC / EROFS / EACCES met at run
+  time, which degrade the tier, defect 11).
+- `Config.max_event_backlog_bytes` (HICACHE_MAX_EVENT_BACKLOG_BYTES): a subscriber with
+  more unsent events is dropped (defect 6).
 """
 
 from __future__ import annotations
@@ -45,11 +47,11 @@ def quarantined(stats: dict) -> int:
 
 
 def disk_degraded(stats: dict) -> int:
-    """How many times the disk tier was switched off at run time (disk full, read-only, ...)."""
-    return _disk_counter(stats, "degraded")
+    """How many write faults (disk full, read-only, ...) degraded the disk tier at run time."""
+    return _disk_counter(stats, "write_faults")
 
 
-def small_output_cap_env() -> dict[str, str]:
-    """Daemon settings under which one connection's queued output (unread replies,
-    events) is capped at about 1 MiB, so a test reaches the cap quickly."""
-    return {"HICACHE_MAX_BUFFER_BYTES": "1MiB"}
+def small_event_backlog_env() -> dict[str, str]:
+    """Daemon settings under which a subscriber with about 1 MiB of unsent events is
+    dropped, so a test reaches the cap quickly."""
+    return {"HICACHE_MAX_EVENT_BACKLOG_BYTES": "1MiB"}

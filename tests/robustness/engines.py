@@ -6,6 +6,7 @@ byte it is served against what the storing engine wrote."""
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,7 +16,7 @@ from hicache.client.engine_cache import EngineCache
 from hicache.tiers.allocator import PagedTokenToKVPoolAllocator
 from hicache.tiers.device import DevicePool
 
-from tests.daemon.engine_worker import LAYOUTS, load, store
+from tests.daemon.engine_worker import LAYOUTS, load, write_pages
 
 LAYOUT = LAYOUTS["mha"]
 
@@ -27,6 +28,29 @@ def engine(socket: str, pool_pages: int = 512, model: str = "robust", extra_key:
     client = HiCacheClient(LAYOUT, pool.num_pages, model=model, socket_path=socket, extra_key=extra_key,
                            timeout_s=timeout_s, backoff_s=(0.02, 0.2))
     return EngineCache(client, pool, alloc)
+
+
+def store(cache: EngineCache, tokens: np.ndarray, timeout_s: float = 20.0) -> bool:
+    """What an engine does with a request: look its prefix up, compute the rest (pages whose
+    bytes derive from their keys), offer them to the cache, release, and report the backups
+    (waiting for them up to `timeout_s`). False when the pool had no room for the rest
+    (the daemon gone with the pool full of cached pages): the engine computes uncached."""
+    prefix = cache.lookup(tokens)
+    try:
+        cache.finish_load(prefix)
+        n_full = len(tokens) // cache.page_size
+        new = cache.alloc_pages(n_full - prefix.num_pages)
+        if new is None:
+            return False
+        write_pages(cache.pool, cache.client.page_keys(tokens)[prefix.num_pages:], new)
+        cache.store(prefix, tokens, new)
+    finally:
+        cache.release(prefix)
+    deadline = time.monotonic() + timeout_s
+    while cache.backups and time.monotonic() < deadline:  # the copies run on the executor
+        cache.poll()
+        time.sleep(0.005)
+    return True
 
 
 def conversation(seed: int, rng: np.random.Generator) -> np.ndarray:
@@ -72,8 +96,7 @@ class Writers:
                 tokens = conversation(self.seed * 1_000_003 + w * 10_007 + i, rng)
                 with self._lock:
                     self.stored.append(tokens)
-                store(cache, tokens)
-                if not cache.client.connected:
+                if not store(cache, tokens) or not cache.client.connected:
                     return  # the daemon is gone: this engine would only count misses now
                 i += 1
         except Exception as e:  # noqa: BLE001 - an engine must never fail because the daemon died

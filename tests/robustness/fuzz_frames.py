@@ -38,7 +38,7 @@ LAYOUTS = [
 STATE = StateLayout(num_layers=1, conv_shapes=((4, 3),), temporal_shape=(2, 4), chunk_size=8)
 
 # Every method of hicache/daemon/handlers.py and portable.py (the test checks the list is complete).
-METHODS = ("hello", "register", "unregister", "match", "load", "load_done", "release", "insert",
+METHODS = ("hello", "register", "unregister", "match", "load", "load_done", "map_slabs", "release", "insert",
            "backup_done", "state_backup_done", "evict", "stats", "flush", "evict_tier", "ls", "subscribe",
            "doctor", "export_open", "export_next", "import_open", "import_pages")
 # Costly admin calls that wipe what the sequences build: drawn less often.
@@ -48,7 +48,7 @@ INTS = [0, 1, -1, 2, 3, 7, 16, 255, 4096, 65535, 2**31 - 1, 2**31, -2**31, 2**32
         2**63 - 1, -2**63, 2**64 - 1]
 PARAM_NAMES = ("version", "want_arena", "model", "layout", "device_pages", "tp_rank", "tp_size", "extra_key",
                "state", "engine", "keys", "tokens", "pin", "states", "backup", "ok", "num_pages", "tier",
-               "bytes", "depth", "namespace", "export", "max_bytes", "header", "import", "data")
+               "bytes", "depth", "namespace", "export", "max_bytes", "header", "import", "data", "have")
 
 
 @dataclass(slots=True)
@@ -263,6 +263,8 @@ class FrameFuzzer:
             return p
         if method in ("unregister",):
             return {"engine": eid}
+        if method == "map_slabs":  # the host slabs of the engine's namespace it does not map yet
+            return {"engine": eid, "have": [[r.randrange(0, 64), r.randrange(0, 4)] for _ in range(r.randrange(0, 4))]}
         if method == "match":
             ps = eng.layout.page_size if eng else 4
             toks = self._tokens(r.randrange(0, 24), ps, eng)

@@ -153,9 +153,9 @@ def _tenant_b(socket: str, a: dict, inbox: Lines, out: int) -> None:
     from hicache.layout import KVLayout
     from hicache.portable_format import ExportHeader, encode_end, encode_page
 
-    from tests.daemon.engine_worker import load, store
+    from tests.daemon.engine_worker import load
     from tests.robustness.contracts import error_code
-    from tests.robustness.engines import LAYOUT, conversation, engine
+    from tests.robustness.engines import LAYOUT, conversation, engine, store
     from tests.robustness.wire import RawConn, WireEngine
 
     needles = {bytes.fromhex(h) for h in a["needles"]}

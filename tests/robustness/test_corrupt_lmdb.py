@@ -26,9 +26,9 @@ from hicache.daemon.launcher import LocalDaemon
 from hicache.errors import HiCacheError
 from hicache.index.keys import Namespace, page_keys
 
-from tests.daemon.engine_worker import page_content, store
+from tests.daemon.engine_worker import page_content
 from tests.robustness.contracts import quarantined
-from tests.robustness.engines import LAYOUT, conversation, engine, load_and_check
+from tests.robustness.engines import LAYOUT, conversation, engine, load_and_check, store
 from tests.robustness.wire import served_stats
 
 FLAGS = ("--host-capacity", "16MiB", "--disk-capacity", "64MiB")

@@ -22,9 +22,8 @@ import pytest
 from hicache.errors import HiCacheError
 from hicache.index.keys import Namespace, page_keys
 
-from tests.daemon.engine_worker import store
 from tests.robustness.contracts import disk_degraded
-from tests.robustness.engines import LAYOUT, conversation, engine, load_and_check
+from tests.robustness.engines import LAYOUT, conversation, engine, load_and_check, store
 from tests.robustness.proc import wait_exit
 from tests.robustness.wire import served_stats
 

@@ -22,10 +22,10 @@ import torch
 
 from hicache.index.keys import Namespace, page_keys
 
-from tests.daemon.engine_worker import page_content, store
+from tests.daemon.engine_worker import page_content
 from tests.robustness import tenant
 from tests.robustness.contracts import FORBIDDEN, is_refusal
-from tests.robustness.engines import LAYOUT, conversation, engine, load_and_check
+from tests.robustness.engines import LAYOUT, conversation, engine, load_and_check, store
 from tests.robustness.wire import admin_call, served_stats
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a tenant as another user")

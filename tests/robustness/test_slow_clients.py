@@ -16,8 +16,9 @@ import time
 import numpy as np
 
 from hicache.layout import KVLayout
+from hicache.rpc.protocol import PROTOCOL_VERSION
 
-from tests.robustness.contracts import small_output_cap_env
+from tests.robustness.contracts import small_event_backlog_env
 from tests.robustness.proc import memory_kib, wait_exit
 from tests.robustness.wire import HEADER, RawConn, WireEngine, WireError, frame, served_stats
 
@@ -27,17 +28,23 @@ STOPS_WITHIN_S = 30.0  # the drain waits up to drain_timeout_s (10 s) for reques
 
 
 def flood_without_reading(path: str, max_s: float = 5.0, max_frames: int = 200_000) -> tuple[socket.socket, int]:
-    """hello asking for the arena (an fd passed with the reply), then `stats` requests
-    until the socket stops taking them; nothing is ever read."""
-    s = _connect(path)
-    s.sendall(frame({"id": 1, "method": "hello", "params": {"version": 1, "want_arena": True}}))
+    """An engine that stored a page (so its namespace owns host memory), then asks for the
+    descriptors of that memory (hello's want_arena, map_slabs) between `stats` requests,
+    sent until the socket takes no more; it never reads a reply."""
+    conn = RawConn(path, timeout_s=SERVED_WITHIN_S)
+    conn.hello(want_arena=True)
+    eng = WireEngine(conn, LAYOUT, 64)
+    eng.insert(np.arange(16, dtype=np.int32))
+    s = conn.sock
+    ask = frame({"id": 2, "method": "map_slabs", "params": {"engine": eng.engine_id}})
+    ask += frame({"id": 3, "method": "hello", "params": {"version": PROTOCOL_VERSION, "want_arena": True}})
+    req = ask + frame({"id": 4, "method": "stats", "params": {}}) * 64
     s.setblocking(False)
-    req = frame({"id": 2, "method": "stats", "params": {}}) * 64
     sent, stuck_since, deadline = 0, None, time.monotonic() + max_s
     while time.monotonic() < deadline and sent < max_frames:
         try:
             s.send(req)
-            sent += 64
+            sent += 66
             stuck_since = None
         except BlockingIOError:
             if stuck_since is None:
@@ -59,14 +66,14 @@ def _connect(path: str) -> socket.socket:
 
 def half_frame(path: str, declared: int, sent: int) -> socket.socket:
     s = _connect(path)
-    s.sendall(frame({"id": 1, "method": "hello", "params": {"version": 1, "want_arena": False}}))
+    s.sendall(frame({"id": 1, "method": "hello", "params": {"version": PROTOCOL_VERSION, "want_arena": False}}))
     s.sendall(HEADER.pack(declared) + b"\x85" + b"\x00" * (sent - 1))
     return s
 
 
 def half_closed(path: str) -> socket.socket:
     s = _connect(path)
-    s.sendall(frame({"id": 1, "method": "hello", "params": {"version": 1, "want_arena": True}})
+    s.sendall(frame({"id": 1, "method": "hello", "params": {"version": PROTOCOL_VERSION, "want_arena": True}})
               + b"".join(frame({"id": i, "method": "stats", "params": {}}) for i in range(2, 50)))
     s.shutdown(socket.SHUT_WR)
     return s
@@ -118,7 +125,7 @@ def test_a_subscriber_that_never_reads_is_dropped(daemon_factory):
     is over its output cap, not queue events for it without end (defect 6). Each evict of
     the engine's 4096 device pages sends every subscriber a `removed` event naming 4096
     16-byte keys (> 72 KiB), which bounds from below what was produced."""
-    d = daemon_factory("--host-capacity", "64MiB", "--no-disk", env=small_output_cap_env()).start()
+    d = daemon_factory("--host-capacity", "64MiB", "--no-disk", env=small_event_backlog_env()).start()
     assert d.proc is not None
     lazy = RawConn(d.socket, timeout_s=SERVED_WITHIN_S)
     lazy.hello()
