@@ -17,6 +17,12 @@ _REPO = str(Path(__file__).resolve().parent.parent)
 os.environ["PYTHONPATH"] = os.pathsep.join([_REPO, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--long", action="store_true", default=False,
+                     help="run tests/robustness at full length (>= 100k fuzzed frames, >= 20 kill -9 "
+                          "rounds, a soak of minutes) instead of CI's short run")
+
+
 class DaemonProcess(LocalDaemon):
     def kill9(self) -> None:
         self.stop(signal.SIGKILL)

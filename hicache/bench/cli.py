@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from hicache.bench.report import print_rows
+from hicache.bench.soak_bench import add_arguments as soak_arguments
 
 DEFAULT_TRACE = str(Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mooncake_conversation_trace.jsonl")
 
@@ -56,6 +57,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--limit", type=int)
     b.add_argument("--page-bytes", type=int, default=64 << 10, help="bytes per 512-token block page")
 
+    soak_arguments(bench("soak", "32 engines cycling for minutes: daemon memory before/after, host slots accounted"))
+
     b = bench("multiturn", "the reference engine serving multi-turn conversations")
     b.add_argument("--conversations", type=int, default=12)
     b.add_argument("--turns", type=int, default=4)
@@ -82,6 +85,9 @@ def run(args: argparse.Namespace) -> int:
         rows = go(args.trace, limit=args.limit, capacity_pages=args.capacity)
     elif args.bench == "trace":
         from hicache.bench.trace_bench import run as go
+        rows = go(args)
+    elif args.bench == "soak":
+        from hicache.bench.soak_bench import run as go
         rows = go(args)
     elif args.bench == "multiturn":
         from hicache.bench.multiturn_bench import run as go
