@@ -29,15 +29,15 @@ STOPS_WITHIN_S = 30.0  # the drain waits up to drain_timeout_s (10 s) for reques
 
 def flood_without_reading(path: str, max_s: float = 5.0, max_frames: int = 200_000) -> tuple[socket.socket, int]:
     """An engine that stored a page (so its namespace owns host memory), then asks for the
-    descriptors of that memory (hello's want_arena, map_slabs) between `stats` requests,
+    descriptors of that memory (map_slabs) between `stats` requests,
     sent until the socket takes no more; it never reads a reply."""
     conn = RawConn(path, timeout_s=SERVED_WITHIN_S)
-    conn.hello(want_arena=True)
+    conn.hello()
     eng = WireEngine(conn, LAYOUT, 64)
     eng.insert(np.arange(16, dtype=np.int32))
     s = conn.sock
     ask = frame({"id": 2, "method": "map_slabs", "params": {"engine": eng.engine_id}})
-    ask += frame({"id": 3, "method": "hello", "params": {"version": PROTOCOL_VERSION, "want_arena": True}})
+    ask += frame({"id": 3, "method": "hello", "params": {"version": PROTOCOL_VERSION}})
     req = ask + frame({"id": 4, "method": "stats", "params": {}}) * 64
     s.setblocking(False)
     sent, stuck_since, deadline = 0, None, time.monotonic() + max_s
@@ -66,14 +66,14 @@ def _connect(path: str) -> socket.socket:
 
 def half_frame(path: str, declared: int, sent: int) -> socket.socket:
     s = _connect(path)
-    s.sendall(frame({"id": 1, "method": "hello", "params": {"version": PROTOCOL_VERSION, "want_arena": False}}))
+    s.sendall(frame({"id": 1, "method": "hello", "params": {"version": PROTOCOL_VERSION}}))
     s.sendall(HEADER.pack(declared) + b"\x85" + b"\x00" * (sent - 1))
     return s
 
 
 def half_closed(path: str) -> socket.socket:
     s = _connect(path)
-    s.sendall(frame({"id": 1, "method": "hello", "params": {"version": PROTOCOL_VERSION, "want_arena": True}})
+    s.sendall(frame({"id": 1, "method": "hello", "params": {"version": PROTOCOL_VERSION}})
               + b"".join(frame({"id": i, "method": "stats", "params": {}}) for i in range(2, 50)))
     s.shutdown(socket.SHUT_WR)
     return s

@@ -125,8 +125,8 @@ class RawConn:
             if msg.get("id") == req_id:
                 return msg
 
-    def hello(self, want_arena: bool = False, timeout_s: float | None = None) -> dict:
-        reply = self.call("hello", {"version": PROTOCOL_VERSION, "want_arena": want_arena}, timeout_s)
+    def hello(self, timeout_s: float | None = None) -> dict:
+        reply = self.call("hello", {"version": PROTOCOL_VERSION}, timeout_s)
         if "error" in reply:
             raise WireError(f"hello refused: {reply['error']}")
         return reply["result"]
