@@ -137,7 +137,7 @@ class Config:
     write_hit_threshold: int = 2  # write_through_selective: back up after this many hits
     load_policy: str = "best_effort"
     prefetch_timeout_s: float = 0.05
-    disk_queue_pages: int = 4096
+    disk_queue_pages: int = 1024  # queued disk writes before write-through skips (counted)
     allowed_uids: tuple[int, ...] = ()  # empty = the daemon's uid and root
     allowed_gids: tuple[int, ...] = ()
     admin_gids: tuple[int, ...] = ()  # besides root and the daemon's uid: who may flush, import, export...

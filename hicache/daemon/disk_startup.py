@@ -15,6 +15,7 @@ from hicache.config import Config
 from hicache.errors import DiskTierDamaged, DiskTierError
 from hicache.tiers import disk_env
 from hicache.tiers.disk import DiskTier
+from hicache.tiers.disk_config import DiskTierConfig
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,8 @@ def open_tier(config: Config) -> tuple[DiskTier, dict[bytes, list[tuple]], Quara
     while True:
         try:
             tier = DiskTier.open(path, config.disk_capacity, reset=config.reset_disk,
-                                 durability=config.durability)
+                                 durability=config.durability,
+                                 config=DiskTierConfig(max_queue_pages=config.disk_queue_pages))
         except DiskTierDamaged as e:
             if quarantined is not None:
                 raise

@@ -167,6 +167,13 @@ class HostTier:
         self._free_slabs.append(slab)
         self._starved = 0
 
+    def forget_class(self, cls: PageClass) -> None:
+        """An empty page class goes away (its namespace did), giving back its slabs."""
+        assert cls.used_pages == 0, "only an empty page class is forgotten"
+        for slab in list(cls.slabs):
+            cls.release_slab(slab)
+        self.classes.pop((cls.owner, cls.page_bytes, cls.kind), None)
+
     def classes_waiting(self) -> bool:
         return self._starved > 0 and len(self.classes) > 1
 

@@ -119,6 +119,18 @@ class HybridStates:
             self.by_salt[ns.salt] = hs
         return hs
 
+    def forget(self, ns: NamespaceState) -> bool:
+        """CacheService drops an empty namespace: drop its checkpoints' side too, unless
+        it still holds any (then the namespace stays). True when nothing is left here."""
+        hs = self.by_salt.get(ns.salt)
+        if hs is None:
+            return True
+        if hs.slots.used_pages or hs.ckpts.count(Tier.HOST) or hs.ckpts.count(Tier.DISK):
+            return False
+        del self.by_salt[ns.salt]
+        self.svc.host.forget_class(hs.slots)
+        return True
+
     def attach_disk(self, tier: DiskTier | None, loop: asyncio.AbstractEventLoop) -> None:
         self.disk_mover.attach(tier, loop)
 

@@ -587,6 +587,22 @@ class CacheService:
         rec.ns.engines.discard(rec.engine_id)
         self._apply_freed(rec.ns, rec.ns.index.remove_engine(rec.engine_id), None)
         log.info("engine %d gone; its device residency is forgotten", rec.engine_id)
+        self._forget_if_empty(rec.ns)
+
+    def _forget_if_empty(self, ns: NamespaceState) -> None:
+        """Drop a namespace that has no engine and holds nothing on any tier (its page
+        class gives its slabs back): clients registering ever new namespaces must not grow
+        the daemon without bound. A namespace with pages anywhere, or host pages in
+        flight (a prefetch, a state backup), stays."""
+        if ns.engines or ns.page_class.used_pages or self.namespaces.get(ns.salt) is not ns:
+            return
+        if any(ns.index.num_pages(t) for t in (Tier.DEVICE, Tier.HOST, Tier.DISK)):
+            return
+        if self.hybrid is not None and not self.hybrid.forget(ns):
+            return
+        del self.namespaces[ns.salt]
+        self.host.forget_class(ns.page_class)
+        log.debug("namespace %s forgotten: no engine, no pages", ns.salt.hex()[:12])
 
     # -- events -----------------------------------------------------------
     def emit_nodes(self, kind: str, tier: Tier, rec: EngineRecord | None, nodes: list[TreeNode],

@@ -49,3 +49,14 @@ def test_disk_pages_survive_kill9(daemon_factory):
     d.start()
     (b,) = run_worker(d.socket, "load:9:64")
     assert b["loaded"] == 16 and b["bad_pages"] == 0
+
+
+def test_the_configured_disk_queue_bound_reaches_the_tier(daemon_factory):
+    from hicache.client.connection import RpcConnection
+
+    d = daemon_factory("--host-capacity", "16MiB", "--disk-capacity", "64MiB",
+                       env={"HICACHE_DISK_QUEUE_PAGES": "7"}).start()
+    conn = RpcConnection.connect(d.socket, timeout_s=30)
+    conn.hello()
+    assert conn.call("doctor")["disk"]["max_queue_pages"] == 7
+    conn.close()

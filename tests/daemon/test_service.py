@@ -144,3 +144,27 @@ def test_admin_eviction_and_flush_go_in_steps_the_loop_can_run_between():
     flushed = list(svc.flush_steps(Tier.HOST))
     assert len(flushed) == 3 and flushed[-1] == 120 - 40  # one step per namespace, counting up
     assert sum(ns.index.num_pages(Tier.HOST) for ns in svc.namespaces.values()) == 0
+
+
+def test_a_namespace_without_engines_or_pages_is_forgotten_with_its_page_class():
+    svc = CacheService(HostTier(8 << 20, mlock=False), clock=Clock())
+    for i in range(100):  # a client cycling through ever new namespaces
+        owner = object()
+        svc.register(owner, Namespace("m", LAYOUT, extra_key=f"tenant-{i}"), device_pages=64)
+        svc.disconnect(owner)
+    assert svc.namespaces == {} and svc.host.classes == {}
+    owner = object()
+    rec = svc.register(owner, Namespace("m", LAYOUT, extra_key="keeps"), device_pages=64)
+    keys, toks = seq(3, 4, rec.ns.salt)
+    _, _, bk = svc.insert(owner, rec.engine_id, keys, toks, np.arange(1, 5))
+    svc.backup_done(owner, bk.backup_id, ok=True)
+    svc.disconnect(owner)
+    assert list(svc.namespaces) == [rec.ns.salt]  # its pages are on host: it stays
+    again = object()
+    rec2 = svc.register(again, Namespace("m", LAYOUT, extra_key="keeps"), device_pages=64)
+    pin = svc.match(again, rec2.engine_id, keys)
+    assert pin.host_len == 4
+    svc.release(again, pin.pin_id)
+    svc.flush(Tier.HOST)
+    svc.disconnect(again)
+    assert svc.namespaces == {} and svc.host.free_slabs == svc.host.num_slabs
