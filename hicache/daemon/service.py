@@ -475,17 +475,22 @@ class CacheService:
             if victim is not None and victim is not ns and reclaim_slab(self, victim):
                 pages = cls.alloc(n_pages)
                 continue
-            short = n_pages - cls.available()  # no slab to be had: only our own pages can go
-            if ns.index.peek_evictable(Tier.HOST) is None:
+            # no slab to be had: only our own pages can go
+            if ns.index.peek_evictable(Tier.HOST) is None or not self.evict_host(ns, n_pages - cls.available()):
                 return None
-            if self.before_host_evict is not None:
-                self.before_host_evict(ns, short)
-            freed = ns.index.evict(Tier.HOST, short)
-            if not freed:
-                return None
-            self._apply_freed(ns, freed, None)
             pages = cls.alloc(n_pages)
         return pages
+
+    def evict_host(self, ns: NamespaceState, n_pages: int) -> bool:
+        """Drop about n_pages of ns's least recently used host pages (the disk tier demotes
+        those it lacks first); False when none can go."""
+        if self.before_host_evict is not None:
+            self.before_host_evict(ns, n_pages)
+        freed = ns.index.evict(Tier.HOST, n_pages)
+        if not freed:
+            return False
+        self._apply_freed(ns, freed, None)
+        return True
 
     def _oldest_host_namespace(self) -> NamespaceState | None:
         best, best_prio = None, None

@@ -49,13 +49,8 @@ def reclaim_slab(svc: CacheService, ns: NamespaceState) -> bool:
             cls.release_slab(slab)
             svc.counters.slabs_reclaimed += 1
             return True
-        short = used - room
-        if svc.before_host_evict is not None:
-            svc.before_host_evict(ns, short)
-        freed = ns.index.evict(Tier.HOST, short)
-        if not freed:
+        if not svc.evict_host(ns, used - room):
             return False
-        svc._apply_freed(ns, freed, None)
     return bool(host.free_slabs)
 
 

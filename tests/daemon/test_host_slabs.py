@@ -12,27 +12,14 @@ import pytest
 
 from hicache.daemon.host_tier import HostTier
 from hicache.daemon.service import CacheService
-from hicache.index.keys import Namespace, page_keys
+from hicache.index.keys import Namespace
 from hicache.index.node import Tier
 from hicache.layout import KVLayout
 from hicache.tiers.arena import SEALS, HostArena
+from tests.daemon.test_service import Clock, seq
 
 LAYOUT = KVLayout("mha", num_layers=2, page_size=4, dtype="float16", num_kv_heads=1, head_dim=8)  # 256 B pages
 PB = LAYOUT.page_bytes
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        self.t += 1.0
-        return self.t
-
-
-def seq(seed: int, pages: int, salt: bytes) -> tuple[list[bytes], np.ndarray]:
-    toks = np.random.default_rng(seed).integers(0, 1000, pages * 4, dtype=np.int32)
-    return page_keys(salt, toks, 4), toks
 
 
 def pattern(key: bytes) -> np.ndarray:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import struct
 import time
 
@@ -17,29 +16,9 @@ from hicache.index.keys import page_keys
 from hicache.layout import KVLayout
 from hicache.rpc.framing import ids_to_bytes, pack_frame
 from hicache.rpc.protocol import PROTOCOL_VERSION
+from tests.rpc.wire import raw, recv_frame
 
 LAYOUT = KVLayout("mha", num_layers=2, page_size=4, dtype="float16", num_kv_heads=2, head_dim=8)
-
-
-def raw(path: str) -> socket.socket:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(10)
-    s.connect(path)
-    return s
-
-
-def recv_frame(s: socket.socket) -> dict:
-    def exact(n: int) -> bytes:
-        buf = b""
-        while len(buf) < n:
-            chunk = s.recv(n - len(buf))
-            if not chunk:
-                raise ConnectionResetError
-            buf += chunk
-        return buf
-
-    (n,) = struct.unpack(">I", exact(4))
-    return msgpack.unpackb(exact(n), raw=False)
 
 
 def body_frame(body: bytes) -> bytes:
