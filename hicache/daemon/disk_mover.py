@@ -272,17 +272,50 @@ class DiskMover:
             self.skipped_writes += sum(n.n_pages for n in todo)
             return
         view = self._host_view(ns)
-        page_bytes = ns.page_class.page_bytes
+        writing = self._nodes_in_flight()
         for node in todo:  # parents before children: the order the tier must commit them in
-            nbytes = node.n_pages * page_bytes
+            self._write_path(ns, node, view, writing)
+
+    def _nodes_in_flight(self) -> set[int]:
+        return {id(w.node) for w in self.writes.values()}
+
+    def _unwritten_above(self, node: TreeNode, writing: set[int]) -> list[TreeNode] | None:
+        """The ancestors of `node` that must be written before it, top first: the tier
+        commits a page only under a committed parent, and a parent's disk copy may have
+        been evicted (or its write skipped) while its host copy stayed. None when one of
+        them is on no tier the daemon can write from (only on a device)."""
+        chain: list[TreeNode] = []
+        x = node.parent
+        while x is not None and x.keys and not x.on_disk and id(x) not in writing:
+            if x.host is None:
+                return None
+            chain.append(x)
+            x = x.parent
+        chain.reverse()
+        return chain
+
+    def _write_path(self, ns: NamespaceState, node: TreeNode, view: _PageViews, writing: set[int]) -> bool:
+        """Queue `node` (host-resident, not on disk) for writing through, after whatever
+        of its path above is not on disk yet; False when it could not be queued."""
+        if id(node) in writing:  # queued already (as the parent of an earlier one)
+            return True
+        above = self._unwritten_above(node, writing)
+        if above is None:
+            self.skipped_writes += node.n_pages
+            return False
+        page_bytes = ns.page_class.page_bytes
+        for x in [*above, node]:
+            nbytes = x.n_pages * page_bytes
             if not self._make_room(ns, nbytes):
-                self.skipped_writes += node.n_pages
-                continue
-            pos = path_with_offsets(node)[-1][1]
-            write = _Write(ns, node, node.keys, pos, pos + node.n_pages, node.n_pages, started=time.monotonic())
-            ns.index.lock(node, Tier.HOST)  # its slots stay put under the writer
-            ns.index.lock(node, Tier.DISK)  # no ancestor leaves the disk before this commits
+                self.skipped_writes += node.n_pages if x is not node else x.n_pages
+                return False
+            pos = path_with_offsets(x)[-1][1]
+            write = _Write(ns, x, x.keys, pos, pos + x.n_pages, x.n_pages, started=time.monotonic())
+            ns.index.lock(x, Tier.HOST)  # its slots stay put under the writer
+            ns.index.lock(x, Tier.DISK)  # no ancestor leaves the disk before this commits
             self._queue(write, view, page_bytes, copy=False)
+            writing.add(id(x))
+        return True
 
     def _queue(self, write: _Write, view: _PageViews, page_bytes: int, copy: bool) -> int:
         """Queue the node's pages in order; after the first refusal the rest are
@@ -347,7 +380,17 @@ class DiskMover:
             return
         view = self._host_view(ns)
         page_bytes = ns.page_class.page_bytes
+        writing = self._nodes_in_flight()
         for node in victims:
+            if id(node) in writing:  # written through just now, as a parent of an earlier victim
+                continue
+            above = self._unwritten_above(node, writing)
+            if above is None:
+                self.skipped_writes += node.n_pages
+                continue
+            if above and not self._write_path(ns, above[-1], view, writing):  # they stay on host
+                self.skipped_writes += node.n_pages
+                continue
             if not self._make_room(ns, node.n_pages * page_bytes):
                 self.skipped_writes += node.n_pages
                 continue

@@ -60,3 +60,30 @@ def test_the_configured_disk_queue_bound_reaches_the_tier(daemon_factory):
     conn.hello()
     assert conn.call("doctor")["disk"]["max_queue_pages"] == 7
     conn.close()
+
+
+def test_a_child_is_written_even_when_its_parent_lost_only_its_disk_copy(daemon_factory):
+    """The tier commits a page only under a committed parent: a parent whose disk copy was
+    evicted while its host copy stayed is written again first, not its child refused."""
+    from hicache.client.connection import RpcConnection
+    from tests.daemon.test_isolation import LAYOUT, engine, store, tokens
+    from tests.wait import wait_until
+
+    d = daemon_factory("--host-capacity", "16MiB", "--disk-capacity", "64MiB").start()
+    admin = RpcConnection.connect(d.socket, timeout_s=30)
+    admin.hello()
+
+    def disk() -> dict:
+        return admin.call("stats")["tiers"]["disk"]
+
+    a = engine(d.socket, "t")
+    toks = tokens(5, 8)
+    store(a, toks[:4 * LAYOUT.page_size])
+    wait_until(lambda: disk()["pages"] == 4, what="the prefix on disk")
+    assert admin.call("evict_tier", {"tier": "disk", "bytes": 4 * LAYOUT.page_bytes})["bytes"] > 0
+    wait_until(lambda: disk()["pages"] == 0, what="the prefix's disk copy gone")
+    store(a, toks)  # the prefix is on host only; its continuation is written through
+    st = wait_until(lambda: (s := disk())["pages"] == 8 and not s["queue_depth"] and s, what="all 8 pages on disk")
+    assert st["rejected_orphan"] == 0
+    a.close()
+    admin.close()
