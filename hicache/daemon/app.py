@@ -121,6 +121,11 @@ class Daemon:
         cfg = self.config
         loop = asyncio.get_running_loop()
         self.notifier = Notifier.from_env()
+        # The socket first: a directory another user could swap, or a daemon already
+        # serving there, is refused before the arena is allocated and the disk rebuilt.
+        inherited = listen_fds_with_names()
+        if not inherited:
+            prepare_socket_path(cfg.socket_path)
         self.host = HostTier(cfg.host_capacity, mlock=cfg.mlock)
         log.info("host tier: %s arena (%s slabs of %s), mlock=%s", format_size(self.host.capacity_bytes),
                  self.host.num_slabs, format_size(self.host.slab_bytes), self.host.arena.locked)
@@ -143,7 +148,6 @@ class Daemon:
                                 max_total_buffer_bytes=cfg.max_total_buffer_bytes,
                                 max_output_bytes=cfg.max_output_bytes,
                                 max_event_backlog_bytes=cfg.max_event_backlog_bytes)
-        inherited = listen_fds_with_names()
         if inherited:
             # systemd socket activation: prefer the fd named "rpc", else the first one
             name, sock = next(((n, s) for n, s in inherited if n == "rpc"), inherited[0])
@@ -153,7 +157,6 @@ class Daemon:
             await self.server.start(sock=sock)
             log.info("serving on the socket passed by the service manager (%s)", name)
         else:
-            prepare_socket_path(cfg.socket_path)
             await self.server.start(path=str(cfg.socket_path))
             self._bound_path = cfg.socket_path
             log.info("serving on %s", cfg.socket_path)

@@ -120,3 +120,16 @@ def test_explicit_sticky_dir_of_root_is_accepted(daemon_factory, tmp_path):
     daemon.socket = str(d / "hicache.sock")
     daemon.start("--socket", daemon.socket)
     assert daemon.stop() == 0
+
+
+def test_a_refused_socket_directory_is_refused_before_the_tiers_come_up(tmp_path):
+    """No arena allocated and no disk tier opened (or rebuilt) for a daemon that cannot serve."""
+    d = default_dir(tmp_path)
+    d.mkdir(mode=0o700)
+    os.chown(d, OTHER, OTHER)
+    r = subprocess.run([sys.executable, "-m", "hicache.cli", "serve", "--host-capacity", "16MiB",
+                        "--state-dir", str(tmp_path / "state")], env=env_with_tmpdir(tmp_path),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and f"uid {OTHER}" in r.stderr
+    assert "host tier" not in r.stderr  # the arena's log line
+    assert not (tmp_path / "state" / "disk").exists()
