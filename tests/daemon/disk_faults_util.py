@@ -9,7 +9,6 @@ import os
 import socket
 import subprocess
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import pytest
 from hicache.client.async_client import AsyncRpcConnection
 from hicache.client.connection import RpcConnection
 from hicache.tiers import disk_format as fmt
+from tests.wait import wait_until
 
 WAIT = {"HICACHE_LOAD_POLICY": "wait_complete"}
 
@@ -44,14 +44,7 @@ def admin(sock: str, method: str, params: dict | None = None) -> Any:
 
 def wait_for(cond: Callable[[], Any], timeout_s: float, what: str) -> Any:
     """Poll `cond` until it returns something truthy; fail after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.05)
+    return wait_until(cond, timeout_s, what, interval_s=0.05)
 
 
 def disk_settled(sock: str, min_pages: int = 1) -> dict | None:
