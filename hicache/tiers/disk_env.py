@@ -122,6 +122,17 @@ def lock_dir(path: str) -> int:
     return fd
 
 
+def _hicache_dbs(env: lmdb.Environment, txn: lmdb.Transaction, path: str) -> dict:
+    """The environment's hicache databases, its format checked; DiskTierDamaged if it has none."""
+    try:
+        dbs = {name: env.open_db(name, txn=txn, create=False) for name in (fmt.DB_INFO, fmt.DB_PAGES, fmt.DB_META)}
+    except lmdb.Error as e:
+        raise DiskTierDamaged(f"{path}: LMDB environment without the hicache databases "
+                              f"(foreign or damaged: {e})") from e
+    fmt.check_info(txn.get(fmt.INFO_FORMAT_KEY, db=dbs[fmt.DB_INFO]), path)
+    return dbs
+
+
 def inspect_env(path: str) -> tuple[int, int] | None:
     """Validate an existing environment without writing to it: None if it is
     empty (a fresh one), else its (used_bytes, num_pages)."""
@@ -135,13 +146,7 @@ def inspect_env(path: str) -> tuple[int, int] | None:
         with env.begin() as txn:
             if txn.stat()["entries"] == 0:
                 return None
-            try:
-                dbs = {name: env.open_db(name, txn=txn, create=False)
-                       for name in (fmt.DB_INFO, fmt.DB_PAGES, fmt.DB_META)}
-            except lmdb.Error as e:
-                raise DiskTierDamaged(f"{path}: LMDB environment without the hicache databases "
-                                      f"(foreign or damaged: {e})") from e
-            fmt.check_info(txn.get(fmt.INFO_FORMAT_KEY, db=dbs[fmt.DB_INFO]), path)
+            dbs = _hicache_dbs(env, txn, path)
             return fmt.unpack_totals(txn.get(fmt.INFO_TOTALS_KEY, db=dbs[fmt.DB_INFO]), path)
     except DAMAGE_ERRORS as e:
         raise DiskTierDamaged(f"{path}: damaged LMDB environment ({e})") from e
@@ -186,13 +191,7 @@ def _scan(path: str) -> int:
         with env.begin() as txn:
             if txn.stat()["entries"] == 0:
                 return 0  # created, never written: inspect_env calls it fresh
-            try:
-                dbs = {name: env.open_db(name, txn=txn, create=False)
-                       for name in (fmt.DB_INFO, fmt.DB_PAGES, fmt.DB_META)}
-            except lmdb.Error as e:
-                raise DiskTierDamaged(f"{path}: LMDB environment without the hicache databases "
-                                      f"(foreign or damaged: {e})") from e
-            fmt.check_info(txn.get(fmt.INFO_FORMAT_KEY, db=dbs[fmt.DB_INFO]), path)
+            dbs = _hicache_dbs(env, txn, path)
             fmt.unpack_totals(txn.get(fmt.INFO_TOTALS_KEY, db=dbs[fmt.DB_INFO]), path)
             n = 0
             for _key, value in txn.cursor(db=dbs[fmt.DB_META]):
