@@ -90,6 +90,16 @@ def supplementary_groups(pid: int) -> set[int]:
     return set()
 
 
+def _member(peer: PeerCred | None, uids: set[int], gids: set[int]) -> bool:
+    """Whether the peer's uid or one of its groups is listed. SO_PEERCRED carries the
+    primary group only; supplementary ones are found in /proc (where the daemon may look)."""
+    if peer is None:
+        return False
+    if peer.uid in uids or peer.gid in gids:
+        return True
+    return bool(gids) and not gids.isdisjoint(supplementary_groups(peer.pid))
+
+
 def _unread_bytes(fd: int) -> int:
     """Bytes sent on this Unix socket that the peer has not read yet (SIOCOUTQ)."""
     buf = array.array("i", [0])
@@ -407,20 +417,10 @@ class RpcServer:
         self._server: asyncio.AbstractServer | None = None
 
     def allowed(self, peer: PeerCred | None) -> bool:
-        if peer is None:
-            return False
-        if peer.uid in self.allowed_uids or peer.gid in self.allowed_gids:
-            return True
-        # SO_PEERCRED carries the primary group only; members of an allowed group by
-        # supplementary membership are found in /proc (where the daemon may look).
-        return bool(self.allowed_gids) and not self.allowed_gids.isdisjoint(supplementary_groups(peer.pid))
+        return _member(peer, self.allowed_uids, self.allowed_gids)
 
     def is_admin(self, peer: PeerCred | None) -> bool:
-        if peer is None:
-            return False
-        if peer.uid in self.admin_uids or peer.gid in self.admin_gids:
-            return True
-        return bool(self.admin_gids) and not self.admin_gids.isdisjoint(supplementary_groups(peer.pid))
+        return _member(peer, self.admin_uids, self.admin_gids)
 
     def shed_input(self) -> None:
         """Over the global input cap, close the connections holding the most until under it:
