@@ -18,7 +18,7 @@ from hicache.daemon.launcher import LocalDaemon
 from hicache.index.keys import page_keys
 from hicache.rpc.framing import ids_to_bytes, pack_frame
 
-from tests.rpc.wire import LAYOUT, greet, hung_up, raw, request, wait_until
+from tests.rpc.wire import LAYOUT, greet, hung_up, one_page_branches, raw, request, wait_until
 
 LIMITS = {"HICACHE_MAX_REQUEST_PAGES": "64", "HICACHE_MAX_DEVICE_PAGES": "4096"}
 
@@ -155,15 +155,7 @@ def test_a_burst_of_frames_does_not_hold_the_loop(daemon_factory):
     conn = RpcConnection.connect(d.socket, timeout_s=60)
     conn.hello()
     reg = conn.call("register", {"model": "m", "layout": LAYOUT.to_dict(), "device_pages": 8192})
-    for batch in range(0, 6000, 200):  # 6000 one-page branches: each `ls` of them costs a few ms
-        frames = []
-        for i in range(batch, batch + 200):
-            tokens = np.full(4, i, dtype=np.int32)
-            frames.append(pack_frame({"id": 10 + i, "method": "insert", "params": {
-                "engine": reg["engine"], "keys": b"".join(page_keys(reg["salt"], tokens, 4)),
-                "tokens": tokens.tobytes(), "device_pages": ids_to_bytes([1 + i])}}))
-        conn.sock.sendall(b"".join(frames))
-        conn.call("stats")
+    one_page_branches(conn, reg, 6000)  # each `ls` of them costs a few ms
     burst = raw(d.socket, timeout_s=60)
     greet(burst)
     stop = threading.Event()

@@ -11,7 +11,7 @@ from hicache.client.connection import RpcConnection
 from hicache.index.keys import page_keys
 from hicache.rpc.framing import ids_to_bytes, pack_frame
 
-from tests.rpc.wire import LAYOUT, greet, hung_up, raw, request, unread_bytes, wait_until
+from tests.rpc.wire import LAYOUT, greet, hung_up, one_page_branches, raw, request, unread_bytes, wait_until
 
 
 def served(path: str) -> bool:
@@ -58,15 +58,7 @@ def test_a_connection_over_its_output_cap_is_aborted(daemon_factory):
     conn = RpcConnection.connect(d.socket)
     conn.hello()
     reg = conn.call("register", {"model": "m", "layout": LAYOUT.to_dict(), "device_pages": 8192})
-    for batch in range(0, 8000, 200):  # pipelined, a batch at a time (the replies are read by the call)
-        frames = []
-        for i in range(batch, batch + 200):
-            tokens = np.full(4, i, dtype=np.int32)
-            frames.append(pack_frame({"id": 10 + i, "method": "insert", "params": {
-                "engine": reg["engine"], "keys": b"".join(page_keys(reg["salt"], tokens, 4)),
-                "tokens": tokens.tobytes(), "device_pages": ids_to_bytes([1 + i])}}))
-        conn.sock.sendall(b"".join(frames))
-        conn.call("stats")  # answered after the batch
+    one_page_branches(conn, reg, 8000)
     assert conn.call("stats")["requests"]["inserts"] == 8000
     s = raw(d.socket)
     greet(s)

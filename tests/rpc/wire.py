@@ -16,9 +16,11 @@ from collections.abc import Callable
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from hicache.layout import KVLayout
-from hicache.rpc.framing import pack_frame
+from hicache.index.keys import page_keys
+from hicache.rpc.framing import ids_to_bytes, pack_frame
 from hicache.rpc.protocol import PROTOCOL_VERSION
 
 LAYOUT = KVLayout("mha", num_layers=2, page_size=4, dtype="float16", num_kv_heads=2, head_dim=8)
@@ -52,6 +54,21 @@ def request(s: socket.socket, req_id: int, method: str, params: dict | None = No
         msg = recv_frame(s)
         if msg.get("id") == req_id:
             return msg
+
+
+def one_page_branches(conn: Any, reg: dict, n: int, batch: int = 200) -> None:
+    """Insert `n` one-page sequences (a tree `n` branches wide) through `conn` (hello'd,
+    `reg` its register reply), pipelined a batch at a time; the `stats` after each batch
+    reads the batch's replies."""
+    for start in range(0, n, batch):
+        frames = []
+        for i in range(start, min(start + batch, n)):
+            tokens = np.full(4, i, dtype=np.int32)
+            frames.append(pack_frame({"id": 10 + i, "method": "insert", "params": {
+                "engine": reg["engine"], "keys": b"".join(page_keys(reg["salt"], tokens, 4)),
+                "tokens": tokens.tobytes(), "device_pages": ids_to_bytes([1 + i])}}))
+        conn.sock.sendall(b"".join(frames))
+        conn.call("stats")
 
 
 def greet(s: socket.socket) -> dict:
