@@ -156,6 +156,7 @@ class CacheService:
         # the KV; it hears of every dropped pin (its checkpoint locks go with it).
         self.hybrid: Any = None
         self.on_pin_dropped: Callable[[Pin], None] | None = None
+        self.on_engine_gone: Callable[[EngineRecord], None] | None = None  # host puts (puts.py)
 
     # -- registry ---------------------------------------------------------
     def namespace_state(self, namespace: Namespace) -> NamespaceState:
@@ -590,6 +591,8 @@ class CacheService:
             self._finish_backup(backup, ok=False)
         del self.engines[rec.engine_id]
         rec.ns.engines.discard(rec.engine_id)
+        if self.on_engine_gone is not None:
+            self.on_engine_gone(rec)
         self._apply_freed(rec.ns, rec.ns.index.remove_engine(rec.engine_id), None)
         log.info("engine %d gone; its device residency is forgotten", rec.engine_id)
         self._forget_if_empty(rec.ns)
