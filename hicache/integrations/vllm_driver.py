@@ -5,9 +5,11 @@ the proof tests, `hicache bench vllm` and anyone checking an install use it.
 
 SPEC: {"model": dir, "socket": path or null (no connector), "block_size": 32,
        "rounds": [[prompt token lists], ...], "max_tokens": 8,
-       "reset_between_rounds": true, "corrupt_load": false, "kv_cache_bytes": 67108864}
+       "reset_between_rounds": true, "corrupt_load": false, "kv_cache_bytes": 67108864,
+       "kill_in_round": k, "kill_delay_s": 0.02, "daemon_pid": pid}
 
-Each round is one `generate` call; between rounds vLLM's own prefix cache is cleared
+Each round is one `generate` call; between rounds the driver waits for the daemon to
+have no store in flight (`settle`, default on), and vLLM's own prefix cache is cleared
 (`reset_prefix_cache(reset_connector=False)`) so hits must come from hicache.
 `corrupt_load` garbles every block hicache loads (a test that must see outputs change,
 proving the KV is really used); it runs vLLM's engine and worker in this process. The output JSON has per round the
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -27,7 +30,7 @@ from typing import Any
 def _counters(llm: Any) -> dict[str, float]:
     out: dict[str, float] = {}
     for m in llm.get_metrics():
-        if type(m).__name__ == "Counter" and ("prefix_cache" in m.name or "prompt_tokens" in m.name):
+        if type(m).__name__ == "Counter" and any(w in m.name for w in ("prefix_cache", "prompt_tokens", "hicache")):
             out[m.name] = out.get(m.name, 0) + float(m.value)
     return out
 
@@ -71,8 +74,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0, detokenize=False)
     rounds = []
     for i, prompts in enumerate(spec["rounds"]):
+        if i and spec.get("socket") and spec.get("settle", True):
+            _settle(spec["socket"])
         if i and spec.get("reset_between_rounds", True):
             llm.reset_prefix_cache(reset_connector=False)
+        if spec.get("kill_in_round") == i:  # the daemon dies during this round (fault injection)
+            threading.Timer(spec.get("kill_delay_s", 0.02), os.kill, (int(spec["daemon_pid"]), 9)).start()
         t = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         wall = time.perf_counter() - t
@@ -80,6 +87,23 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                        "cached": [o.num_cached_tokens for o in outs],
                        "ttft": [_ttft(o) for o in outs], "wall_s": wall})
     return {"init_s": init_s, "rounds": rounds, "counters": _counters(llm)}
+
+
+def _settle(socket: str, timeout_s: float = 30.0) -> None:
+    """Wait until the daemon has no put in flight: what the last round computed is stored
+    (vLLM's generate returns before its last saves are committed). A daemon that is gone
+    has nothing to settle."""
+    from hicache.client.connection import RpcConnection
+    from hicache.errors import HiCacheError
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if not RpcConnection.one_call(socket, "stats")["puts"]["pending"]:
+                return
+        except (HiCacheError, OSError):
+            return
+        time.sleep(0.01)
 
 
 def _ttft(out: Any) -> float | None:

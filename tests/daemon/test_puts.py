@@ -143,3 +143,18 @@ def test_put_pages_reach_disk_and_survive_a_restart(daemon_factory):
                    "the pages to come back from disk")
     assert read(b, m.host_pages) == [page_bytes(k).tobytes() for k in keys]
     b.close()
+
+
+def test_stats_cli_shows_puts(daemon):
+    import subprocess
+    import sys
+
+    a = client(daemon)
+    toks = np.arange(8, dtype=np.int32)
+    plan = a.put(toks)
+    write(a, a.page_keys(toks), plan.host_pages)
+    a.put_done(plan)
+    out = subprocess.run([sys.executable, "-m", "hicache.cli", "stats", "--socket", daemon.socket],
+                         capture_output=True, text=True, timeout=60).stdout
+    assert "puts 1 (2 pages stored)  pending 0" in out
+    a.close()

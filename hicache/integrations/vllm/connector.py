@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hicache.integrations.vllm.layout import engine_shape
-from hicache.integrations.vllm.metadata import HiCacheMeta, HiCacheStats
+from hicache.integrations.vllm.metadata import HiCacheMeta, HiCachePromMetrics, HiCacheStats
 from hicache.integrations.vllm.scheduler import SchedulerSide
 from hicache.integrations.vllm.worker import WorkerSide
 
@@ -111,6 +111,11 @@ class HiCacheConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> HiCacheStats:
         return HiCacheStats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> HiCachePromMetrics:
+        return HiCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -58,18 +58,12 @@ def _dtype_name(dtype: Any) -> str:
     return name
 
 
-def expected_arrangement(device_type: str, is_mla: bool, block_size: int, kv_heads: int, head_size: int,
-                         dtype: str) -> str:
-    """The per-layer KV tensor shape vLLM's attention backend uses (its get_kv_cache_shape):
-    MLA [B, block, width]; CPU [B, heads, block, 2*head] (K then V per block and head);
-    CUDA flash attention [2, B, block, heads, head]."""
-    if is_mla:
-        dims = f"B,{block_size},{head_size}"
-    elif device_type == "cpu":
-        dims = f"B,{kv_heads},{block_size},{2 * head_size}"
-    else:
-        dims = f"2,B,{block_size},{kv_heads},{head_size}"
-    return f"{dims}:{dtype}"
+def expected_arrangement(is_mla: bool, block_size: int, kv_heads: int, head_size: int, dtype: str) -> str:
+    """The per-layer KV view vLLM (0.32) hands connectors: [B, H, N, C] whatever the backend's
+    physical stride order (RFC #42082) -- MHA [B, heads, block, 2*head] (K and V in the
+    content), MLA [B, 1, block, width]."""
+    heads, content = (1, head_size) if is_mla else (kv_heads, 2 * head_size)
+    return f"B,{heads},{block_size},{content}:{dtype}"
 
 
 def engine_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None = None) -> EngineShape:
@@ -113,7 +107,7 @@ def engine_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None = 
     device_type = vllm_device_type()
     model = model_id or str(vllm_config.model_config.model)
     return EngineShape(model, layout, int(par.tensor_parallel_size), device_type,
-                       expected_arrangement(device_type, is_mla, block_size, kv_heads, head_size, dtype))
+                       expected_arrangement(is_mla, block_size, kv_heads, head_size, dtype))
 
 
 def vllm_device_type() -> str:

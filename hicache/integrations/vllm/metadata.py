@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.metrics.utils import create_metric_per_engine
 
 
 @dataclass(slots=True)
@@ -76,3 +77,31 @@ class HiCacheStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
+
+
+PROM_COUNTERS = {  # stat -> (metric name, help)
+    "loads": ("vllm:hicache_loads", "Requests whose prefix hicache loaded."),
+    "loaded_tokens": ("vllm:hicache_loaded_tokens", "Tokens of KV loaded from hicache."),
+    "saved_tokens": ("vllm:hicache_saved_tokens", "Tokens of KV stored into hicache."),
+    "load_errors": ("vllm:hicache_load_error_blocks", "Blocks hicache failed to load (vLLM recomputed them)."),
+    "load_s": ("vllm:hicache_load_seconds", "Seconds spent copying KV in from hicache."),
+    "save_s": ("vllm:hicache_save_seconds", "Seconds spent copying KV out to hicache."),
+}
+
+
+class HiCachePromMetrics(KVConnectorPromMetrics):
+    """The connector's stats as Prometheus counters, per engine."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters = {
+            stat: create_metric_per_engine(self._counter_cls(name=name, documentation=doc, labelnames=labelnames),
+                                           per_engine_labelvalues)
+            for stat, (name, doc) in PROM_COUNTERS.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for stat, per_engine in self.counters.items():
+            value = transfer_stats_data.get(stat, 0)
+            if value:
+                per_engine[engine_idx].inc(value)
