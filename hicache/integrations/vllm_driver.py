@@ -6,7 +6,8 @@ the proof tests, `hicache bench vllm` and anyone checking an install use it.
 SPEC: {"model": dir, "socket": path or null (no connector), "block_size": 32,
        "rounds": [[prompt token lists], ...], "max_tokens": 8,
        "reset_between_rounds": true, "corrupt_load": false, "kv_cache_bytes": 67108864,
-       "kill_in_round": k, "kill_delay_s": 0.02, "daemon_pid": pid}
+       "kill_in_round" | "stop_in_round": k, "cont_before_round": k2, "fault_delay_s": 0.02,
+       "daemon_pid": pid}
 
 Each round is one `generate` call; between rounds the driver waits for the daemon to
 have no store in flight (`settle`, default on), and vLLM's own prefix cache is cleared
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -78,8 +80,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             _settle(spec["socket"])
         if i and spec.get("reset_between_rounds", True):
             llm.reset_prefix_cache(reset_connector=False)
-        if spec.get("kill_in_round") == i:  # the daemon dies during this round (fault injection)
-            threading.Timer(spec.get("kill_delay_s", 0.02), os.kill, (int(spec["daemon_pid"]), 9)).start()
+        # fault injection: the daemon dies (SIGKILL) or hangs (SIGSTOP) during a round, or wakes up
+        for key, sig in (("kill_in_round", signal.SIGKILL), ("stop_in_round", signal.SIGSTOP)):
+            if spec.get(key) == i:
+                threading.Timer(spec.get("fault_delay_s", 0.02), os.kill, (int(spec["daemon_pid"]), sig)).start()
+        if spec.get("cont_before_round") == i:
+            os.kill(int(spec["daemon_pid"]), signal.SIGCONT)
         t = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         wall = time.perf_counter() - t
@@ -92,14 +98,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 def _settle(socket: str, timeout_s: float = 30.0) -> None:
     """Wait until the daemon has no put in flight: what the last round computed is stored
     (vLLM's generate returns before its last saves are committed). A daemon that is gone
-    has nothing to settle."""
+    or hung has nothing to settle."""
     from hicache.client.connection import RpcConnection
     from hicache.errors import HiCacheError
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if not RpcConnection.one_call(socket, "stats")["puts"]["pending"]:
+            if not RpcConnection.one_call(socket, "stats", timeout_s=2.0)["puts"]["pending"]:
                 return
         except (HiCacheError, OSError):
             return
