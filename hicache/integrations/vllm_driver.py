@@ -71,7 +71,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype=spec.get("dtype", "float32"),
               block_size=spec.get("block_size", 32), max_model_len=spec.get("max_model_len", 2048),
               enforce_eager=True, kv_cache_memory_bytes=spec.get("kv_cache_bytes", 64 << 20),
-              disable_log_stats=False, seed=0, **kwargs)
+              disable_log_stats=False, seed=0, tensor_parallel_size=spec.get("tp", 1), **kwargs)
     init_s = time.perf_counter() - t0
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0, detokenize=False)
     rounds = []

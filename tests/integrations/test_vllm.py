@@ -37,6 +37,7 @@ if not HAVE_VLLM:
     pytest.skip("vLLM is not installed (scripts/setup.sh installs it)", allow_module_level=True)
 
 from hicache.bench.tiny_llama import build_tiny_llama  # noqa: E402
+from hicache.client.connection import RpcConnection  # noqa: E402
 from hicache.daemon.launcher import LocalDaemon  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -63,12 +64,12 @@ def full_blocks(p: list[int]) -> int:
     return (len(p) - 1) // BLOCK * BLOCK
 
 
-def run_vllm(tmp: Path, name: str, **spec) -> dict:
+def run_vllm(tmp: Path, name: str, env: dict | None = None, **spec) -> dict:
     spec = {"model": str(MODEL_DIR), "block_size": BLOCK, "max_tokens": 8, **spec}
     path = tmp / f"{name}.json"
     path.write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, "-m", "hicache.integrations.vllm_driver", str(path)],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
     (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("HICACHE_RESULT ")]
     assert proc.returncode == 0 and lines, f"vLLM run {name} failed:\n{(proc.stdout + proc.stderr)[-6000:]}"
@@ -143,6 +144,23 @@ def test_corrupted_loads_change_outputs(work, reference, daemon):
     r = run_vllm(work, "corrupt", socket=daemon.socket, rounds=[ps], corrupt_load=True)
     assert r["rounds"][0]["cached"] == [full_blocks(p) for p in ps]  # the loads did happen
     assert r["rounds"][0]["outputs"] != reference
+
+
+def test_tensor_parallel_ranks_store_and_load_their_shards(work, tmp_path):
+    """TP=2 on CPU (one core per rank): each rank copies its own shard in its own namespace."""
+    ps = prompts()
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # vLLM binds a rank per NUMA node unless told
+    ref = run_vllm(work, "tp2-reference", env, socket=None, rounds=[ps], tp=2)["rounds"][0]["outputs"]
+    with LocalDaemon(tmp_path / "d", "--host-capacity", "256MiB", "--no-disk") as d:
+        r = run_vllm(work, "tp2", env, socket=d.socket, rounds=[ps, ps], tp=2)
+        stats = RpcConnection.one_call(d.socket, "stats")
+    for rnd in r["rounds"]:
+        assert rnd["outputs"] == ref
+    assert r["rounds"][1]["cached"] == [full_blocks(p) for p in ps]
+    assert stats["namespaces"] == 2  # one per rank
+    # every distinct full page the runs computed (prompt plus the 7 decoded tokens with KV), once per rank
+    pages = {tuple(p[:(k + 1) * BLOCK]) for p in ps for k in range((len(p) + 7) // BLOCK)}
+    assert stats["tiers"]["host"]["pages"] == 2 * len(pages)
 
 
 def test_daemon_hung_mid_run(work, reference, daemon):

@@ -174,3 +174,13 @@ def test_engine_shape_refuses_what_it_cannot_cache():
     int8 = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.int8)
     with pytest.raises(UnsupportedModel, match="dtype int8"):
         engine_shape(vllm_config(), kv_config(int8))
+
+
+def test_without_vllm_the_import_error_names_the_extra():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['vllm'] = None\n"
+            "try:\n    import hicache.integrations.vllm\nexcept ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    assert "pip install 'hicache[vllm]'" in out

@@ -203,8 +203,9 @@ class SchedulerSide:
         full = min(computed_after, len(tokens), len(st.blocks) * self.page_size) // self.page_size
         if full <= st.saved_pages:
             return
+        stored = tokens[:full * self.page_size]
         for r, c in self.clients.items():
-            plan = c.put(tokens, keys=st.keys[r].upto(tokens, full))
+            plan = c.put(stored, keys=st.keys[r].upto(tokens, full))
             if plan is None or plan.put is None:
                 continue
             pages = plan.host_pages.tolist()
