@@ -156,6 +156,9 @@ class CacheService:
         # the KV; it hears of every dropped pin (its checkpoint locks go with it).
         self.hybrid: Any = None
         self.on_pin_dropped: Callable[[Pin], None] | None = None
+        # Called as an engine goes (its connection dropped, or unregister): keyed stores
+        # (hicache/daemon/keyed.py) free the host slots it reserved and never committed.
+        self.on_engine_gone: list[Callable[[EngineRecord], None]] = []
 
     # -- registry ---------------------------------------------------------
     def namespace_state(self, namespace: Namespace) -> NamespaceState:
@@ -588,6 +591,8 @@ class CacheService:
             self._drop_pin(pin)
         for backup in [b for b in self.backups.values() if b.engine is rec]:
             self._finish_backup(backup, ok=False)
+        for hook in self.on_engine_gone:
+            hook(rec)
         del self.engines[rec.engine_id]
         rec.ns.engines.discard(rec.engine_id)
         self._apply_freed(rec.ns, rec.ns.index.remove_engine(rec.engine_id), None)
