@@ -59,6 +59,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     soak_arguments(bench("soak", "32 engines cycling for minutes: daemon memory before/after, host slots accounted"))
 
+    b = bench("sglang", "SGLang's L3 batch_set_v1 / batch_get_v1 through hicache vs a plain copy")
+    b.add_argument("--socket", dest="socket_path", help="a running daemon (default: start one)")
+    b.add_argument("--layouts", nargs="+", default=["page_first", "layer_first"],
+                   choices=["layer_first", "page_first", "page_first_direct", "page_head"])
+    b.add_argument("--page-sizes", type=int, nargs="+", default=[16, 64])
+    b.add_argument("--target-mib", type=int, default=256)
+    b.add_argument("--repeats", type=int, default=5)
+
     b = bench("multiturn", "the reference engine serving multi-turn conversations")
     b.add_argument("--conversations", type=int, default=12)
     b.add_argument("--turns", type=int, default=4)
@@ -89,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
     elif args.bench == "soak":
         from hicache.bench.soak_bench import run as go
         rows = go(args)
+    elif args.bench == "sglang":
+        from hicache.bench.sglang_bench import run as go
+        rows = go(args.socket_path, tuple(args.layouts), tuple(args.page_sizes), target_bytes=args.target_mib << 20,
+                  repeats=args.repeats)
     elif args.bench == "multiturn":
         from hicache.bench.multiturn_bench import run as go
         rows = go(args)
