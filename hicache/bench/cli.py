@@ -9,6 +9,7 @@ from pathlib import Path
 
 from hicache.bench.report import print_rows
 from hicache.bench.soak_bench import add_arguments as soak_arguments
+from hicache.bench.vllm_bench import add_arguments as vllm_arguments
 
 DEFAULT_TRACE = str(Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mooncake_conversation_trace.jsonl")
 
@@ -59,6 +60,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     soak_arguments(bench("soak", "32 engines cycling for minutes: daemon memory before/after, host slots accounted"))
 
+    vllm_arguments(bench("vllm", "a real vLLM engine serving multi-turn conversations, with and without hicache"))
+
     b = bench("sglang", "SGLang's L3 batch_set_v1 / batch_get_v1 through hicache vs a plain copy")
     b.add_argument("--socket", dest="socket_path", help="a running daemon (default: start one)")
     b.add_argument("--layouts", nargs="+", default=["page_first", "layer_first"],
@@ -96,6 +99,9 @@ def run(args: argparse.Namespace) -> int:
         rows = go(args)
     elif args.bench == "soak":
         from hicache.bench.soak_bench import run as go
+        rows = go(args)
+    elif args.bench == "vllm":
+        from hicache.bench.vllm_bench import run as go
         rows = go(args)
     elif args.bench == "sglang":
         from hicache.bench.sglang_bench import run as go

@@ -98,6 +98,18 @@ class Match:
 
 
 @dataclass(slots=True)
+class PutPlan:
+    """Copy page `present + i` of the stored prefix into host slot `host_pages[i]`, then
+    report `put_done` (from any engine of the namespace). `put` None: nothing to copy."""
+
+    put: int | None
+    present: int  # leading pages the host tier already holds
+    host_pages: np.ndarray
+    slabs: int  # the namespace's slab version the host pages need mapped
+    epoch: int
+
+
+@dataclass(slots=True)
 class InsertReply:
     present_pages: int
     free_pages: np.ndarray  # duplicates: the engine frees these device pages now
@@ -146,6 +158,7 @@ class HiCacheClient:
         self.epoch = 0
         self.arena: HostArena | None = None  # the daemon's arena; only our namespace's slabs mapped
         self.slab_version = 0  # of the slabs mapped; replies naming host pages carry the daemon's
+        self.instance: str | None = None  # the daemon's, from hello: a new one has a new arena
         self.on_reconnect: list[Any] = []  # callbacks(epoch) run after each (re)connect, on the engine thread
         self.misses_while_away = 0
         self.refusals = 0
@@ -235,6 +248,7 @@ class HiCacheClient:
         self.arena = HostArena.reserve(int(hello["num_slabs"]), int(hello["slab_bytes"]))
         self.slab_version = 0
         self.conn = conn
+        self.instance = hello.get("instance")
         self.engine_id = int(reply["engine"])
         self.epoch += 1
         log.info("connected to hicache daemon %s (engine %d, epoch %d)", hello.get("server"), self.engine_id,
@@ -355,20 +369,28 @@ class HiCacheClient:
             r = None
         if r is None:
             return Match(None, keys, EMPTY, EMPTY, 0, self.epoch)
-        host_pages, disk_len = bytes_to_ids(r["host_pages"]), int(r["disk_len"])
-        from_disk = 0
         state = r.get("state")
-        if disk_len or (state is not None and state["pending"]):
-            # the daemon is bringing that part to host: ask for the plan (it waits per policy)
-            try:
-                ld = self._call("load", {"pin": r["pin"]}, self.deadlines.load_s)
-                from_disk = len(ld["host_pages"]) // 4 - len(host_pages)
-                host_pages, disk_len = bytes_to_ids(ld["host_pages"]), int(ld["disk_len"])
-                state = ld.get("state", state)
-            except DaemonUnavailable:
-                pass
-        return Match(int(r["pin"]), keys, bytes_to_ids(r["device_pages"]), host_pages, disk_len, self.epoch,
-                     from_disk, None if state is None else StateMatch.parse(state))
+        m = Match(int(r["pin"]), keys, bytes_to_ids(r["device_pages"]), bytes_to_ids(r["host_pages"]),
+                  int(r["disk_len"]), self.epoch, 0, None if state is None else StateMatch.parse(state))
+        if m.disk_len or (state is not None and state["pending"]):
+            self.refresh(m)
+        return m
+
+    def refresh(self, match: Match) -> Match:
+        """Fold into `match` what the daemon brought from disk to host since (asking for
+        the plan waits per the daemon's load policy). Unchanged when the daemon is away."""
+        if match.pin is None or match.epoch != self.epoch:
+            return match
+        try:
+            ld = self._call("load", {"pin": match.pin}, self.deadlines.load_s)
+        except DaemonUnavailable:
+            return match
+        host_pages = bytes_to_ids(ld["host_pages"])
+        match.from_disk += len(host_pages) - len(match.host_pages)
+        match.host_pages, match.disk_len = host_pages, int(ld["disk_len"])
+        if "state" in ld:
+            match.state = StateMatch.parse(ld["state"])
+        return match
 
     def load_done(self, match: Match, device_pages: np.ndarray) -> np.ndarray | None:
         """Report the host part copied into `device_pages`. Returns pages to free, or
@@ -425,6 +447,38 @@ class HiCacheClient:
         return InsertReply(int(r["present_pages"]), bytes_to_ids(r["free_pages"]), self._plan(r["backup"]),
                            state_plan)
 
+    def put(self, tokens: Any, *, keys: list[bytes] | None = None) -> PutPlan | None:
+        """Reserve host pages for the full pages of `tokens` the host tier lacks, for an
+        engine that keeps its own device cache (no device residency is recorded; see
+        hicache/daemon/puts.py). None: skipped (daemon away)."""
+        toks = as_tokens(tokens)
+        ps = self.layout.page_size
+        if keys is None:
+            keys = self.page_keys(toks)
+        n = len(keys)
+        if len(toks) < n * ps:
+            raise ValueError(f"{n} page keys need {n * ps} tokens, got {len(toks)}")
+        try:
+            r = self._call("put", {"engine": self.engine_id, "keys": b"".join(keys),
+                                   "tokens": toks[:n * ps].tobytes()}, self.deadlines.update_s)
+        except DaemonUnavailable:
+            return None
+        put = r["put"]
+        return PutPlan(None if put is None else int(put), int(r["present"]), bytes_to_ids(r["host_pages"]),
+                       int(r["slabs"]), self.epoch)
+
+    def put_done(self, plan: PutPlan, ok: bool = True) -> int | None:
+        """The copies of `plan` are in place (or failed: `ok` False). Returns the pages the
+        host tier gained, None when the daemon is not reachable (the put then expires)."""
+        if plan.put is None or plan.epoch != self.epoch:
+            return None
+        try:
+            r = self._call("put_done", {"engine": self.engine_id, "put": plan.put, "ok": ok},
+                           self.deadlines.update_s)
+        except DaemonUnavailable:
+            return None
+        return int(r["added"])
+
     def state_backup_done(self, plan: StateBackupPlan, ok: bool = True) -> int | None:
         """The checkpoints of `plan` are copied into their host slots (or failed: `ok`
         False). Returns how many the daemon stored, None when it is not reachable."""
@@ -466,4 +520,4 @@ class HiCacheClient:
         return self._call("stats", {}, self.deadlines.admin_s)
 
 
-__all__ = ["HiCacheClient", "CallDeadlines", "Match", "InsertReply", "BackupPlan", "StateMatch", "StateBackupPlan"]
+__all__ = ["HiCacheClient", "CallDeadlines", "Match", "InsertReply", "PutPlan", "BackupPlan", "StateMatch", "StateBackupPlan"]

@@ -57,6 +57,18 @@ class RpcConnection:
             raise
         return cls(sock, timeout_s)
 
+    @classmethod
+    def one_call(cls, path: str, method: str, params: dict[str, Any] | None = None,
+                 timeout_s: float = 5.0) -> Any:
+        """Connect (checking who listens), hello, one call, close: the admin CLI's and
+        tools' way to ask the daemon something."""
+        conn = cls.connect(path, timeout_s=timeout_s)
+        try:
+            conn.hello()
+            return conn.call(method, params or {})
+        finally:
+            conn.close()
+
     def hello(self, timeout_s: float | None = None) -> tuple[dict, list[int]]:
         """Handshake: negotiate the version. Returns the answer and any descriptors that came
         with it (none from a daemon of this protocol; the caller closes them).

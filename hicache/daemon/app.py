@@ -15,6 +15,7 @@ import signal
 import socket
 import stat
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from hicache.config import Config, format_size, private_socket_dir
 from hicache.daemon.handlers import ADMIN_METHODS, build_handlers
 from hicache.daemon.host_tier import HostTier
 from hicache.daemon.hybrid import HybridStates
+from hicache.daemon.puts import HostPuts
 from hicache.daemon.service import CacheService
 from hicache.errors import HiCacheError
 from hicache.index.radix import Tier
@@ -96,6 +98,8 @@ class Daemon:
         self.server: RpcServer | None = None
         self.disk: Any = None  # DiskMover once the disk tier is up
         self.hybrid: HybridStates | None = None  # state checkpoints of hybrid models
+        self.puts: HostPuts | None = None  # host-direct stores of engines with their own device cache
+        self.instance = os.urandom(8).hex()  # tells engines a restarted daemon (a new arena) from this one
         self._stop: asyncio.Event | None = None
         self._bound_path: Path | None = None
         self.notifier: Notifier | None = None
@@ -133,6 +137,8 @@ class Daemon:
                                     write_hit_threshold=cfg.write_hit_threshold, emit=self._emit,
                                     clock=time.time,  # wall clock: disk LRU times survive restarts
                                     max_device_pages=cfg.max_device_pages)
+        self.puts = HostPuts(self.service, lease_s=cfg.put_lease_s)
+        self.service.on_engine_gone.append(self.puts.forget_engine)
         # before the disk tier: its rebuild hands state checkpoint records to HybridStates
         self.hybrid = HybridStates(self.service, disk_capacity=cfg.disk_capacity if cfg.disk_enabled else 0,
                                    load_policy=cfg.load_policy, prefetch_timeout_s=cfg.prefetch_timeout_s)
@@ -292,6 +298,7 @@ class Daemon:
                              "inserts": c.inserts, "inserted_pages": c.inserted_pages,
                              "loaded_pages": c.loaded_pages, "backups": c.backups_planned,
                              "backup_pages": c.backup_pages, "backups_skipped_no_space": c.backups_skipped_no_space},
+                "puts": asdict(self.puts.counters) | {"pending": len(self.puts.puts)} if self.puts else None,
                 "connections": len(self.server.connections) if self.server else 0,
                 "states": self.hybrid.stats() if self.hybrid is not None else None,
                 **self._rpc_stats()}

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from hicache.config import Config
     from hicache.daemon.host_tier import HostTier
     from hicache.daemon.hybrid import HybridStates
+    from hicache.daemon.puts import HostPuts
     from hicache.daemon.service import CacheService
 
 
@@ -27,5 +28,7 @@ class DaemonContext(Protocol):
     service: CacheService | None
     disk: Any  # DiskMover once the disk tier is up (the disk tier is optional)
     hybrid: HybridStates | None
+    puts: HostPuts | None
+    instance: str  # random per daemon start: a new instance has a new arena
 
     def stats(self) -> dict: ...

@@ -37,6 +37,7 @@ from hicache.rpc.server import Connection, WithFds
 if TYPE_CHECKING:
     from hicache.daemon.context import DaemonContext
 
+EMPTY = np.empty(0, dtype=np.int64)
 TIERS = {"device": Tier.DEVICE, "host": Tier.HOST, "disk": Tier.DISK}
 
 # Destructive or cross-namespace: the server checks these before the handler runs.
@@ -118,7 +119,7 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
         # The arena's geometry only: its slabs' fds go to engines by namespace (map_slabs).
         return {"version": PROTOCOL_VERSION, "server": f"hicache {__version__}", "pid": os.getpid(),
                 "arena_bytes": daemon.host.arena.nbytes, "slab_bytes": daemon.host.slab_bytes,
-                "num_slabs": daemon.host.num_slabs}
+                "num_slabs": daemon.host.num_slabs, "instance": daemon.instance}
 
     def register(conn: Connection, p: dict) -> Any:
         try:
@@ -204,6 +205,24 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
                                      "device_slots": [e[3] for e in state_backup.entries],
                                      "positions": [e[1] for e in state_backup.entries]}
         return reply
+
+    def put(conn: Connection, p: dict) -> Any:
+        """Reserve host pages for the keys' pages not on host yet (see puts.py)."""
+        keys = keys_of(p)
+        tokens = _get(p, "tokens", bytes)
+        if len(tokens) % 4:
+            raise RpcError(Code.BAD_PARAMS, "tokens must be packed int32")
+        engine = _get(p, "engine", int)
+        if svc.engine(conn, engine).ns.namespace.state is not None:
+            raise RpcError(Code.BAD_PARAMS, "hybrid namespaces store through insert (their checkpoints need it)")
+        put, present = daemon.puts.put(conn, engine, keys, np.frombuffer(tokens, dtype="<i4"))
+        return {"put": None if put is None else put.put_id, "present": present,
+                "host_pages": ids_to_bytes(put.host_pages if put is not None else EMPTY),
+                "slabs": _slab_version(conn, p)}
+
+    def put_done(conn: Connection, p: dict) -> Any:
+        added = daemon.puts.done(conn, _get(p, "engine", int), _get(p, "put", int), _get(p, "ok", bool, True))
+        return {"added": added}
 
     def state_backup_done(conn: Connection, p: dict) -> Any:
         if daemon.hybrid is None:
@@ -298,7 +317,7 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
 
     return {"hello": hello, "register": register, "unregister": unregister, "match": match,
             "load": load, "load_done": load_done, "map_slabs": map_slabs, "release": release, "insert": insert,
-            "backup_done": backup_done,
+            "backup_done": backup_done, "put": put, "put_done": put_done,
             "state_backup_done": state_backup_done,
             "evict": evict, "stats": stats, "flush": flush, "evict_tier": evict_tier, "ls": ls,
             "subscribe": subscribe, "doctor": doctor, **portable_handlers(daemon),

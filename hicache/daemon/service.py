@@ -156,8 +156,8 @@ class CacheService:
         # the KV; it hears of every dropped pin (its checkpoint locks go with it).
         self.hybrid: Any = None
         self.on_pin_dropped: Callable[[Pin], None] | None = None
-        # Called as an engine goes (its connection dropped, or unregister): keyed stores
-        # (hicache/daemon/keyed.py) free the host slots it reserved and never committed.
+        # Called as an engine goes (its connection dropped, or unregister), after it left its
+        # namespace: host puts (puts.py) and keyed stores (keyed.py) free what it reserved.
         self.on_engine_gone: list[Callable[[EngineRecord], None]] = []
 
     # -- registry ---------------------------------------------------------
@@ -591,10 +591,10 @@ class CacheService:
             self._drop_pin(pin)
         for backup in [b for b in self.backups.values() if b.engine is rec]:
             self._finish_backup(backup, ok=False)
-        for hook in self.on_engine_gone:
-            hook(rec)
         del self.engines[rec.engine_id]
         rec.ns.engines.discard(rec.engine_id)
+        for hook in self.on_engine_gone:
+            hook(rec)
         self._apply_freed(rec.ns, rec.ns.index.remove_engine(rec.engine_id), None)
         log.info("engine %d gone; its device residency is forgotten", rec.engine_id)
         self._forget_if_empty(rec.ns)

@@ -243,6 +243,37 @@ class RadixIndex:
             new_nodes.append(leaf)
         return InsertResult(present, concat_pages(dup_dev), concat_pages(dup_host), path, new_nodes)
 
+    def host_prefix(self, keys: list[bytes]) -> tuple[TreeNode, int]:
+        """The node ending the leading run of `keys` that has a host copy, and its length in
+        pages (the root and 0 when the first page has none). Splits the node the run ends
+        inside, so the caller can lock exactly that run; touches no access times (a store
+        is not a hit)."""
+        keys = check_keys(keys)
+        node, i, n = self.root, 0, len(keys)
+        while i < n:
+            child = node.children.get(keys[i])
+            if child is None or child.host is None:
+                break
+            j = _common_pages(child.keys, keys, i)
+            if j < len(child.keys):
+                return self._split(child, j), i + j
+            node, i = child, i + j
+        return node, i
+
+    def insert_below(self, node: TreeNode, keys: list[bytes], tokens: np.ndarray,
+                     host_pages: np.ndarray) -> InsertResult:
+        """insert() of host copies for the pages that follow `node` (a live node, e.g. one
+        `host_prefix` returned and the caller kept locked since), without walking from the root."""
+        if node is not self.root:
+            self._live(node)
+        keys = check_keys(keys)
+        n = len(keys)
+        toks = check_tokens(tokens, n, self.page_size)
+        host = check_pages(host_pages, n, "host_pages")
+        if n == 0:
+            return InsertResult(0, EMPTY_PAGES, EMPTY_PAGES, [], [])
+        return self._insert_from(node, keys, toks, None, None, host, False, self.clock(), True)
+
     def node_ending_at(self, keys: list[bytes]) -> TreeNode | None:
         """The node whose path from the root is exactly `keys`, splitting the node the
         path ends inside (so a hybrid-model checkpoint can sit at that node's end);

@@ -1,0 +1,36 @@
+"""A tiny Llama with seeded random weights, saved as safetensors from a local config:
+what the vLLM proof tests and `hicache bench vllm` run (no hub, no download).
+
+The weights are drawn wide (std 0.2) so that every output token depends on the KV:
+with near-zero weights (vLLM's dummy loader) a wrong KV load can go unnoticed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def build_tiny_llama(path: str | Path, *, seed: int = 0, layers: int = 2, hidden: int = 128, heads: int = 4,
+                     kv_heads: int = 2, vocab: int = 512) -> Path:
+    """Write the model to `path` (kept if already there with the same settings)."""
+    path = Path(path)
+    settings = {"seed": seed, "layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
+                "vocab": vocab}
+    stamp = path / "hicache-tiny.json"
+    if stamp.exists() and json.loads(stamp.read_text()) == settings:
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=4096, torch_dtype="float32", tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    stamp.write_text(json.dumps(settings))
+    return path

@@ -1,0 +1,151 @@
+"""HiCacheConnector: vLLM's v1 KV connector API, on hicache's host and disk tiers.
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector":"HiCacheConnector",
+      "kv_connector_module_path":"hicache.integrations.vllm","kv_role":"kv_both",
+      "kv_connector_extra_config":{"socket":"/run/hicache/hicache.sock"}}'
+
+vLLM builds one instance in the scheduler process (role SCHEDULER) and one
+per worker (role WORKER); each delegates to its side (scheduler.py, worker.py).
+Extra config keys, all optional: `socket` (default: the daemon's default
+socket), `model_id` (the namespace's model name; default vLLM's model path or
+name), `lease_s` (pins a load never reports are released after it),
+`disk_wait_s` (how long a request may wait for its disk part to reach host).
+vLLM's `kv_load_failure_policy` is set to "recompute": a block hicache could not
+load is computed, never an error.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from hicache.integrations.vllm.layout import engine_shape
+from hicache.integrations.vllm.metadata import HiCacheMeta, HiCachePromMetrics, HiCacheStats
+from hicache.integrations.vllm.scheduler import SchedulerSide
+from hicache.integrations.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class HiCacheConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        cfg = self._kv_transfer_config
+        socket = cfg.get_from_extra_config("socket", None)
+        shape = engine_shape(vllm_config, kv_cache_config, cfg.get_from_extra_config("model_id", None))
+        num_blocks = int(kv_cache_config.num_blocks)
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            # A cache tier must never fail a request: a block that did not load is recomputed.
+            # vLLM reads this policy right after building the scheduler's connector.
+            if cfg.kv_load_failure_policy != "recompute":
+                log.info("hicache: kv_load_failure_policy set to 'recompute' (a failed load is a miss)")
+                cfg.kv_load_failure_policy = "recompute"
+            self.scheduler = SchedulerSide(shape, num_blocks, socket,
+                                           lease_s=float(cfg.get_from_extra_config("lease_s", 30.0)),
+                                           disk_wait_s=float(cfg.get_from_extra_config("disk_wait_s", 0.5)))
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self.worker = WorkerSide(shape, num_blocks, socket, get_tensor_model_parallel_rank())
+        log.info("hicache connector (%s): namespace %s", role.name, shape)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a dropped save is a future miss, nothing more
+
+    # -- worker side --------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        assert self.worker is not None
+        self.worker.register(kv_caches, extract_layer_index)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self.worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, HiCacheMeta)
+        self.worker.start_load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        assert self.worker is not None
+        self.worker.wait_for_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # whole blocks are saved after the forward pass (wait_for_save), all layers at once
+
+    def wait_for_save(self) -> None:
+        assert self.worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, HiCacheMeta)
+        self.worker.start_saves(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self.worker is not None
+        return self.worker.finished_sending(), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.load_errors() if self.worker is not None else set()
+
+    def build_connector_worker_meta(self) -> Any:
+        return self.worker.worker_meta() if self.worker is not None else None
+
+    def get_kv_connector_stats(self) -> HiCacheStats | None:
+        return self.worker.take_stats() if self.worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> HiCacheStats:
+        return HiCacheStats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> HiCachePromMetrics:
+        return HiCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+        if self.scheduler is not None:
+            self.scheduler.close()
+
+    # -- scheduler side -----------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> HiCacheMeta:
+        assert self.scheduler is not None
+        return self.scheduler.build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self.scheduler is not None
+        self.scheduler.on_output(connector_output.kv_connector_worker_meta)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request), None
+
+    def has_pending_push_work(self) -> bool:
+        return self.scheduler is not None and self.scheduler.has_pending_saves()
+
+    def reset_cache(self) -> bool | None:
+        return None  # the daemon's tiers are shared by other engines: `hicache flush` clears them

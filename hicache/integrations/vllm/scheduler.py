@@ -1,0 +1,265 @@
+"""The scheduler side of the vLLM connector: every call to the daemon happens here.
+
+vLLM keeps its own prefix cache of device blocks; hicache is the tier below.
+For a new request the scheduler matches the request's full pages in every
+namespace rank and offers vLLM the pages beyond its local hit that *every*
+rank holds on host (the match pins them: they cannot be evicted before the
+workers copy them in). When a disk part is being brought up it answers "ask
+again" for at most `disk_wait_s`, holding the pins so the prefetch is kept.
+
+Each step it reserves host pages (a put, hicache/daemon/puts.py) for the full
+blocks the step computes, sends the workers the copy plans, and on their report
+(worker metadata) finishes the puts. A finished request whose copies are still
+running keeps its blocks until the workers say they are done.
+
+The daemon away, restarting or hung costs one deadline then nothing: the client's
+circuit breaker answers misses and skips stores at once while it reconnects.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from hicache.client.client import HiCacheClient, Match, PutPlan
+from hicache.integrations.request_keys import RequestKeys
+from hicache.integrations.vllm.layout import EngineShape
+from hicache.integrations.vllm.metadata import HiCacheMeta, HiCacheWorkerMeta, LoadSpec, SaveSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class _Req:
+    request: Any  # vllm Request: all_token_ids grows as it decodes
+    keys: dict[int, RequestKeys]  # per namespace rank (salts differ)
+    blocks: list[int] = field(default_factory=list)
+    saved_pages: int = 0  # leading pages stored (or being stored)
+    matches: dict[int, Match] = field(default_factory=dict)  # pins of the pending or running load
+    pinned_at: float = 0.0
+    disk_deadline: float | None = None
+    load: tuple[int, int] | None = None  # pages [start, end) the workers load this step
+    puts: dict[int, tuple[int, PutPlan]] = field(default_factory=dict)  # put id -> (rank, plan), not reported
+    finished: bool = False  # vLLM finished it; kept while its saves run
+
+
+def request_extras(request: Any) -> tuple[list[str], list[tuple[str, int, int]]] | None:
+    """What the request's KV depends on besides its token ids (see request_keys.py);
+    None when it cannot be keyed at all (prompt embeddings)."""
+    if getattr(request, "prompt_embeds", None) is not None:
+        return None
+    extras = []
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        extras.append(f"lora={lora.lora_name}/{getattr(lora, 'lora_int_id', '')}/{getattr(lora, 'lora_path', '')}")
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        extras.append(f"cache_salt={salt}")
+    items = [(str(f.identifier), int(f.mm_position.offset), int(f.mm_position.length))
+             for f in (getattr(request, "mm_features", None) or [])]
+    return extras, items
+
+
+class SchedulerSide:
+    def __init__(self, shape: EngineShape, num_blocks: int, socket_path: str | None, *,
+                 lease_s: float = 30.0, disk_wait_s: float = 0.5) -> None:
+        self.shape = shape
+        self.page_size = shape.layout.page_size
+        self.lease_s = lease_s
+        self.disk_wait_s = disk_wait_s
+        ranks = 1 if shape.is_mla else shape.tp_size
+        self.clients: dict[int, HiCacheClient] = {}
+        for r in range(ranks):
+            tp_rank, tp_size = shape.namespace_rank(r)
+            self.clients[r] = HiCacheClient(shape.layout, num_blocks, model=shape.model, socket_path=socket_path,
+                                            tp_rank=tp_rank, tp_size=tp_size, extra_key=shape.extra_key())
+        for c in self.clients.values():
+            c.connect()  # each step bounded by its deadline; if down, the probe keeps trying
+        self.reqs: dict[str, _Req] = {}
+        self.loads_next: list[str] = []  # requests whose load goes into the next metadata
+        self.delayed: list[str] = []  # finished requests keeping their blocks for running saves
+        self.preempted = False
+
+    # -- requests -------------------------------------------------------------------------
+    def _state(self, request: Any) -> _Req | None:
+        st = self.reqs.get(request.request_id)
+        if st is None:
+            ex = request_extras(request)
+            if ex is None:
+                return None
+            keys = {r: RequestKeys(c.salt, self.page_size, extras=ex[0], items=ex[1])
+                    for r, c in self.clients.items()}
+            st = self.reqs[request.request_id] = _Req(request, keys)
+        return st
+
+    def _release(self, st: _Req) -> None:
+        for r, m in st.matches.items():
+            self.clients[r].release(m)
+        st.matches = {}
+        st.load = None
+
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens beyond vLLM's local hit that every rank holds on host (0 on any doubt)."""
+        st = self._state(request)
+        if st is None:
+            return 0, False
+        tokens = request.all_token_ids
+        n_pages = (len(tokens) - 1) // self.page_size  # vLLM computes at least the last token
+        local = num_computed_tokens // self.page_size
+        if n_pages <= local:
+            self._release(st)
+            return 0, False
+        now = time.monotonic()
+        if st.matches and st.disk_deadline is not None:  # asked again while the disk part comes up
+            for r, m in st.matches.items():
+                if m.disk_len:
+                    self.clients[r].refresh(m)
+        else:
+            self._release(st)
+            st.matches = {r: c.match(keys=st.keys[r].upto(tokens, n_pages)) for r, c in self.clients.items()}
+            st.pinned_at = now
+        ms = st.matches.values()
+        if any(m.pin is None or m.device_len for m in ms):  # daemon away (or a device part we cannot use)
+            self._release(st)
+            return 0, False
+        if any(m.disk_len for m in ms):
+            if st.disk_deadline is None:
+                st.disk_deadline = now + self.disk_wait_s
+            if now < st.disk_deadline:
+                return None, False  # vLLM asks again next step; the pins keep the prefetch
+        st.disk_deadline = None
+        hit = min(m.host_len for m in ms)
+        if hit <= local:
+            self._release(st)
+            return 0, False
+        st.load = (local, hit)
+        return (hit - local) * self.page_size, False
+
+    def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        st = self.reqs.get(request.request_id)
+        if st is None:
+            return
+        st.blocks = list(block_ids)
+        if num_external_tokens <= 0 or st.load is None:
+            self._release(st)
+            return
+        start, end = st.load
+        if (end - start) * self.page_size != num_external_tokens or len(block_ids) < end:
+            log.warning("request %s: vLLM took %d external tokens of the %d offered; not loading",
+                        request.request_id, num_external_tokens, (end - start) * self.page_size)
+            self._release(st)
+            return
+        self.loads_next.append(request.request_id)
+
+    # -- each step ------------------------------------------------------------------------
+    def build_meta(self, so: Any) -> HiCacheMeta:
+        meta = HiCacheMeta(preempted=bool(getattr(so, "preempted_req_ids", None)))
+        c0 = next(iter(self.clients.values()))
+        meta.instance = c0.instance
+        meta.slabs = {r: c.slab_version for r, c in self.clients.items()}
+        for req_id in self.loads_next:
+            st = self.reqs.get(req_id)
+            if st is None or st.load is None:
+                continue
+            start, end = st.load
+            meta.loads.append(LoadSpec(req_id, st.blocks[start:end],
+                                       {r: m.host_pages[start:end].tolist() for r, m in st.matches.items()}))
+        self.loads_next = []
+        self._track_blocks(so)
+        computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+        cached = so.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, n_sched in so.num_scheduled_tokens.items():
+            st = self.reqs.get(req_id)
+            if st is not None:
+                self._plan_saves(req_id, st, computed.get(req_id, 0) + n_sched, meta)
+        meta.delayed, self.delayed = self.delayed, []
+        self._expire_pins()
+        # vLLM does not re-read metadata: the slab versions must cover the plans made above
+        meta.slabs = {r: c.slab_version for r, c in self.clients.items()}
+        return meta
+
+    def _track_blocks(self, so: Any) -> None:
+        for new in so.scheduled_new_reqs:
+            st = self.reqs.get(new.req_id)
+            if st is not None:
+                st.blocks = list(new.block_ids[0])
+        cached = so.scheduled_cached_reqs
+        for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids):
+            st = self.reqs.get(req_id)
+            if st is None or new_ids is None:
+                continue
+            if req_id in cached.resumed_req_ids:  # after preemption: a new block list
+                st.blocks = list(new_ids[0])
+                st.saved_pages = 0
+            else:
+                st.blocks.extend(new_ids[0])
+
+    def _plan_saves(self, req_id: str, st: _Req, computed_after: int, meta: HiCacheMeta) -> None:
+        """Reserve host pages for the full blocks this step completes (all ranks)."""
+        tokens = st.request.all_token_ids
+        full = min(computed_after, len(tokens), len(st.blocks) * self.page_size) // self.page_size
+        if full <= st.saved_pages:
+            return
+        for r, c in self.clients.items():
+            plan = c.put(tokens, keys=st.keys[r].upto(tokens, full))
+            if plan is None or plan.put is None:
+                continue
+            pages = plan.host_pages.tolist()
+            meta.saves.append(SaveSpec(req_id, r, plan.put, st.blocks[plan.present:full], pages))
+            st.puts[plan.put] = (r, plan)
+        st.saved_pages = full
+
+    def _expire_pins(self) -> None:
+        """Pins a load never reported (a worker that died, a request vLLM dropped) go after lease_s."""
+        now = time.monotonic()
+        for st in self.reqs.values():
+            if st.matches and now - st.pinned_at > self.lease_s:
+                log.warning("request %s: releasing pins held %.0f s", st.request.request_id, now - st.pinned_at)
+                self._release(st)
+
+    def on_output(self, worker_meta: Any) -> None:
+        """The workers' report: finish the puts whose copies ran, release the pins of loads done."""
+        if not isinstance(worker_meta, HiCacheWorkerMeta):
+            return
+        for req_id in worker_meta.loaded:
+            st = self.reqs.get(req_id)
+            if st is not None:
+                self._release(st)
+        if not worker_meta.saved:
+            return
+        by_put = {pid: (st, rank, plan) for st in self.reqs.values() for pid, (rank, plan) in st.puts.items()}
+        for put_id, ok in worker_meta.saved.items():
+            found = by_put.get(put_id)
+            if found is None:
+                continue
+            st, rank, plan = found
+            del st.puts[put_id]
+            self.clients[rank].put_done(plan, ok)
+        for req_id in [r for r, st in self.reqs.items() if st.finished and not st.puts]:
+            del self.reqs[req_id]
+
+    def request_finished(self, request: Any) -> bool:
+        """True: the blocks stay until the workers report the request's saves done."""
+        st = self.reqs.get(request.request_id)
+        if st is None:
+            return False
+        self._release(st)
+        if st.puts:
+            st.finished = True
+            self.delayed.append(request.request_id)
+            return True
+        del self.reqs[request.request_id]
+        return False
+
+    def has_pending_saves(self) -> bool:
+        """Puts whose copies are not reported yet: vLLM keeps stepping so they get finished."""
+        return any(st.puts for st in self.reqs.values())
+
+    def close(self) -> None:
+        for st in self.reqs.values():
+            self._release(st)
+        for c in self.clients.values():
+            c.close()

@@ -1,0 +1,268 @@
+"""The worker side of the vLLM connector: copies between vLLM's KV blocks and the arena.
+
+The worker makes no cache decision and sends the daemon nothing but slab
+mapping requests: the scheduler side matched, pinned and reserved, and the
+metadata says which blocks go to or come from which host pages. One copy
+thread runs the jobs in order (a load and a later save of the same blocks stay
+ordered):
+
+- loads, per layer: `start_load_kv` queues them before the forward pass, and
+  `wait_for_layer_load(layer)` waits only for that layer, so attention of layer
+  l runs while layers > l are still being copied;
+- saves, all layers of the blocks a step completed: queued by `wait_for_save`
+  after the forward pass and reported through the worker metadata when done,
+  never waited for on the step's path (except for preempted requests, whose
+  blocks vLLM frees at once).
+
+A load that cannot run (the daemon restarted since the scheduler matched, a
+slab that cannot be mapped, a copy error) reports its blocks through
+`get_block_ids_with_load_errors`, and vLLM recomputes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hicache.client.client import HiCacheClient
+from hicache.integrations.block_copy import BlockCopier, arrangement
+from hicache.integrations.vllm.layout import EngineShape, UnsupportedModel
+from hicache.integrations.vllm.metadata import HiCacheMeta, HiCacheStats, HiCacheWorkerMeta, LoadSpec, SaveSpec
+
+log = logging.getLogger(__name__)
+
+
+class _Load:
+    """One step's loads: an event per layer, set when that layer is in place (or failed)."""
+
+    def __init__(self, specs: list[LoadSpec], num_layers: int) -> None:
+        self.specs = specs
+        self.events = [threading.Event() for _ in range(num_layers)]
+        self.failed = False
+
+
+class WorkerSide:
+    def __init__(self, shape: EngineShape, num_blocks: int, socket_path: str | None, tp_rank: int) -> None:
+        self.shape = shape
+        self.num_blocks = num_blocks
+        self.rank = 0 if shape.is_mla else tp_rank  # the namespace rank this worker copies in
+        self.stores = shape.stores(tp_rank)
+        ns_rank, ns_size = shape.namespace_rank(tp_rank)
+        self.client = HiCacheClient(shape.layout, num_blocks, model=shape.model, socket_path=socket_path,
+                                    tp_rank=ns_rank, tp_size=ns_size, extra_key=shape.extra_key())
+        self.client.on_reconnect.append(self._on_reconnect)
+        self.layer_of: dict[str, int] = {}
+        self.caches: list[torch.Tensor] = []
+        self.copier: BlockCopier | None = None
+        self.load: _Load | None = None
+        self.stats = HiCacheStats()
+        self._lock = threading.Lock()  # guards what the copy thread reports
+        self._idle = threading.Condition(self._lock)
+        self._queued = 0
+        self._saving: dict[str, int] = {}  # request -> save jobs not finished
+        self._saved: dict[int, bool] = {}  # put id -> ok, not reported yet
+        self._loaded: set[str] = set()
+        self._failed_blocks: set[int] = set()
+        self._delayed: set[str] = set()
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="hicache-vllm-copy", daemon=True)
+        self._thread.start()
+
+    # -- set-up -----------------------------------------------------------------------------
+    def register(self, kv_caches: dict[str, torch.Tensor], layer_index: Callable[[str], int]) -> None:
+        """vLLM's per-layer KV tensors: check each has the arrangement the namespace names."""
+        names = sorted(kv_caches, key=layer_index)
+        if len(names) != self.shape.layout.num_layers:
+            raise UnsupportedModel(f"{len(names)} KV tensors for {self.shape.layout.num_layers} attention layers")
+        for name in names:
+            got = arrangement(kv_caches[name], self.num_blocks)
+            if got != self.shape.arrangement:
+                raise UnsupportedModel(f"layer {name}: KV tensor arranged {got}, hicache expected "
+                                       f"{self.shape.arrangement} for this backend; pages would not be shared "
+                                       "safely, so the connector refuses to run")
+        self.layer_of = {name: i for i, name in enumerate(names)}
+        self.caches = [kv_caches[n] for n in names]
+        self.client.connect()
+        if self.client.arena is not None and self.copier is None:
+            self.copier = BlockCopier(self.caches, self.num_blocks, self.shape.layout, self.client.arena)
+
+    def _on_reconnect(self, epoch: int) -> None:
+        """A (new) daemon: finish every copy from the old arena before the client drops it."""
+        self.drain()
+        assert self.client.arena is not None
+        if self.caches:
+            if self.copier is None:
+                self.copier = BlockCopier(self.caches, self.num_blocks, self.shape.layout, self.client.arena)
+            else:
+                self.copier.rebind(self.client.arena)
+
+    def _ready(self, meta: HiCacheMeta) -> bool:
+        """Whether the host pages the scheduler planned are mapped here: same daemon, its
+        namespace's slabs at the scheduler's version."""
+        c = self.client
+        if c.instance != meta.instance:
+            if c.connected:
+                c.sync_slabs()  # nothing else tells us the daemon we know died: this call does
+            c.connect()  # adopts the probe's connection, or tries now (each step bounded)
+        if c.instance != meta.instance or self.copier is None:
+            return False
+        want = meta.slabs.get(self.rank)
+        if want is not None and want != c.slab_version:
+            c.sync_slabs()
+        return True
+
+    # -- loads ------------------------------------------------------------------------------
+    def start_load(self, meta: HiCacheMeta) -> None:
+        specs = [s for s in meta.loads if self.rank in s.host_pages]
+        self.load = None
+        if not specs:
+            return
+        load = _Load(specs, self.shape.layout.num_layers)
+        self.load = load
+        if not self._ready(meta):
+            log.warning("hicache: %d loads cannot run here (daemon restarted or slabs unmapped); vLLM recomputes",
+                        len(specs))
+            self._fail_load(load)
+            return
+        self._submit(lambda: self._load_job(load))
+
+    def _load_job(self, load: _Load) -> None:
+        copier = self.copier
+        assert copier is not None
+        t0 = time.perf_counter()
+        try:
+            for layer, ev in enumerate(load.events):
+                for s in load.specs:
+                    copier.load_layer(layer, s.block_ids, s.host_pages[self.rank])
+                ev.set()
+        except Exception:
+            log.exception("hicache: loading KV failed; vLLM recomputes those blocks")
+            self._fail_load(load)
+            return
+        tokens = sum(len(s.block_ids) for s in load.specs) * self.shape.layout.page_size
+        with self._lock:
+            self._loaded.update(s.req_id for s in load.specs)
+            d = self.stats.data
+            d["loads"] += len(load.specs)
+            d["loaded_tokens"] += tokens
+            d["load_s"] += time.perf_counter() - t0
+
+    def _fail_load(self, load: _Load) -> None:
+        load.failed = True
+        with self._lock:
+            for s in load.specs:
+                self._failed_blocks.update(s.block_ids)
+            self._loaded.update(s.req_id for s in load.specs)
+            self.stats.data["load_errors"] += sum(len(s.block_ids) for s in load.specs)
+        for ev in load.events:
+            ev.set()
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        load = self.load
+        if load is None:
+            return
+        layer = self.layer_of.get(layer_name)
+        if layer is not None:
+            load.events[layer].wait()
+
+    # -- saves ------------------------------------------------------------------------------
+    def start_saves(self, meta: HiCacheMeta) -> None:
+        """After the forward pass: queue this step's saves; report them when done."""
+        if self.load is not None:  # every layer was waited for by the forward pass
+            self.load.events[-1].wait()
+            self.load = None
+        with self._lock:
+            self._delayed.update(meta.delayed)
+        specs = [s for s in meta.saves if s.rank == self.rank] if self.stores else []
+        if specs:
+            ready = self._ready(meta)
+            for s in specs:
+                if not ready:
+                    with self._lock:
+                        self._saved[s.put_id] = False
+                    continue
+                with self._lock:
+                    self._saving[s.req_id] = self._saving.get(s.req_id, 0) + 1
+                self._submit(lambda s=s: self._save_job(s))
+        if meta.preempted:  # vLLM frees a preempted request's blocks now: the copies must be done
+            self.drain()
+
+    def _save_job(self, s: SaveSpec) -> None:
+        copier = self.copier
+        assert copier is not None
+        t0 = time.perf_counter()
+        ok = True
+        try:
+            copier.save(s.block_ids, s.host_pages)
+        except Exception:
+            log.exception("hicache: saving KV failed; the pages are dropped")
+            ok = False
+        with self._lock:
+            self._saved[s.put_id] = ok
+            self._saving[s.req_id] -= 1
+            if not self._saving[s.req_id]:
+                del self._saving[s.req_id]
+            if ok:
+                self.stats.data["saved_tokens"] += len(s.block_ids) * self.shape.layout.page_size
+            self.stats.data["save_s"] += time.perf_counter() - t0
+
+    # -- reports ----------------------------------------------------------------------------
+    def finished_sending(self) -> set[str] | None:
+        """Finished requests whose blocks vLLM kept for our saves, now free to go."""
+        with self._lock:
+            done = {r for r in self._delayed if r not in self._saving}
+            self._delayed -= done
+        return done or None
+
+    def worker_meta(self) -> HiCacheWorkerMeta | None:
+        with self._lock:
+            if not self._saved and not self._loaded:
+                return None
+            meta = HiCacheWorkerMeta(self._saved, self._loaded)
+            self._saved, self._loaded = {}, set()
+        return meta
+
+    def load_errors(self) -> set[int]:
+        with self._lock:
+            out, self._failed_blocks = self._failed_blocks, set()
+        return out
+
+    def take_stats(self) -> HiCacheStats | None:
+        with self._lock:
+            if self.stats.is_empty():
+                return None
+            out, self.stats = self.stats, HiCacheStats()
+        return out
+
+    # -- the copy thread --------------------------------------------------------------------
+    def _submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            self._queued += 1
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                job()
+            finally:
+                with self._lock:
+                    self._queued -= 1
+                    if not self._queued:
+                        self._idle.notify_all()
+
+    def drain(self) -> None:
+        """Wait until every queued copy has finished."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._queued == 0)
+
+    def close(self) -> None:
+        self.drain()
+        self._jobs.put(None)
+        self._thread.join(timeout=5)
+        self.client.close()
