@@ -125,21 +125,21 @@ def run(socket_path: str | None, layouts: tuple[str, ...], page_sizes: tuple[int
         repeats: int, layers: int = 32, heads: int = 8, head_dim: int = 128) -> list[dict]:
     from hicache.daemon.launcher import LocalDaemon
 
-    with tempfile.TemporaryDirectory() as tmp:
-        # 4 repetitions fill it: later ones evict, as a long-running L3 does (a power of two,
-        # so the 64 slabs hold whole pages)
-        capacity = 1 << max(30, (4 * target_bytes - 1).bit_length())
-        daemon = None
-        if socket_path is None:
-            daemon = LocalDaemon(tmp, "--host-capacity", str(capacity), "--no-disk").start()
-            socket_path = daemon.socket
-        try:
-            rows: list[dict] = []
-            for layout in layouts:
-                for ps in page_sizes:
-                    rows += _bench_case(socket_path, layout, ps, layers=layers, heads=heads, head_dim=head_dim,
-                                        target_bytes=target_bytes, repeats=repeats, seed=len(rows))
-            return rows
-        finally:
-            if daemon is not None:
-                daemon.stop()
+    # 4 repetitions fill the host tier: later ones evict, as a long-running L3 does (a power
+    # of two, so the 64 slabs hold whole pages). A daemon per case (unless --socket): a case
+    # must not pay for taking the previous case's slabs over.
+    capacity = 1 << max(30, (4 * target_bytes - 1).bit_length())
+    rows: list[dict] = []
+    for layout in layouts:
+        for ps in page_sizes:
+            with tempfile.TemporaryDirectory() as tmp:
+                daemon = None if socket_path else LocalDaemon(tmp, "--host-capacity", str(capacity),
+                                                              "--no-disk").start()
+                try:
+                    rows += _bench_case(socket_path or daemon.socket, layout, ps, layers=layers, heads=heads,
+                                        head_dim=head_dim, target_bytes=target_bytes, repeats=repeats,
+                                        seed=len(rows))
+                finally:
+                    if daemon is not None:
+                        daemon.stop()
+    return rows

@@ -88,8 +88,10 @@ class KeyedPagesClient:
     def store(self, keys: list[bytes], tokens: np.ndarray) -> Reserved | None:
         """Host slots to copy the pages of `keys` into; None when the daemon is away or
         its host tier has no room. Report the copies with `store_done`."""
+        # load_s, like fetch: making room may evict, or take a slab from another namespace and
+        # move its pages, which takes the daemon longer than a plain update
         r = self._call("store", {"keys": b"".join(keys), "tokens": np.ascontiguousarray(tokens, "<i4").tobytes()},
-                       self.client.deadlines.update_s)
+                       self.client.deadlines.load_s)
         if r is None or r["store"] is None:
             return None
         return Reserved(int(r["store"]), bytes_to_ids(r["host_pages"]), self.client.epoch)
