@@ -68,7 +68,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    choices=["layer_first", "page_first", "page_first_direct", "page_head"])
     b.add_argument("--page-sizes", type=int, nargs="+", default=[16, 64])
     b.add_argument("--target-mib", type=int, default=256)
-    b.add_argument("--repeats", type=int, default=5)
+    b.add_argument("--repeats", type=int, default=9, help="the first ~4 fill the host tier, the rest evict")
 
     b = bench("multiturn", "the reference engine serving multi-turn conversations")
     b.add_argument("--conversations", type=int, default=12)

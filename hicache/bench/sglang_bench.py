@@ -9,12 +9,18 @@ row is reported. Each call's time includes everything SGLang waits for: key
 derivation, the round trips (store + store_done, fetch + release) and the
 copies between the pool and the daemon's arena.
 
+The host tier (a daemon per case, 4x the bytes of one repetition) fills during
+the first repetitions, whose stores write arena pages this process has never
+touched (a page fault per 4 KiB, reported as page_faults_per_mib); later ones
+evict and reuse slots, as a long-running L3 does. batch_set_v1 is reported for
+both phases.
+
 Baseline, timed right before each candidate in the same repetition: one
 contiguous torch `copy_` of the same byte count between ordinary memory and a
 shared memfd mapping (what the arena is), in the same direction, same thread
 count. Values are medians over `repeats`; ratio = candidate GB/s / baseline GB/s.
 
-    hicache bench sglang [--page-sizes 16 64] [--layouts page_first layer_first] [--target-mib 256]
+    hicache bench sglang [--page-sizes 16 64] [--layouts page_first layer_first] [--target-mib 256] [--repeats 9]
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ def _config(socket: str, model: str) -> Any:
 
 
 def _bench_case(socket: str, layout: str, page_size: int, *, layers: int, heads: int, head_dim: int,
-                target_bytes: int, repeats: int, seed: int) -> list[dict]:
+                target_bytes: int, repeats: int, seed: int, capacity: int) -> list[dict]:
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
     from hicache.integrations.sglang_cpu import mha_host_pool
@@ -83,7 +89,8 @@ def _bench_case(socket: str, layout: str, page_size: int, *, layers: int, heads:
     shared_t = torch.from_numpy(shared.array[:moved])
     batches = [(lo, min(lo + BATCH, n)) for lo in range(0, n, BATCH)]
     set_s, get_s, set_base, get_base = [], [], [], []
-    faults = {"set": 0, "get": 0}
+    set_faults: list[int] = []
+    get_faults = 0
     try:
         for rep in range(repeats):
             keys = [f"{seed:08x}{rep:08x}{i:048x}" for i in range(n)]  # fresh keys: every page is copied
@@ -94,7 +101,7 @@ def _bench_case(socket: str, layout: str, page_size: int, *, layers: int, heads:
             if not all(oks):
                 raise RuntimeError(f"batch_set_v1 failed for {oks.count(False)} of {n} pages")
             set_s.append(t)
-            faults["set"] += _faults() - f0
+            set_faults.append(_faults() - f0)
             get_base.append(_timed(lambda: plain.copy_(shared_t))[0])
             f0 = _faults()
             t, oks = _timed(lambda: [ok for lo, hi in batches
@@ -102,7 +109,7 @@ def _bench_case(socket: str, layout: str, page_size: int, *, layers: int, heads:
             if not all(oks):
                 raise RuntimeError(f"batch_get_v1 missed {oks.count(False)} of {n} pages")
             get_s.append(t)
-            faults["get"] += _faults() - f0
+            get_faults += _faults() - f0
             for i in range(n):
                 a = pool.get_data_page(int(src[i * page_size]), flat=True).view(torch.uint8)
                 c = pool.get_data_page(int(dst[i * page_size]), flat=True).view(torch.uint8)
@@ -113,12 +120,22 @@ def _bench_case(socket: str, layout: str, page_size: int, *, layers: int, heads:
         b.close()
         shared.close()
     gb = moved / 1e9
+    mib = moved / (1 << 20)
     name = f"{layout} page {page_size} ({page_bytes >> 10} KiB pages, {n} pages)"
-    per_mib = {op: round(f / (repeats * moved / (1 << 20)), 1) for op, f in faults.items()}
-    return [row(f"batch_set_v1 {name}", gb / _median(set_s), "GB/s", gb / _median(set_base),
-                "plain copy_ into a memfd", page_faults_per_mib=per_mib["set"]),
-            row(f"batch_get_v1 {name}", gb / _median(get_s), "GB/s", gb / _median(get_base),
-                "plain copy_ from a memfd", page_faults_per_mib=per_mib["get"])]
+    # The first repetitions fill the host tier: the daemon hands out slots this process has
+    # never touched, so each 4 KiB of them costs a page fault on first write. Once it is
+    # full, stores evict and reuse slots (the steady state of a long-running L3).
+    fill = max(1, min(repeats, capacity // moved))
+    rows = [row(f"batch_set_v1 {name}, host tier filling", gb / _median(set_s[:fill]), "GB/s",
+                gb / _median(set_base[:fill]), "plain copy_ into a memfd",
+                page_faults_per_mib=round(sum(set_faults[:fill]) / (fill * mib), 1))]
+    if repeats > fill:
+        rows.append(row(f"batch_set_v1 {name}, host tier full", gb / _median(set_s[fill:]), "GB/s",
+                        gb / _median(set_base[fill:]), "plain copy_ into a memfd",
+                        page_faults_per_mib=round(sum(set_faults[fill:]) / ((repeats - fill) * mib), 1)))
+    rows.append(row(f"batch_get_v1 {name}", gb / _median(get_s), "GB/s", gb / _median(get_base),
+                    "plain copy_ from a memfd", page_faults_per_mib=round(get_faults / (repeats * mib), 1)))
+    return rows
 
 
 def run(socket_path: str | None, layouts: tuple[str, ...], page_sizes: tuple[int, ...], *, target_bytes: int,
@@ -138,7 +155,7 @@ def run(socket_path: str | None, layouts: tuple[str, ...], page_sizes: tuple[int
                 try:
                     rows += _bench_case(socket_path or daemon.socket, layout, ps, layers=layers, heads=heads,
                                         head_dim=head_dim, target_bytes=target_bytes, repeats=repeats,
-                                        seed=len(rows))
+                                        seed=len(rows), capacity=capacity)
                 finally:
                     if daemon is not None:
                         daemon.stop()
