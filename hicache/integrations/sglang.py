@@ -158,8 +158,10 @@ class HiCacheStore(HiCacheStorage):
 
     def _keyed(self) -> KeyedPagesClient | None:
         """This thread's connection (SGLang calls from several threads at once)."""
+        if self._closed:  # after close(): misses, and no reconnect probe started again
+            return None
         kc = getattr(self._local, "keyed", None)
-        if kc is not None or self.pool is None or self._closed:
+        if kc is not None or self.pool is None:
             return kc
         ns = self.namespace
         client = HiCacheClient(ns.layout, 1, model=ns.model, socket_path=self.socket_path, tp_rank=ns.tp_rank,

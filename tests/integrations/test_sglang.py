@@ -50,6 +50,7 @@ def test_sglangs_dynamic_factory_builds_the_backend(daemon):
     b = backend(daemon.socket, pool)
     assert isinstance(b, HiCacheStore) and isinstance(b, HiCacheStorage)
     b.close()
+    assert b.batch_exists(["k"]) == 0 and b.batch_set_v1([], pool.alloc(0)) == []  # closed: misses
     with pytest.raises(ValueError, match="model"):
         StorageBackendFactory.create_backend("dynamic", storage_config(daemon.socket, model=None), pool)
     from hicache.integrations.sglang_cpu import mha_host_pool
