@@ -69,7 +69,6 @@ def test_two_instances_share_pages_and_a_restarted_daemon_serves_them_from_disk(
     assert run_instance(d.socket, "store", str(n), "7") == {"stored": [True] * n}
     b = run_instance(d.socket, "load", str(n), "7")  # a second SGLang instance
     assert b == {"exists": n, "got": [True] * n, "exact": [True] * n}
-    assert run_instance(d.socket, "load", str(n), "8")["exists"] == 0  # another prompt: nothing
     d.stop()  # SIGTERM: the disk queue is flushed first
     d.start()
     c = run_instance(d.socket, "load", str(n), "7")  # a third, after the restart: from disk
