@@ -40,3 +40,10 @@ fi
 if ! "$PY" -c "import triton" 2>/dev/null && [ "$(uname -m)" = x86_64 ]; then
     "$PY" -m pip install -q "triton==3.9.0" || echo "setup: triton unavailable; its tests will skip" >&2
 fi
+
+# SGLang: the storage backend's tests use its real classes (tests/integrations/test_sglang.py).
+# A CPU-only machine gets sglang without its CUDA pins (scripts/setup_sglang.sh); a CUDA
+# machine brings sglang itself (pip install 'hicache[sglang]').
+if ! command -v nvidia-smi >/dev/null 2>&1 && [ "$(uname -m)" = x86_64 ]; then
+    bash scripts/setup_sglang.sh
+fi

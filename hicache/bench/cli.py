@@ -62,6 +62,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     vllm_arguments(bench("vllm", "a real vLLM engine serving multi-turn conversations, with and without hicache"))
 
+    b = bench("sglang", "SGLang's L3 batch_set_v1 / batch_get_v1 through hicache vs a plain copy")
+    b.add_argument("--socket", dest="socket_path", help="a running daemon (default: start one)")
+    b.add_argument("--layouts", nargs="+", default=["page_first", "layer_first"],
+                   choices=["layer_first", "page_first", "page_first_direct", "page_head"])
+    b.add_argument("--page-sizes", type=int, nargs="+", default=[16, 64])
+    b.add_argument("--target-mib", type=int, default=256)
+    b.add_argument("--repeats", type=int, default=9, help="the first ~4 fill the host tier, the rest evict")
+
     b = bench("multiturn", "the reference engine serving multi-turn conversations")
     b.add_argument("--conversations", type=int, default=12)
     b.add_argument("--turns", type=int, default=4)
@@ -95,6 +103,10 @@ def run(args: argparse.Namespace) -> int:
     elif args.bench == "vllm":
         from hicache.bench.vllm_bench import run as go
         rows = go(args)
+    elif args.bench == "sglang":
+        from hicache.bench.sglang_bench import run as go
+        rows = go(args.socket_path, tuple(args.layouts), tuple(args.page_sizes), target_bytes=args.target_mib << 20,
+                  repeats=args.repeats)
     elif args.bench == "multiturn":
         from hicache.bench.multiturn_bench import run as go
         rows = go(args)

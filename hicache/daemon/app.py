@@ -138,7 +138,7 @@ class Daemon:
                                     clock=time.time,  # wall clock: disk LRU times survive restarts
                                     max_device_pages=cfg.max_device_pages)
         self.puts = HostPuts(self.service, lease_s=cfg.put_lease_s)
-        self.service.on_engine_gone = self.puts.forget_engine
+        self.service.on_engine_gone.append(self.puts.forget_engine)
         # before the disk tier: its rebuild hands state checkpoint records to HybridStates
         self.hybrid = HybridStates(self.service, disk_capacity=cfg.disk_capacity if cfg.disk_enabled else 0,
                                    load_policy=cfg.load_policy, prefetch_timeout_s=cfg.prefetch_timeout_s)

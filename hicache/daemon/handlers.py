@@ -23,6 +23,7 @@ import numpy as np
 
 from hicache import __version__
 from hicache.daemon.hybrid import state_layout_param
+from hicache.daemon.keyed import keyed_handlers
 from hicache.daemon.portable import portable_handlers
 from hicache.daemon.tree_view import MAX_DEPTH, tree_summary
 from hicache.errors import LayoutError
@@ -319,4 +320,5 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
             "backup_done": backup_done, "put": put, "put_done": put_done,
             "state_backup_done": state_backup_done,
             "evict": evict, "stats": stats, "flush": flush, "evict_tier": evict_tier, "ls": ls,
-            "subscribe": subscribe, "doctor": doctor, **portable_handlers(daemon)}
+            "subscribe": subscribe, "doctor": doctor, **portable_handlers(daemon),
+            **keyed_handlers(daemon, keys_of)}

@@ -156,7 +156,9 @@ class CacheService:
         # the KV; it hears of every dropped pin (its checkpoint locks go with it).
         self.hybrid: Any = None
         self.on_pin_dropped: Callable[[Pin], None] | None = None
-        self.on_engine_gone: Callable[[EngineRecord], None] | None = None  # host puts (puts.py)
+        # Called as an engine goes (its connection dropped, or unregister), after it left its
+        # namespace: host puts (puts.py) and keyed stores (keyed.py) free what it reserved.
+        self.on_engine_gone: list[Callable[[EngineRecord], None]] = []
 
     # -- registry ---------------------------------------------------------
     def namespace_state(self, namespace: Namespace) -> NamespaceState:
@@ -591,8 +593,8 @@ class CacheService:
             self._finish_backup(backup, ok=False)
         del self.engines[rec.engine_id]
         rec.ns.engines.discard(rec.engine_id)
-        if self.on_engine_gone is not None:
-            self.on_engine_gone(rec)
+        for hook in self.on_engine_gone:
+            hook(rec)
         self._apply_freed(rec.ns, rec.ns.index.remove_engine(rec.engine_id), None)
         log.info("engine %d gone; its device residency is forgotten", rec.engine_id)
         self._forget_if_empty(rec.ns)

@@ -40,7 +40,9 @@ STATE = StateLayout(num_layers=1, conv_shapes=((4, 3),), temporal_shape=(2, 4), 
 # Every method of hicache/daemon/handlers.py and portable.py (the test checks the list is complete).
 METHODS = ("hello", "register", "unregister", "match", "load", "load_done", "map_slabs", "release", "insert",
            "backup_done", "state_backup_done", "evict", "stats", "flush", "evict_tier", "ls", "subscribe",
-           "doctor", "export_open", "export_next", "import_open", "import_pages")
+           "doctor", "export_open", "export_next", "import_open", "import_pages",
+           "put", "put_done",  # host puts (hicache/daemon/puts.py)
+           "exists", "fetch", "store", "store_done")  # keyed pages (hicache/daemon/keyed.py)
 # Costly admin calls that wipe what the sequences build: drawn less often.
 RARE = {"flush": 0.15, "evict_tier": 0.3, "doctor": 0.3, "subscribe": 0.3, "unregister": 0.3}
 
@@ -48,7 +50,8 @@ INTS = [0, 1, -1, 2, 3, 7, 16, 255, 4096, 65535, 2**31 - 1, 2**31, -2**31, 2**32
         2**63 - 1, -2**63, 2**64 - 1]
 PARAM_NAMES = ("version", "want_arena", "model", "layout", "device_pages", "tp_rank", "tp_size", "extra_key",
                "state", "engine", "keys", "tokens", "pin", "states", "backup", "ok", "num_pages", "tier",
-               "bytes", "depth", "namespace", "export", "max_bytes", "header", "import", "data", "have")
+               "bytes", "depth", "namespace", "export", "max_bytes", "header", "import", "data", "have",
+               "store", "put")
 
 
 @dataclass(slots=True)
@@ -100,6 +103,8 @@ class Context:
     backups: list[int] = field(default_factory=list)
     state_backups: list[int] = field(default_factory=list)
     exports: list[int] = field(default_factory=list)
+    stores: list[int] = field(default_factory=list)  # keyed-page reservations
+    puts: list[int] = field(default_factory=list)  # host puts
     imports: list[tuple[int, ExportHeader]] = field(default_factory=list)
     namespaces: list[str] = field(default_factory=list)  # salt hex of namespaces seen
 
@@ -116,8 +121,12 @@ class Context:
             self.engines.append(_Engine(result["engine"], result["salt"], layout, int(p["device_pages"]),
                                         p.get("state") is not None))
             self.namespaces.append(result["salt"].hex())
-        elif f.method == "match" and isinstance(result.get("pin"), int):
+        elif f.method in ("match", "fetch") and isinstance(result.get("pin"), int):
             self.pins.append(result["pin"])
+        elif f.method == "store" and isinstance(result.get("store"), int):
+            self.stores.append(result["store"])
+        elif f.method == "put" and isinstance(result.get("put"), int):
+            self.puts.append(result["put"])
         elif f.method == "insert":
             backup = result.get("backup")
             if isinstance(backup, dict):
@@ -135,7 +144,7 @@ class Context:
                 self.imports.append((result["import"], decode_header(p["header"])))
             except Exception:
                 pass
-        for name in ("pins", "backups", "state_backups", "exports", "imports", "engines", "namespaces"):
+        for name in ("pins", "backups", "state_backups", "exports", "imports", "engines", "namespaces", "stores", "puts"):
             lst = getattr(self, name)
             if len(lst) > 64:
                 del lst[:-32]
@@ -269,6 +278,25 @@ class FrameFuzzer:
             ps = eng.layout.page_size if eng else 4
             toks = self._tokens(r.randrange(0, 24), ps, eng)
             return {"engine": eid, "keys": b"".join(page_keys(eng.salt if eng else r.randbytes(16), toks, ps))}
+        if method in ("exists", "fetch", "store"):  # keyed pages: flat keys, each from the salt
+            ps = eng.layout.page_size if eng else 4
+            toks = self._tokens(r.randrange(0, 24), ps, eng)
+            salt = eng.salt if eng else r.randbytes(16)
+            keys = [k for i in range(len(toks) // ps) for k in page_keys(salt, toks[i * ps:(i + 1) * ps], ps)]
+            p = {"engine": eid, "keys": b"".join(keys)}
+            if method == "store":
+                p["tokens"] = toks[:len(keys) * ps].astype("<i4").tobytes()
+            return p
+        if method == "put":  # a chained prefix, as insert sends it, without device pages
+            ps = eng.layout.page_size if eng else 4
+            toks = self._tokens(r.randrange(0, 24), ps, eng)
+            keys = page_keys(eng.salt if eng else r.randbytes(16), toks, ps)
+            return {"engine": eid, "keys": b"".join(keys), "tokens": toks[:len(keys) * ps].astype("<i4").tobytes()}
+        if method == "put_done":
+            return {"engine": eid, "put": r.choice(ctx.puts) if ctx.puts else r.randrange(1, 100),
+                    "ok": r.random() < 0.8}
+        if method == "store_done":
+            return {"store": r.choice(ctx.stores) if ctx.stores else r.randrange(1, 100), "ok": r.random() < 0.8}
         if method in ("load", "release"):
             return {"pin": r.choice(ctx.pins) if ctx.pins else r.randrange(1, 100)}
         if method == "load_done":

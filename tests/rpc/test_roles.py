@@ -151,7 +151,10 @@ def test_engines_act_only_on_what_their_connection_registered(daemon):
     calls = [("backup_done", {"backup": ins["backup"]["id"]}), ("load_done", {"pin": m["pin"], "device_pages": b""}),
              ("release", {"pin": m["pin"]}), ("unregister", {"engine": reg["engine"]}),
              ("insert", theirs), ("insert", {**theirs, "engine": mine, "pin": m["pin"]}),
-             ("evict", {"engine": reg["engine"], "num_pages": 4}), ("state_backup_done", {"backup": 1})]
+             ("evict", {"engine": reg["engine"], "num_pages": 4}), ("state_backup_done", {"backup": 1}),
+             ("exists", {"engine": reg["engine"], "keys": blob}), ("fetch", {"engine": reg["engine"], "keys": blob}),
+             ("store", {"engine": reg["engine"], "keys": blob, "tokens": tokens.tobytes()}),
+             ("store_done", {"store": 1})]
     for method, params in calls:
         assert code_of(b, method, params) in ("NOT_FOUND", "NOT_REGISTERED"), method
     # all of it still A's and whole: its backup completes and its pin releases
