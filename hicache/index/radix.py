@@ -243,6 +243,21 @@ class RadixIndex:
             new_nodes.append(leaf)
         return InsertResult(present, concat_pages(dup_dev), concat_pages(dup_host), path, new_nodes)
 
+    def extend_host(self, parent: TreeNode, keys: list[bytes], tokens: np.ndarray,
+                    host_pages: np.ndarray) -> InsertResult:
+        """insert() of host-resident pages continuing the path that ends at `parent` (a
+        live node or the root): pages fetched from a remote store for a prefix whose
+        tokens the caller does not hold, only its last node."""
+        if parent is not self.root:
+            self._path(parent)  # live, and of this index
+        keys = check_keys(keys)
+        n = len(keys)
+        toks = check_tokens(tokens, n, self.page_size)
+        host = check_pages(host_pages, n, "host_pages")
+        if n == 0:
+            return InsertResult(0, EMPTY_PAGES, EMPTY_PAGES, [], [])
+        return self._insert_from(parent, keys, toks, None, None, host, False, self.clock(), True)
+
     def node_ending_at(self, keys: list[bytes]) -> TreeNode | None:
         """The node whose path from the root is exactly `keys`, splitting the node the
         path ends inside (so a hybrid-model checkpoint can sit at that node's end);

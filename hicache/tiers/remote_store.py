@@ -1,0 +1,98 @@
+"""The remote-store interface: what the remote tier (L4) needs from a shared store.
+
+A backend moves opaque records under page addresses; it knows nothing of the
+index, the arena or the record format (hicache/tiers/remote_record.py), so a
+second store — Mooncake Store's `batch_is_exist` / `batch_get_into` /
+`batch_put_from`, wrapped in `asyncio.to_thread` — is one more subclass and
+no change to the daemon.
+
+Contract:
+- Every method is a coroutine run on the remote worker's own event loop
+  (hicache/tiers/remote_worker.py), never on the daemon's; a backend may block
+  that loop only briefly (it serves every lookup's probe).
+- Methods raise `RemoteStoreError` (or let the client library's errors through:
+  the worker counts any exception as a failure); the caller enforces deadlines
+  by cancelling, so a backend must tolerate cancellation at any await (drop the
+  connection whose exchange was interrupted).
+- No retries inside a backend: the caller's circuit breaker decides when to try
+  again. A store may lose any record at any time (eviction, restart): answers
+  are hints, verified by the reader.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hicache.errors import HiCacheError
+
+
+class RemoteStoreError(HiCacheError):
+    """The remote store refused or failed an operation."""
+
+
+@dataclass(frozen=True, slots=True)
+class PageAddress:
+    """Where a page lives in a remote store: its namespace, its key, and the key of the
+    first page of its run (pages of one run share a shard: see RUN_PAGES)."""
+
+    salt: bytes
+    key: bytes
+    run: bytes
+
+
+# Pages of a prefix are grouped in runs of this many consecutive pages. A run is one
+# shard of a partitioned store (one Redis Cluster hash slot): one multi-key command per
+# run instead of one per page, while consecutive runs land on independent shards, so a
+# long prefix is read from every node in parallel. 16 pages are 256 tokens at page size
+# 16 (1-64 MiB of KV); a prompt shorter than that lives on one node.
+RUN_PAGES = 16
+
+
+def address(salt: bytes, keys: Sequence[bytes], i: int) -> PageAddress:
+    """The address of keys[i], where `keys` is a whole prefix from its first page (the
+    run of page i starts at page i - i % RUN_PAGES)."""
+    return PageAddress(salt, keys[i], keys[i - i % RUN_PAGES])
+
+
+def addresses(salt: bytes, keys: Sequence[bytes], start: int, stop: int) -> list[PageAddress]:
+    """address() of keys[start:stop]."""
+    return [PageAddress(salt, keys[i], keys[i - i % RUN_PAGES]) for i in range(start, stop)]
+
+
+class RemoteStore(ABC):
+    """A shared store of page records. See the module docstring for the contract."""
+
+    @abstractmethod
+    async def connect(self) -> None:
+        """(Re)connect; raises when the store cannot be reached."""
+
+    @abstractmethod
+    async def ping(self) -> None:
+        """One cheap round trip; raises when the store does not answer."""
+
+    @abstractmethod
+    async def exists(self, pages: Sequence[PageAddress]) -> list[bool]:
+        """Which pages the store holds now (one round trip; the answer may be stale)."""
+
+    @abstractmethod
+    async def get(self, pages: Sequence[PageAddress]) -> list[bytes | None]:
+        """The records of `pages`, None where missing."""
+
+    @abstractmethod
+    async def put(self, records: Sequence[tuple[PageAddress, memoryview]], ttl_s: float) -> int:
+        """Store records (overwriting; `ttl_s` > 0 lets the store expire them); returns how
+        many were stored."""
+
+    @abstractmethod
+    async def delete_namespace(self, salt: bytes) -> int:
+        """Delete every record of the namespace; returns how many were deleted."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Drop connections."""
+
+    @abstractmethod
+    def describe(self) -> dict:
+        """What to show in stats and logs: kind, mode, address — never a credential."""
