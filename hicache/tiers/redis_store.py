@@ -11,8 +11,8 @@ prefix over every master. Tagging by namespace would put a model's whole cache o
 node; no tag at all would cost one command per page. The salt leads the key so one
 namespace's records are one `SCAN MATCH hc1:<salt>:*` away (admin flush).
 
-Errors: redis-py retries are off (`Retry(NoBackoff(), 0)`): with its defaults a hung
-node costs seconds per command. Every failure surfaces at once and the remote worker's
+Errors: redis-py retries only a broken connection, once and at once; never a timeout:
+with its defaults a hung node costs seconds per command. Every failure surfaces at once and the remote worker's
 circuit breaker decides when to try again. A cluster is detected by `INFO cluster`
 (`cluster_enabled:1`) on the node the URL names; any node of a cluster works.
 
@@ -99,8 +99,13 @@ class RedisStore(RemoteStore):
     def _options(self) -> dict[str, Any]:
         from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
+        from redis.exceptions import ConnectionError as RedisConnectionError
 
-        opts: dict[str, Any] = {"retry": Retry(NoBackoff(), 0), "socket_timeout": self.timeout_s,
+        # One immediate retry on a broken connection only (a pooled connection the server
+        # closed, e.g. after its restart, fails the first command sent on it); never on a
+        # timeout: a hung node must cost one deadline, not several.
+        retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
+        opts: dict[str, Any] = {"retry": retry, "socket_timeout": self.timeout_s,
                                 "socket_connect_timeout": self.timeout_s}
         if self.password is not None:
             opts["password"] = self.password
