@@ -47,7 +47,7 @@ from hicache.daemon.service import CacheService, NamespaceState, Pin, path_with_
 from hicache.index.radix import Tier, TreeNode
 from hicache.tiers import remote_record
 from hicache.tiers.redis_store import RedisStore
-from hicache.tiers.remote_store import PageAddress, RemoteStore, address, addresses
+from hicache.tiers.remote_store import PageAddress, PartialWrite, RemoteStore, address, addresses
 from hicache.tiers.remote_worker import RemoteWorker
 
 log = logging.getLogger(__name__)
@@ -329,6 +329,9 @@ class RemoteMover:
         try:
             stored = await asyncio.wait_for(self.store.put(records, self.config.remote_ttl_s),
                                             self.config.remote_timeout_s)
+        except PartialWrite as e:
+            self.worker.failure(e.cause)
+            return e.stored, nbytes * e.stored // max(1, len(records))
         except Exception as e:
             self.worker.failure(e)
             raise

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from hicache.errors import ConfigError
-from hicache.tiers.remote_store import PageAddress, RemoteStore, RemoteStoreError
+from hicache.tiers.remote_store import PageAddress, PartialWrite, RemoteStore, RemoteStoreError
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,7 @@ class RedisStore(RemoteStore):
         self.timeout_s = timeout_s
         self.client: Any = None  # redis.asyncio.Redis or RedisCluster once connected
         self.cluster = False
+        self._known_nodes: list[tuple[str, int]] = []  # a cluster's nodes, as last seen
 
     def _options(self) -> dict[str, Any]:
         from redis.asyncio.retry import Retry
@@ -117,22 +118,29 @@ class RedisStore(RemoteStore):
             from redis.asyncio.cluster import RedisCluster
         except ImportError as e:  # the extra is not installed
             raise RemoteStoreError("the remote tier needs redis-py: pip install 'hicache[remote]'") from e
+        from redis.asyncio.cluster import ClusterNode
+
         await self.close()
-        probe = aioredis.Redis.from_url(self.url, **self._options())
-        try:
-            info = await probe.info("cluster")
-        finally:
-            await probe.aclose()
-        self.cluster = str(info.get("cluster_enabled", 0)) == "1"
+        if not self._known_nodes:  # the first connection: is it a cluster?
+            probe = aioredis.Redis.from_url(self.url, **self._options())
+            try:
+                info = await probe.info("cluster")
+            finally:
+                await probe.aclose()
+            self.cluster = str(info.get("cluster_enabled", 0)) == "1"
         if self.cluster:
-            # require_full_coverage off: a cluster that lost a master still serves the
-            # other slots (the lost ones fail fast and count as errors)
-            client = RedisCluster.from_url(self.url, require_full_coverage=False, **self._options())
+            # Every node seen before is a way in: the node the URL names may be the master
+            # that died. require_full_coverage off: a cluster that lost a master without a
+            # replica still serves the other slots (see ping() for how the tier treats it).
+            client = RedisCluster.from_url(self.url, require_full_coverage=False,
+                                           startup_nodes=[ClusterNode(h, p) for h, p in self._known_nodes],
+                                           **self._options())
             try:
                 await client.initialize()
             except BaseException:
                 await client.aclose()
                 raise
+            self._known_nodes = sorted({(n.host, n.port) for n in client.get_nodes()})
         else:
             client = aioredis.Redis.from_url(self.url, **self._options())
         self.client = client
@@ -182,8 +190,8 @@ class RedisStore(RemoteStore):
         errors = [r for r in replies if isinstance(r, Exception)]
         if errors and not stored:
             raise errors[0]
-        if errors:
-            log.debug("remote put: %d of %d records failed (%s)", len(errors), len(records), errors[0])
+        if errors:  # the caller's breaker must hear of it: a moved slot needs a fresh client
+            raise PartialWrite(stored, errors[0])
         return stored
 
     async def delete_namespace(self, salt: bytes) -> int:

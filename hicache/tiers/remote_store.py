@@ -32,6 +32,15 @@ class RemoteStoreError(HiCacheError):
     """The remote store refused or failed an operation."""
 
 
+class PartialWrite(RemoteStoreError):
+    """Some records of a put were stored, others failed (a node down, a slot moved)."""
+
+    def __init__(self, stored: int, cause: BaseException) -> None:
+        super().__init__(f"{stored} records stored, then: {type(cause).__name__}: {cause}")
+        self.stored = stored
+        self.cause = cause
+
+
 @dataclass(frozen=True, slots=True)
 class PageAddress:
     """Where a page lives in a remote store: its namespace, its key, and the key of the
@@ -83,7 +92,7 @@ class RemoteStore(ABC):
     @abstractmethod
     async def put(self, records: Sequence[tuple[PageAddress, memoryview]], ttl_s: float) -> int:
         """Store records (overwriting; `ttl_s` > 0 lets the store expire them); returns how
-        many were stored."""
+        many were stored, or raises PartialWrite when only some were."""
 
     @abstractmethod
     async def delete_namespace(self, salt: bytes) -> int:
