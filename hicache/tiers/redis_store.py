@@ -45,12 +45,9 @@ def redact_url(url: str) -> str:
         parts = urllib.parse.urlsplit(url)
     except ValueError:
         return "<unparsable url>"
-    if parts.username is None and parts.password is None:
+    if "@" not in parts.netloc:
         return url
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = "***@" + host + (f":{parts.port}" if parts.port else "")
+    netloc = "***@" + parts.netloc.rsplit("@", 1)[1]
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
