@@ -200,9 +200,12 @@ class RedisStore(RemoteStore):
             while True:
                 args = ("SCAN", cursor, "MATCH", namespace_pattern(salt), "COUNT", SCAN_COUNT)
                 if node is None:
-                    cursor, keys = await client.execute_command(*args)
+                    reply = await client.execute_command(*args)
                 else:
-                    cursor, keys = await client.execute_command(*args, target_nodes=node)
+                    reply = await client.execute_command(*args, target_nodes=node)
+                cursor, keys = reply
+                if isinstance(cursor, dict):  # redis-py's cluster SCAN: {node name: cursor}
+                    cursor = next(iter(cursor.values()))
                 for i in range(0, len(keys), DELETE_BATCH):
                     async with client.pipeline(transaction=False) as pipe:
                         for key in keys[i:i + DELETE_BATCH]:
