@@ -158,3 +158,29 @@ def test_admin_flush_deletes_a_namespace_records(redis_standalone, daemon_factor
     assert not _redis(redis_standalone).keys(b"hc1:" + salt.encode() + b":*")
     ea.close()
     eb.close()
+
+
+def test_metrics_show_the_remote_tier(redis_standalone, daemon_factory):
+    from tests.daemon.disk_faults_util import free_port, metrics_text
+
+    port = free_port()
+    a = daemon_factory(*DAEMON_FLAGS, env=remote_env(redis_standalone.url)).start()
+    b = daemon_factory(*DAEMON_FLAGS, "--metrics-port", str(port), env=remote_env(redis_standalone.url)).start()
+    wait_remote_up(a.socket)
+    wait_remote_up(b.socket)
+    ea, eb = engine(a.socket, "t"), engine(b.socket, "t")
+    toks = tokens(61, PAGES)
+    store(ea, toks)
+    wait_written(a.socket, PAGES)
+    assert load_exact(eb, toks) == PAGES
+
+    def scraped() -> str | None:
+        text = metrics_text(port)
+        return text if f'hicache_hits_total{{tier="remote"}} {float(PAGES)}' in text else None
+
+    text = wait_until(scraped, 30, "the remote hits in /metrics")
+    assert "hicache_remote_up 1.0" in text
+    assert 'hicache_remote_latency_seconds_count{op="fetch"}' in text
+    assert f'hicache_bytes_moved_total{{dst="host",src="remote"}}' in text
+    ea.close()
+    eb.close()
