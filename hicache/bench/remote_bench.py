@@ -73,12 +73,16 @@ async def _bench_size(url: str, page_bytes: int, total_bytes: int, repeats: int,
     outs = np.zeros_like(pages)
     gb = n * page_bytes / 1e9
 
+    buffers = rr.BufferPool()  # as RemoteMover keeps one
+
     async def tier_put() -> None:
         async def job(lo: int) -> None:
             recs = await worker.run_cpu(lambda: [(addrs[i], rr.encode(SALT, keys[i], keys[i - 1] if i else None,
                                                                       FINGERPRINT, toks[i * PAGE_SIZE:(i + 1) * PAGE_SIZE],
-                                                                      pages[i])) for i in range(lo, lo + BATCH)])
+                                                                      pages[i], pool=buffers))
+                                                 for i in range(lo, lo + BATCH)])
             assert await store.put(recs, 3600) == BATCH
+            buffers.give([r for _, r in recs])
         await asyncio.gather(*(asyncio.wrap_future(worker.submit(job(lo))) for lo in range(0, n, BATCH)))
 
     async def tier_get() -> None:

@@ -112,6 +112,7 @@ class RemoteMover:
         self.queued_pages = 0
         self._negative: OrderedDict[bytes, float] = OrderedDict()
         self._latencies: list[tuple[str, float]] = []
+        self._buffers = remote_record.BufferPool()
         # Chain behind the disk tier's write-through: both hear of new host pages, and
         # pages fetched from the store go on to the disk tier through the saved hook only.
         self._disk_hook = service.on_host_stored
@@ -322,7 +323,7 @@ class RemoteMover:
         """On the worker: build the records (the host locks go as soon as they are), send them."""
         try:
             fp = job.ns.namespace.layout.fingerprint()
-            records = await self.worker.run_cpu(_encode, job.ns.salt, fp, job.pages)
+            records = await self.worker.run_cpu(_encode, job.ns.salt, fp, job.pages, self._buffers)
         finally:
             self.loop.call_soon_threadsafe(self._unlock, job)
         nbytes = sum(len(r) for _, r in records)
@@ -335,6 +336,9 @@ class RemoteMover:
         except Exception as e:
             self.worker.failure(e)
             raise
+        else:
+            # only after a clean send: a cancelled pipeline may still hold views of them
+            self._buffers.give([r for _, r in records])
         return stored, nbytes
 
     def _unlock(self, job: _PutJob) -> None:
@@ -383,8 +387,9 @@ class RemoteMover:
         self.worker.close()
 
 
-def _encode(salt: bytes, fingerprint: bytes, pages: list) -> list[tuple[PageAddress, memoryview]]:
-    return [(addr, remote_record.encode(salt, addr.key, parent, fingerprint, tokens, view))
+def _encode(salt: bytes, fingerprint: bytes, pages: list, pool: remote_record.BufferPool
+            ) -> list[tuple[PageAddress, memoryview]]:
+    return [(addr, remote_record.encode(salt, addr.key, parent, fingerprint, tokens, view, pool=pool))
             for addr, parent, tokens, view in pages]
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import threading
 import zlib
 
 import numpy as np
@@ -58,12 +59,43 @@ def record_bytes(page_size: int, page_bytes: int) -> int:
     return HEADER_BYTES + 4 * page_size + page_bytes
 
 
+class BufferPool:
+    """Record buffers reused from one put to the next. A fresh bytearray of a page's size
+    costs more than building the record in it (it is zeroed, then faulted in page by page:
+    0.4-1.9 GB/s here for 1 MiB, against ~10 GB/s for the copy with its checksum).
+    Thread-safe; keeps at most `max_bytes` of idle buffers."""
+
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._idle: dict[int, list[bytearray]] = {}
+        self._idle_bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> bytearray:
+        with self._lock:
+            free = self._idle.get(nbytes)
+            if free:
+                self._idle_bytes -= nbytes
+                return free.pop()
+        return bytearray(nbytes)
+
+    def give(self, bufs: list) -> None:
+        with self._lock:
+            for buf in bufs:
+                buf = buf.obj if isinstance(buf, memoryview) else buf
+                if self._idle_bytes + len(buf) <= self.max_bytes:
+                    self._idle.setdefault(len(buf), []).append(buf)
+                    self._idle_bytes += len(buf)
+
+
 def encode(salt: bytes, key: bytes, parent: bytes | None, fingerprint: bytes, tokens: np.ndarray,
-           page: memoryview | np.ndarray, checksum: str = "auto") -> memoryview:
-    """One record; the page is copied into it once, its checksum computed on the way."""
+           page: memoryview | np.ndarray, checksum: str = "auto", pool: BufferPool | None = None) -> memoryview:
+    """One record (in a buffer of `pool`, given back by the caller once sent); the page is
+    copied into it once, its checksum computed on the way."""
     toks = np.ascontiguousarray(tokens, dtype="<i4")
     src = np.frombuffer(page, dtype=np.uint8)
-    buf = bytearray(HEADER_BYTES + toks.nbytes + src.size)
+    size = HEADER_BYTES + toks.nbytes + src.size
+    buf = pool.take(size) if pool is not None else bytearray(size)
     arr = np.frombuffer(buf, dtype=np.uint8)
     tok_end = HEADER_BYTES + toks.nbytes
     arr[HEADER_BYTES:tok_end] = toks.view(np.uint8)
