@@ -46,7 +46,6 @@ from hicache.config import Config
 from hicache.daemon.service import CacheService, NamespaceState, Pin, path_with_offsets
 from hicache.index.radix import Tier, TreeNode
 from hicache.tiers import remote_record
-from hicache.tiers.redis_store import RedisStore
 from hicache.tiers.remote_store import PageAddress, PartialWrite, RemoteStore, address, addresses
 from hicache.tiers.remote_worker import RemoteWorker
 
@@ -119,11 +118,9 @@ class RemoteMover:
         service.on_host_stored = self._host_stored
 
     @classmethod
-    def start(cls, config: Config, service: CacheService) -> RemoteMover:
-        """Raises ConfigError for a bad URL or password file; a store that is down is not an
-        error (the breaker starts open and closes when it answers)."""
-        store = RedisStore(config.remote_url, password_file=config.remote_password_file,
-                           timeout_s=config.remote_timeout_s)
+    def start(cls, config: Config, service: CacheService, store: RemoteStore) -> RemoteMover:
+        """A store that is down is not an error: the breaker starts open and closes when it
+        answers."""
         mover = cls(config, service, store, asyncio.get_running_loop())
         log.info("remote tier: %s, lookups bounded by %.0f ms, ttl %s", store.describe()["url"],
                  config.remote_lookup_timeout_s * 1000,

@@ -12,7 +12,7 @@ import torch
 
 from hicache.engine.cached import CachedEngine
 from hicache.engine.model import ModelConfig, TinyTransformer
-from tests.daemon.test_isolation import LAYOUT, engine, load_exact, store, tokens
+from tests.daemon.test_isolation import engine, load_exact, store, tokens
 from tests.remote.conftest import PASSWORD
 from tests.remote.util import DAEMON_FLAGS, admin, remote_env, remote_stats, wait_remote_up, wait_written
 
