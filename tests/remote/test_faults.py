@@ -183,3 +183,34 @@ def test_metrics_show_the_remote_tier(redis_standalone, daemon_factory):
     assert 'hicache_bytes_moved_total{dst="host",src="remote"}' in text
     ea.close()
     eb.close()
+
+
+def test_a_missing_continuation_is_probed_once_then_remembered(redis_standalone, daemon_factory):
+    d = daemon_factory(*DAEMON_FLAGS, env=remote_env(redis_standalone.url, HICACHE_REMOTE_NEGATIVE_TTL_S="60")).start()
+    wait_remote_up(d.socket)
+    e = engine(d.socket, "t")
+    _misses(e, [71, 71, 71])
+    st = remote_stats(d.socket)
+    assert st["probes"] == 1 and st["negative_hits"] == 2, st
+    store(e, tokens(72, PAGES))  # our own writes clear their keys from the negative cache
+    e.close()
+
+
+def test_a_daemon_started_before_its_store_joins_it_later(tmp_path, daemon_factory):
+    from tests.remote.conftest import _require_redis
+
+    _require_redis()
+    from hicache.bench.redis_procs import RedisNode, free_port, redis_server_binary
+
+    node = RedisNode(free_port(), tmp_path / "late")
+    d = daemon_factory(*DAEMON_FLAGS, env=remote_env(f"redis://127.0.0.1:{node.port}")).start()
+    try:
+        e = engine(d.socket, "t")
+        assert _misses(e, [81])  # served while the store is away
+        st = wait_until(lambda: (s := remote_stats(d.socket))["last_error"] and s, 30, "a failed first connection")
+        assert st["state"] == "connecting" and not st["available"] and "Error" in st["last_error"], st
+        node.start(redis_server_binary())
+        assert wait_remote_up(d.socket)["mode"] == "standalone"
+        e.close()
+    finally:
+        node.kill()
