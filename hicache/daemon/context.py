@@ -26,6 +26,7 @@ class DaemonContext(Protocol):
     host: HostTier | None
     service: CacheService | None
     disk: Any  # DiskMover once the disk tier is up (the disk tier is optional)
+    remote: Any  # RemoteMover with --remote-url (redis-py stays optional)
     hybrid: HybridStates | None
 
     def stats(self) -> dict: ...

@@ -305,7 +305,8 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
         try:
             deleted = await daemon.remote.flush_namespace(salt)
         except Exception as e:
-            raise RpcError(Code.INTERNAL, f"the remote store failed: {type(e).__name__} {e}"[:300]) from None
+            # not INTERNAL (a daemon bug): the store is away; try again when `stats` shows it up
+            raise RpcError(Code.BUSY, f"the remote store failed: {type(e).__name__} {e}"[:300]) from None
         return {"namespace": salt.hex(), "deleted": deleted}
 
     def _resolve_namespace(query: str) -> bytes:
