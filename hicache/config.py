@@ -180,9 +180,9 @@ class Config:
         if self.max_device_pages > MAX_DEVICE_PAGES_LIMIT:
             raise ConfigError(f"max_device_pages must be <= {MAX_DEVICE_PAGES_LIMIT} (page ids travel as int32)")
         if self.remote_url:
-            from hicache.tiers.redis_store import check_url  # names only the redacted URL
+            from hicache.tiers.remote_store import backend_for  # errors name only the redacted URL
 
-            check_url(self.remote_url)
+            backend_for(self.remote_url)
         if not 0 < self.remote_lookup_timeout_s <= 10 or not 0 < self.remote_timeout_s <= 60:
             raise ConfigError("remote_lookup_timeout_s must be in (0, 10] and remote_timeout_s in (0, 60]")
         if self.remote_ttl_s < 0 or self.remote_negative_ttl_s < 0 or self.remote_queue_pages <= 0:

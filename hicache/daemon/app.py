@@ -129,9 +129,9 @@ class Daemon:
             prepare_socket_path(cfg.socket_path)
         remote_store = None
         if cfg.remote_url:  # a bad password file is refused before anything is allocated or opened
-            from hicache.tiers.redis_store import RedisStore
+            from hicache.tiers.remote_store import open_store
 
-            remote_store = RedisStore(cfg.remote_url, password_file=cfg.remote_password_file,
+            remote_store = open_store(cfg.remote_url, password_file=cfg.remote_password_file,
                                       timeout_s=cfg.remote_timeout_s)
         self.host = HostTier(cfg.host_capacity, mlock=cfg.mlock)
         log.info("host tier: %s arena (%s slabs of %s), mlock=%s", format_size(self.host.capacity_bytes),

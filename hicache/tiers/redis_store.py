@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from hicache.errors import ConfigError
-from hicache.tiers.remote_store import PageAddress, PartialWrite, RemoteStore, RemoteStoreError
+from hicache.tiers.remote_store import PageAddress, PartialWrite, RemoteStore, RemoteStoreError, redact_url
 
 log = logging.getLogger(__name__)
 
@@ -37,18 +37,6 @@ KEY_PREFIX = b"hc1:"
 SCHEMES = ("redis", "rediss", "unix")
 SCAN_COUNT = 1000
 DELETE_BATCH = 512
-
-
-def redact_url(url: str) -> str:
-    """The URL with any user name and password replaced by `***`."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-    except ValueError:
-        return "<unparsable url>"
-    if "@" not in parts.netloc:
-        return url
-    netloc = "***@" + parts.netloc.rsplit("@", 1)[1]
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 def check_url(url: str) -> None:
@@ -85,6 +73,8 @@ def namespace_pattern(salt: bytes) -> bytes:
 
 
 class RedisStore(RemoteStore):
+    check_url = staticmethod(check_url)
+
     def __init__(self, url: str, *, password_file: str = "", timeout_s: float = 1.0) -> None:
         check_url(url)
         self.url = url

@@ -21,11 +21,22 @@ Contract:
 
 from __future__ import annotations
 
+import importlib
+import urllib.parse
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hicache.errors import HiCacheError
+from hicache.errors import ConfigError, HiCacheError
+
+# URL scheme -> "module:class" of the backend serving it. A new store (Mooncake Store,
+# say) is a module with a RemoteStore subclass and a line here; the daemon opens
+# whatever `remote_url` names through open_store() and knows no backend.
+BACKENDS = {
+    "redis": "hicache.tiers.redis_store:RedisStore",
+    "rediss": "hicache.tiers.redis_store:RedisStore",
+    "unix": "hicache.tiers.redis_store:RedisStore",
+}
 
 
 class RemoteStoreError(HiCacheError):
@@ -71,7 +82,12 @@ def addresses(salt: bytes, keys: Sequence[bytes], start: int, stop: int) -> list
 
 
 class RemoteStore(ABC):
-    """A shared store of page records. See the module docstring for the contract."""
+    """A shared store of page records. See the module docstring for the contract.
+    Constructed as cls(url, password_file=..., timeout_s=...) by open_store()."""
+
+    @classmethod
+    def check_url(cls, url: str) -> None:
+        """Raise ConfigError (with the URL redacted) for a URL this backend cannot use."""
 
     @abstractmethod
     async def connect(self) -> None:
@@ -105,3 +121,36 @@ class RemoteStore(ABC):
     @abstractmethod
     def describe(self) -> dict:
         """What to show in stats and logs: kind, mode, address — never a credential."""
+
+
+def redact_url(url: str) -> str:
+    """The URL with any user name and password replaced by `***`."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return "<unparsable url>"
+    if "@" not in parts.netloc:
+        return url
+    netloc = "***@" + parts.netloc.rsplit("@", 1)[1]
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def backend_for(url: str) -> type[RemoteStore]:
+    """The RemoteStore class for `url`'s scheme; ConfigError (naming only the redacted
+    URL) for a scheme no backend serves or a URL it refuses (its `check_url`)."""
+    try:
+        scheme = urllib.parse.urlsplit(url).scheme
+    except ValueError as e:
+        raise ConfigError(f"remote_url {redact_url(url)!r} is not a valid URL: {e}") from None
+    target = BACKENDS.get(scheme)
+    if target is None:
+        raise ConfigError(f"remote_url {redact_url(url)!r}: the scheme must be one of {tuple(BACKENDS)}")
+    module, name = target.split(":")
+    cls = getattr(importlib.import_module(module), name)
+    cls.check_url(url)
+    return cls
+
+
+def open_store(url: str, *, password_file: str = "", timeout_s: float = 1.0) -> RemoteStore:
+    """The store `url` names (not connected yet: the remote worker connects it)."""
+    return backend_for(url)(url, password_file=password_file, timeout_s=timeout_s)

@@ -10,7 +10,8 @@ from hicache.config import Config, load_config
 from hicache.errors import ConfigError
 from hicache.index.keys import page_keys
 from hicache.tiers import remote_record as rr
-from hicache.tiers.redis_store import record_key, redact_url
+from hicache.tiers.redis_store import record_key
+from hicache.tiers.remote_store import redact_url
 from hicache.tiers.remote_store import RUN_PAGES, address, addresses
 
 SALT = bytes(range(16))
