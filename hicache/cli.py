@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--write-policy", choices=["write_through", "write_through_selective", "write_back"])
     s.add_argument("--load-policy", choices=["best_effort", "wait_complete", "timeout"])
     s.add_argument("--metrics-port", type=int)
+    s.add_argument("--remote-url", help="remote tier on Redis/Valkey (standalone or any node of a Cluster): "
+                                        "redis://[user:password@]host:port, rediss://..., unix:///path")
+    s.add_argument("--remote-password-file", help="the remote store's password, from a file (wins over the URL's)")
     s.add_argument("--config", dest="config_file", help="TOML file ([hicache] table or top-level keys)")
 
     for name, helptext in (("stats", "tier and engine statistics"), ("ls", "the prefix tree per namespace")):
@@ -97,10 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tier", choices=["host", "disk"], required=True)
     p.add_argument("--bytes", required=True, help="how much, e.g. 1GiB")
 
-    p = sub.add_parser("flush", help="drop a tier entirely (pinned pages stay)")
+    p = sub.add_parser("flush", help="drop a tier entirely (pinned pages stay), or a namespace's remote records")
     _add_socket(p)
     _add_json(p)
-    p.add_argument("--tier", choices=["host", "disk"], required=True)
+    p.add_argument("--tier", choices=["host", "disk", "remote"], required=True)
+    p.add_argument("--namespace", help="remote: the namespace (salt prefix or model name as `hicache ls` shows, "
+                                       "or a full salt of one this daemon does not know)")
 
     from hicache.bench.cli import add_parser as add_bench
     from hicache.cli_admin import add_parsers as add_admin
@@ -125,7 +130,7 @@ def _print_stats(st: dict) -> None:
     print(f"hicache {st['version']}  pid {st['pid']}  up {st['uptime_s']:.0f}s  "
           f"policy {st['write_policy']}  connections {st['connections']}")
     print(f"{'tier':<8}{'capacity':>12}{'used':>12}{'pages':>10}{'hit rate':>10}{'evicted':>10}")
-    for name in ("device", "host", "disk"):
+    for name in ("device", "host", "disk", "remote"):
         t = st["tiers"].get(name)
         if t is None:
             continue
@@ -133,6 +138,13 @@ def _print_stats(st: dict) -> None:
         used = format_size(t["used_bytes"]) if "used_bytes" in t else "-"
         print(f"{name:<8}{cap:>12}{used:>12}{t.get('pages', 0):>10}{t.get('hit_rate', 0.0):>10.1%}"
               f"{t.get('evicted_pages', 0):>10}")
+    rt = st["tiers"].get("remote")
+    if rt is not None:
+        print(f"remote  {rt['url']} ({rt['mode']}, {rt['state']})  written {rt['written_pages']}  "
+              f"hits {rt['hit_pages']}  misses {rt['miss_pages']}  corrupt {rt['corrupt_records']}  "
+              f"errors {rt['errors']}  dropped {rt['dropped_pages']}  "
+              f"read {format_size(rt['bytes_read'])}  written {format_size(rt['bytes_written'])}"
+              + (f"  last error: {rt['last_error']}" if rt["last_error"] else ""))
     r = st["requests"]
     print(f"matches {r['matches']}  inserts {r['inserts']}  loaded pages {r['loaded_pages']}  "
           f"backups {r['backups']} ({r['backup_pages']} pages)  pins {st['pins']}")
@@ -152,7 +164,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     overrides = {k: getattr(args, k) for k in ("socket_path", "state_dir", "host_capacity", "disk_capacity",
                                                "disk_enabled", "reset_disk", "write_policy", "load_policy",
-                                               "metrics_port")}
+                                               "metrics_port", "remote_url", "remote_password_file")}
     config = load_config(args.config_file, overrides)
     return serve(config)
 
@@ -204,6 +216,14 @@ def cmd_evict(args: argparse.Namespace) -> int:
 
 
 def cmd_flush(args: argparse.Namespace) -> int:
+    if args.tier == "remote":
+        if not args.namespace:
+            raise HiCacheError("flush --tier remote needs --namespace (it deletes records other daemons share)")
+        r = _admin_call(args, "remote_flush", {"namespace": args.namespace})
+        print(json.dumps(r) if args.json else f"deleted {r['deleted']} remote records of namespace {r['namespace']}")
+        return 0
+    if args.namespace:
+        raise HiCacheError("--namespace goes with --tier remote only")
     r = _admin_call(args, "flush", {"tier": args.tier})
     print(json.dumps(r) if args.json else f"flushed {r['pages']} pages from {args.tier}")
     return 0

@@ -152,6 +152,15 @@ class Config:
     max_request_pages: int = 1 << 20  # keys in one match / insert
     drain_timeout_s: float = 10.0
     metrics_port: int = 0  # 0 = no metrics endpoint
+    # Remote tier (L4, hicache/daemon/remote_mover.py): off without a URL. The URL may
+    # carry a password: never in repr() (so never in a log of the config).
+    remote_url: str = field(default="", repr=False)
+    remote_password_file: str = ""  # wins over a password in the URL
+    remote_lookup_timeout_s: float = 0.005  # a match's probe of the store, at most
+    remote_timeout_s: float = 1.0  # fetches, writes, health checks
+    remote_ttl_s: float = 86400.0  # records expire a day after their last write (0: never)
+    remote_queue_pages: int = 1024  # pages being written; beyond it write-through drops (counted)
+    remote_negative_ttl_s: float = 1.0  # how long a continuation the store lacked is not probed again
     mlock: bool = True
     log_level: str = "INFO"
 
@@ -171,6 +180,14 @@ class Config:
             raise ConfigError("max_total_buffer_bytes must be >= max_buffer_bytes")
         if self.max_device_pages > MAX_DEVICE_PAGES_LIMIT:
             raise ConfigError(f"max_device_pages must be <= {MAX_DEVICE_PAGES_LIMIT} (page ids travel as int32)")
+        if self.remote_url:
+            from hicache.tiers.remote_store import backend_for  # errors name only the redacted URL
+
+            backend_for(self.remote_url)
+        if not 0 < self.remote_lookup_timeout_s <= 10 or not 0 < self.remote_timeout_s <= 60:
+            raise ConfigError("remote_lookup_timeout_s must be in (0, 10] and remote_timeout_s in (0, 60]")
+        if self.remote_ttl_s < 0 or self.remote_negative_ttl_s < 0 or self.remote_queue_pages <= 0:
+            raise ConfigError("remote_ttl_s and remote_negative_ttl_s must be >= 0, remote_queue_pages > 0")
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError("metrics_port must be in 0..65535")
         if self.host_capacity == 0:
@@ -217,7 +234,8 @@ def _coerce(name: str, value: Any) -> Any:
             return float(value)
         return str(value)
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"bad value for {name}: {value!r}") from e
+        shown = "<redacted>" if name == "remote_url" else repr(value)
+        raise ConfigError(f"bad value for {name}: {shown}") from e
 
 
 def _principal(name: str, item: str) -> int:

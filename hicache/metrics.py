@@ -134,6 +134,16 @@ class Metrics:
             "hicache_disk_faults", "Disk tier faults: environments moved aside, corrupt pages, write faults, "
             "pages dropped at the rebuild or refused for lack of their parent.", ("fault",)
         )
+        self._remote_latency = Histogram(
+            "hicache_remote_latency_seconds", "Duration of remote tier operations (probe: a match's lookup; "
+            "fetch: match to verified in host; put: queued to stored).", ["op"],
+            buckets=DISK_LATENCY_BUCKETS_S, registry=reg,
+        )
+        self._remote_pages = counter(
+            "hicache_remote_pages", "Remote tier pages and errors by outcome (written_pages, miss_pages, "
+            "dropped_pages, failed_writes, corrupt_records, errors).", ("what",)
+        )
+        self._remote_up = gauge("hicache_remote_up", "1 while the remote store answers (circuit breaker closed).")
         self._disk_degraded = gauge("hicache_disk_degraded", "1 while the disk tier is degraded (writes refused).")
         self._engines = gauge("hicache_engines_connected", "Engine connections currently open.")
         self._queue_depth = gauge("hicache_queue_depth", "Items waiting in a daemon work queue.", ("queue",))
@@ -228,6 +238,17 @@ class Metrics:
 
     def set_disk_degraded(self, degraded: bool) -> None:
         self._disk_degraded.set(1 if degraded else 0)
+
+    def observe_remote(self, op: str, seconds: float) -> None:
+        _check_label(op)
+        self._remote_latency.labels(op).observe(max(0.0, seconds))
+
+    def add_remote(self, what: str, n: int = 1) -> None:
+        _check_label(what)
+        self._remote_pages.labels(what).inc(_count(n))
+
+    def set_remote_up(self, up: bool) -> None:
+        self._remote_up.set(1 if up else 0)
 
     # --- daemon state -----------------------------------------------------
 

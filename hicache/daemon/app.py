@@ -97,6 +97,7 @@ class Daemon:
         self.service: CacheService | None = None
         self.server: RpcServer | None = None
         self.disk: Any = None  # DiskMover once the disk tier is up
+        self.remote: Any = None  # RemoteMover with --remote-url
         self.hybrid: HybridStates | None = None  # state checkpoints of hybrid models
         self.puts: HostPuts | None = None  # host-direct stores of engines with their own device cache
         self.instance = os.urandom(8).hex()  # tells engines a restarted daemon (a new arena) from this one
@@ -130,6 +131,12 @@ class Daemon:
         inherited = listen_fds_with_names()
         if not inherited:
             prepare_socket_path(cfg.socket_path)
+        remote_store = None
+        if cfg.remote_url:  # a bad password file is refused before anything is allocated or opened
+            from hicache.tiers.remote_store import open_store
+
+            remote_store = open_store(cfg.remote_url, password_file=cfg.remote_password_file,
+                                      timeout_s=cfg.remote_timeout_s)
         self.host = HostTier(cfg.host_capacity, mlock=cfg.mlock)
         log.info("host tier: %s arena (%s slabs of %s), mlock=%s", format_size(self.host.capacity_bytes),
                  self.host.num_slabs, format_size(self.host.slab_bytes), self.host.arena.locked)
@@ -145,6 +152,10 @@ class Daemon:
         if cfg.disk_enabled:
             self._start_disk()
         self.hybrid.attach_disk(self.disk.tier if self.disk is not None else None, loop)
+        if remote_store is not None:
+            from hicache.daemon.remote_mover import RemoteMover  # the remote tier is optional
+
+            self.remote = RemoteMover.start(cfg, self.service, remote_store)  # after the disk tier: chains behind it
         allowed_uids = set(cfg.allowed_uids) or {os.getuid(), 0}
         self.server = RpcServer(build_handlers(self), max_frame_bytes=cfg.max_frame_bytes,
                                 max_buffer_bytes=cfg.max_buffer_bytes, max_inflight=cfg.max_inflight,
@@ -167,9 +178,9 @@ class Daemon:
             self._bound_path = cfg.socket_path
             log.info("serving on %s", cfg.socket_path)
         if cfg.metrics_port:
-            from hicache.metrics import Metrics
+            from hicache.metrics import TIERS, Metrics
 
-            self.metrics = Metrics()
+            self.metrics = Metrics(tiers=(*TIERS, "remote") if self.remote is not None else TIERS)
             self._metrics_http = self.metrics.start_http(cfg.metrics_port)
             self.server.observe = self.metrics.observe_rpc
             self._spawn(self._refresh_metrics())
@@ -217,6 +228,18 @@ class Daemon:
                 for fault in ("quarantined", "corrupt_pages", "write_faults", "orphans_dropped", "rejected_orphan"):
                     m.add_disk_faults(fault, delta(f"fault.{fault}", dst[fault]))
                 m.set_disk_degraded(not dst["writable"])
+            if self.remote is not None:
+                r = st["tiers"]["remote"]
+                m.add_hits("remote", delta("hit.remote", r["hit_pages"]))
+                m.add_bytes_moved("host", "remote", delta("h2r", r["bytes_written"]))
+                m.add_bytes_moved("remote", "host", delta("r2h", r["bytes_read"]))
+                for what in ("written_pages", "miss_pages", "dropped_pages", "failed_writes", "corrupt_records",
+                             "errors"):
+                    m.add_remote(what, delta(f"remote.{what}", r[what]))
+                for op, seconds in self.remote.take_latencies():
+                    m.observe_remote(op, seconds)
+                m.set_remote_up(r["available"])
+                m.set_queue_depth("remote_write", r["queue_pages"])
             m.set_engines(len(st["engines"]))
             m.add_dropped_subscribers(delta("dropped_subscribers", st["events"]["dropped_subscribers"]))
             for reason in ("output_overflows", "input_overflows"):
@@ -247,6 +270,8 @@ class Daemon:
             loop.remove_signal_handler(sig)
         if self.server is not None:
             await self.server.drain(self.config.drain_timeout_s)
+        if self.remote is not None:  # queued remote writes are best effort: not waited for
+            await asyncio.to_thread(self.remote.close)
         if self.disk is not None:
             if self.notifier is not None:
                 self.notifier.status("flushing the disk tier")
@@ -287,6 +312,9 @@ class Daemon:
         if self.disk is not None:
             tiers["disk"] = self.disk.stats()
             tiers["disk"]["hit_rate"] = c.matched_pages["disk"] / requested
+        if self.remote is not None:
+            tiers["remote"] = self.remote.stats()
+            tiers["remote"]["hit_rate"] = tiers["remote"]["hit_pages"] / requested
         engines = [{"engine": r.engine_id, "model": r.ns.namespace.model, "tp_rank": r.ns.namespace.tp_rank,
                     "device_pages": r.device_pages,
                     "resident_pages": r.ns.index.num_pages(Tier.DEVICE, r.engine_id),

@@ -27,6 +27,7 @@ class DaemonContext(Protocol):
     host: HostTier | None
     service: CacheService | None
     disk: Any  # DiskMover once the disk tier is up (the disk tier is optional)
+    remote: Any  # RemoteMover with --remote-url (redis-py stays optional)
     hybrid: HybridStates | None
     puts: HostPuts | None
     instance: str  # random per daemon start: a new instance has a new arena

@@ -42,7 +42,7 @@ TIERS = {"device": Tier.DEVICE, "host": Tier.HOST, "disk": Tier.DISK}
 
 # Destructive or cross-namespace: the server checks these before the handler runs.
 ADMIN_METHODS = frozenset({"flush", "evict_tier", "doctor", "export_open", "export_next",
-                           "import_open", "import_pages"})
+                           "import_open", "import_pages", "remote_flush"})
 MAX_NAME_CHARS = 1024  # model names, extra keys, namespace queries
 MAX_TP_SIZE = 1 << 16
 MAX_EVICT_BYTES = (1 << 63) - 1
@@ -147,6 +147,17 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
             pin, state = daemon.hybrid.match(conn, _get(p, "engine", int), keys)
         else:
             pin, state = svc.match(conn, _get(p, "engine", int), keys), None
+        if daemon.remote is not None and state is None and pin.device_len + pin.host_len + pin.disk_len < len(keys):
+            return remote_match(pin, keys)  # the local prefix stops short: ask the remote store
+        return match_reply(pin, state)
+
+    async def remote_match(pin: Any, keys: Any) -> Any:
+        await daemon.remote.extend_match(pin, keys)  # bounded by remote_lookup_timeout_s
+        if pin.pin_id not in svc.pins:
+            raise RpcError(Code.NOT_FOUND, "the match was released during its remote lookup")
+        return match_reply(pin, None)
+
+    def match_reply(pin: Any, state: Any) -> dict:
         reply = {"pin": pin.pin_id, "device_pages": ids_to_bytes(pin.device_pages),
                  "host_pages": ids_to_bytes(pin.host_pages),
                  "disk_len": pin.disk_len, "slabs": host.slab_version(pin.engine.ns.salt)}
@@ -163,6 +174,11 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
             if pin.pin_id not in svc.pins:
                 raise RpcError(Code.NOT_FOUND, "the match was released while loading")
             svc.take_prefetched(pin)
+        if daemon.remote is not None and pin.remote is not None:  # after the disk part, behind it
+            await daemon.remote.wait_fetch(pin, daemon.config.load_policy, daemon.config.prefetch_timeout_s)
+            if pin.pin_id not in svc.pins:
+                raise RpcError(Code.NOT_FOUND, "the match was released while loading")
+            daemon.remote.take_fetched(pin)
         reply = {"host_pages": ids_to_bytes(pin.host_pages), "disk_len": pin.disk_len,
                  "slabs": host.slab_version(pin.engine.ns.salt)}
         if daemon.hybrid is not None:
@@ -293,6 +309,35 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
         spaces = [ns for ns in svc.namespaces.values() if conn.admin or ns.salt.hex() in conn.namespaces]
         return await tree_summary(spaces, depth)
 
+    async def remote_flush(conn: Connection, p: dict) -> Any:
+        """Delete one namespace's records from the remote store (every daemon sharing it
+        loses them): by a full salt in hex, or a namespace this daemon knows by salt prefix
+        or model name."""
+        if daemon.remote is None:
+            raise RpcError(Code.BAD_PARAMS, "this daemon has no remote tier (--remote-url)")
+        query = _str(p, "namespace")
+        try:
+            salt = bytes.fromhex(query) if len(query) == 2 * KEY_BYTES else None
+        except ValueError:
+            salt = None
+        if salt is None:
+            salt = _resolve_namespace(query)
+        try:
+            deleted = await daemon.remote.flush_namespace(salt)
+        except Exception as e:
+            # not INTERNAL (a daemon bug): the store is away; try again when `stats` shows it up
+            raise RpcError(Code.BUSY, f"the remote store failed: {type(e).__name__} {e}"[:300]) from None
+        return {"namespace": salt.hex(), "deleted": deleted}
+
+    def _resolve_namespace(query: str) -> bytes:
+        found = [ns for ns in svc.namespaces.values() if ns.salt.hex().startswith(query.lower())] if query else []
+        if not found:
+            found = [ns for ns in svc.namespaces.values() if ns.namespace.model == query]
+        if len(found) != 1:
+            raise RpcError(Code.BAD_PARAMS, f"namespace {query!r} matches {len(found)} namespaces this daemon "
+                                            "knows; pass the full salt (32 hex digits)")
+        return found[0].salt
+
     def subscribe(conn: Connection, p: dict) -> Any:
         conn.subscribed = True
         return True
@@ -320,5 +365,5 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
             "backup_done": backup_done, "put": put, "put_done": put_done,
             "state_backup_done": state_backup_done,
             "evict": evict, "stats": stats, "flush": flush, "evict_tier": evict_tier, "ls": ls,
-            "subscribe": subscribe, "doctor": doctor, **portable_handlers(daemon),
+            "subscribe": subscribe, "doctor": doctor, "remote_flush": remote_flush, **portable_handlers(daemon),
             **keyed_handlers(daemon, keys_of)}

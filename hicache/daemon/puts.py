@@ -117,7 +117,7 @@ class HostPuts:
         stored: list[TreeNode] = []
         added = 0
         if ok:
-            res = index.insert_below(put.under, put.keys, put.tokens, put.host_pages)
+            res = index.extend_host(put.under, put.keys, put.tokens, put.host_pages)
             if len(res.dup_host_pages):  # another put stored some of these pages meanwhile
                 ns.page_class.free(res.dup_host_pages)
             added = len(put.host_pages) - len(res.dup_host_pages)

@@ -79,6 +79,7 @@ class Pin:
     host_pages: np.ndarray
     loaded: bool = False
     prefetch: Any = None  # the disk tier's reads for the disk part (see DiskMover)
+    remote: Any = None  # the remote tier's fetch after the disk part (see RemoteMover), counted in disk_len
 
 
 @dataclass(slots=True, eq=False)

@@ -260,19 +260,21 @@ class RadixIndex:
             node, i = child, i + j
         return node, i
 
-    def insert_below(self, node: TreeNode, keys: list[bytes], tokens: np.ndarray,
-                     host_pages: np.ndarray) -> InsertResult:
-        """insert() of host copies for the pages that follow `node` (a live node, e.g. one
-        `host_prefix` returned and the caller kept locked since), without walking from the root."""
-        if node is not self.root:
-            self._live(node)
+    def extend_host(self, parent: TreeNode, keys: list[bytes], tokens: np.ndarray,
+                    host_pages: np.ndarray) -> InsertResult:
+        """insert() of host-resident pages continuing the path that ends at `parent` (a
+        live node or the root) without walking from the root: pages fetched from a remote
+        store for a prefix whose tokens the caller does not hold, or the pages of a host put
+        below the run `host_prefix` returned (and the caller kept locked since)."""
+        if parent is not self.root:
+            self._path(parent)  # live, and of this index
         keys = check_keys(keys)
         n = len(keys)
         toks = check_tokens(tokens, n, self.page_size)
         host = check_pages(host_pages, n, "host_pages")
         if n == 0:
             return InsertResult(0, EMPTY_PAGES, EMPTY_PAGES, [], [])
-        return self._insert_from(node, keys, toks, None, None, host, False, self.clock(), True)
+        return self._insert_from(parent, keys, toks, None, None, host, False, self.clock(), True)
 
     def node_ending_at(self, keys: list[bytes]) -> TreeNode | None:
         """The node whose path from the root is exactly `keys`, splitting the node the

@@ -1,0 +1,411 @@
+"""RemoteMover: the remote tier (L4) behind the disk tier, on the daemon's event loop.
+
+The remote store (hicache/tiers/remote_store.py, Redis by default) is shared by
+daemons on many machines: a prefix one of them computed is a hit for the others.
+hicache keeps no record of what the store holds — anything may be evicted or lost
+there at any moment — so the store is asked, not remembered:
+
+- Lookups. A `match` whose local prefix (device, host, disk) stops short of the
+  request probes the store for the continuation in one pipelined round trip,
+  bounded by `remote_lookup_timeout_s`: EXISTS of the pages at offsets 0, 1, 3, 7,
+  ... and the last one (a galloping probe: O(log n) commands for n pages; the
+  fetch is the exact check). The pages found are reported as part of the match's
+  `disk_len` — the engine's client then calls `load`, as for the disk part — and
+  fetched at once into freshly allocated host pages. Each record is verified
+  (hicache/tiers/remote_record.py) while it is copied into its slot; verified
+  pages join the index as host pages under the matched prefix (so the next
+  lookup hits host, and the disk tier writes them through), and `load` hands
+  them to the engine under the load policy (best_effort / wait_complete /
+  timeout), behind the disk part. A continuation the store lacks is remembered
+  for `remote_negative_ttl_s` (a negative cache): a prompt that misses is probed
+  once, not at every lookup.
+- Writes. Pages that become host-resident from an engine's backup are written
+  through asynchronously: their host nodes are locked only until their records
+  are built (a copy with the checksum, on the worker's CPU pool), then sent as
+  one pipeline per batch with `remote_ttl_s`. At most `remote_queue_pages` pages
+  are in flight; beyond that, or while the store is down, writes are dropped and
+  counted.
+- Faults cost each lookup at most its deadline, then nothing: the first failure
+  opens the worker's circuit breaker (hicache/tiers/remote_worker.py) and
+  lookups and writes skip the store until a background PING succeeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from hicache.config import Config
+from hicache.daemon.service import CacheService, NamespaceState, Pin, path_with_offsets
+from hicache.index.radix import Tier, TreeNode
+from hicache.tiers import remote_record
+from hicache.tiers.remote_store import PageAddress, PartialWrite, RemoteStore, address, addresses
+from hicache.tiers.remote_worker import RemoteWorker
+
+log = logging.getLogger(__name__)
+
+NEGATIVE_CACHE_ENTRIES = 65536
+MAX_LATENCIES = 10000
+FLUSH_TIMEOUT_S = 30.0  # an admin flush scans every master
+MAX_FETCH_PAGES = 4096  # per lookup: a bound on the host pages one match may reserve
+
+
+@dataclass(slots=True, eq=False)
+class RemoteFetch:
+    """The remote part of one match: pages after the local prefix, being fetched to host."""
+
+    start: int  # position of the first remote page in the request
+    prefix_keys: list[bytes]  # the request's keys before it (finds the parent node when done)
+    keys: list[bytes]
+    host_pages: np.ndarray  # reserved slots, one per page of `keys`
+    future: asyncio.Future | None = None
+    done: bool = False
+    loaded_pages: int = 0  # verified pages in the index, HOST-locked by the pin, not yet folded
+    slots: np.ndarray | None = None  # their host slots
+    last_node: TreeNode | None = None
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True, eq=False)
+class _PutJob:
+    ns: NamespaceState
+    nodes: list[TreeNode]  # HOST-locked until the records are built
+    pages: list[tuple[PageAddress, bytes | None, np.ndarray, memoryview]]  # address, parent, tokens, slot view
+    locked: bool = True
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class RemoteCounters:
+    probes: int = 0
+    probe_skipped_down: int = 0
+    negative_hits: int = 0
+    hit_pages: int = 0  # verified pages brought to host
+    miss_pages: int = 0  # continuation pages the store did not have
+    fetch_missing: int = 0  # pages a probe promised that the fetch did not find
+    corrupt_records: int = 0
+    written_pages: int = 0
+    dropped_pages: int = 0  # write-through skipped: queue full or store down
+    failed_writes: int = 0  # pages of writes that failed
+    bytes_read: int = 0
+    bytes_written: int = 0
+    corrupt_reasons: dict[str, int] = field(default_factory=dict)
+
+
+class RemoteMover:
+    def __init__(self, config: Config, service: CacheService, store: RemoteStore,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.config = config
+        self.service = service
+        self.store = store
+        self.loop = loop
+        self.worker = RemoteWorker(store, timeout_s=config.remote_timeout_s)
+        self.counters = RemoteCounters()
+        self.queued_pages = 0
+        self._negative: OrderedDict[bytes, float] = OrderedDict()
+        self._latencies: list[tuple[str, float]] = []
+        self._buffers = remote_record.BufferPool()
+        # Chain behind the disk tier's write-through: both hear of new host pages, and
+        # pages fetched from the store go on to the disk tier through the saved hook only.
+        self._disk_hook = service.on_host_stored
+        service.on_host_stored = self._host_stored
+
+    @classmethod
+    def start(cls, config: Config, service: CacheService, store: RemoteStore) -> RemoteMover:
+        """A store that is down is not an error: the breaker starts open and closes when it
+        answers."""
+        mover = cls(config, service, store, asyncio.get_running_loop())
+        log.info("remote tier: %s, lookups bounded by %.0f ms, ttl %s", store.describe()["url"],
+                 config.remote_lookup_timeout_s * 1000,
+                 f"{config.remote_ttl_s:g}s" if config.remote_ttl_s > 0 else "none")
+        return mover
+
+    def _latency(self, op: str, started: float) -> None:
+        if len(self._latencies) < MAX_LATENCIES:
+            self._latencies.append((op, time.monotonic() - started))
+
+    def take_latencies(self) -> list[tuple[str, float]]:
+        out, self._latencies = self._latencies, []
+        return out
+
+    def _post(self, fut: concurrent.futures.Future, fn: Any, *args: Any) -> None:
+        """When the worker's future resolves, run fn(*args, fut) on the daemon's loop."""
+        fut.add_done_callback(lambda f: self.loop.call_soon_threadsafe(fn, *args, f))
+
+    # -- negative cache ------------------------------------------------------------
+    def _negative_hit(self, key: bytes) -> bool:
+        until = self._negative.get(key)
+        if until is None:
+            return False
+        if until < time.monotonic():
+            del self._negative[key]
+            return False
+        return True
+
+    def _remember_missing(self, key: bytes) -> None:
+        self._negative[key] = time.monotonic() + self.config.remote_negative_ttl_s
+        self._negative.move_to_end(key)
+        while len(self._negative) > NEGATIVE_CACHE_ENTRIES:
+            self._negative.popitem(last=False)
+
+    # -- lookups ---------------------------------------------------------------------
+    async def extend_match(self, pin: Pin, keys: Any) -> None:
+        """Probe the store for the continuation of pin's local prefix and start fetching
+        what it holds; the found pages join pin.disk_len."""
+        ns = pin.engine.ns
+        start = pin.device_len + pin.host_len + pin.disk_len
+        n = min(len(keys) - start, MAX_FETCH_PAGES)
+        if n <= 0 or ns.namespace.state is not None:  # hybrid models keep their checkpoints local
+            return
+        if not self.worker.available:
+            self.counters.probe_skipped_down += 1
+            return
+        if self._negative_hit(keys[start]):
+            self.counters.negative_hits += 1
+            return
+        all_keys = keys[0:start + n]  # a PackedKeys slice: a list of bytes
+        offsets = sorted({(1 << j) - 1 for j in range(n.bit_length()) if (1 << j) - 1 < n} | {n - 1})
+        probe = [address(ns.salt, all_keys, start + o) for o in offsets]
+        self.counters.probes += 1
+        t0 = time.monotonic()
+        fut = self.worker.submit(self.store.exists(probe))
+        try:
+            found = await asyncio.wait_for(asyncio.wrap_future(fut), self.config.remote_lookup_timeout_s)
+        except Exception as e:  # the deadline, or the store's error: a miss, and the breaker opens
+            fut.cancel()
+            self.worker.failure(e if not isinstance(e, asyncio.TimeoutError) else "lookup timed out")
+            return
+        self._latency("probe", t0)
+        remote_len = 0
+        for o, there in zip(offsets, found):
+            if not there:
+                break
+            remote_len = o + 1
+        self.counters.miss_pages += n - remote_len
+        if remote_len < n:
+            self._remember_missing(all_keys[start + remote_len])
+        if remote_len == 0 or pin.pin_id not in self.service.pins or pin.loaded:
+            return
+        host_pages = self.service.alloc_host(ns, remote_len)
+        if host_pages is None:
+            return
+        rf = RemoteFetch(start, all_keys[:start], all_keys[start:start + remote_len], host_pages)
+        pin.remote = rf
+        pin.disk_len += remote_len
+        arena, page_bytes = self.service.host.arena.array, ns.page_class.page_bytes
+        outs = [arena[int(s) * page_bytes:(int(s) + 1) * page_bytes] for s in host_pages]
+        parent = all_keys[start - 1] if start else None
+        job = self.worker.submit(self._fetch(ns, addresses(ns.salt, all_keys, start, start + remote_len),
+                                             parent, outs))
+        rf.future = asyncio.wrap_future(job, loop=self.loop)
+        rf.future.add_done_callback(lambda f: self._fetched(pin, rf, f))
+
+    async def _fetch(self, ns: NamespaceState, pages: list[PageAddress], parent: bytes | None,
+                     outs: list[np.ndarray]) -> tuple[int, np.ndarray, int, dict[str, int]]:
+        """On the worker: the records, verified into their slots. Returns (pages verified
+        in order, their tokens, bytes read, corrupt records by reason)."""
+        try:
+            blobs = await asyncio.wait_for(self.store.get(pages), self.config.remote_timeout_s)
+        except Exception as e:
+            self.worker.failure(e)
+            raise
+        layout = ns.namespace.layout
+        return await self.worker.run_cpu(_verify, ns.salt, layout.fingerprint(), layout.page_size,
+                                         pages, parent, blobs, outs)
+
+    def _fetched(self, pin: Pin, rf: RemoteFetch, fut: asyncio.Future) -> None:
+        rf.done = True
+        ns = pin.engine.ns
+        self._latency("fetch", rf.started)
+        try:
+            n_ok, tokens, nbytes, corrupt = fut.result()
+        except Exception:  # counted by the breaker; the pages are a miss
+            n_ok, tokens, nbytes, corrupt = 0, np.empty(0, dtype=np.int32), 0, {}
+        c = self.counters
+        c.bytes_read += nbytes
+        for reason, count in corrupt.items():
+            c.corrupt_records += count
+            c.corrupt_reasons[reason] = c.corrupt_reasons.get(reason, 0) + count
+            log.warning("remote tier: %d record(s) refused (%s); served as a miss", count, reason)
+        if n_ok < len(rf.keys):
+            c.fetch_missing += len(rf.keys) - n_ok - sum(corrupt.values())
+            self._remember_missing(rf.keys[n_ok])
+        index = ns.index
+        parent = index.root if rf.start == 0 else index.node_ending_at(rf.prefix_keys)
+        if n_ok == 0 or parent is None or ns is not self.service.namespaces.get(ns.salt):
+            ns.page_class.free(rf.host_pages)
+            return
+        res = index.extend_host(parent, rf.keys[:n_ok], tokens, rf.host_pages[:n_ok])
+        spare = [rf.host_pages[n_ok:]]
+        if len(res.dup_host_pages):
+            spare.append(res.dup_host_pages)
+        ns.page_class.free(np.concatenate(spare))
+        c.hit_pages += n_ok
+        if pin.pin_id in self.service.pins and not pin.loaded and res.nodes:
+            last = res.nodes[-1]
+            index.lock(last, Tier.HOST)
+            pin.locks.append((last, Tier.HOST, None))
+            rf.slots = np.concatenate([node.host for node in res.nodes])
+            rf.loaded_pages, rf.last_node = n_ok, last
+        if res.new_nodes:
+            self.service.emit_nodes("stored", Tier.HOST, None, res.new_nodes, ns)
+            if self._disk_hook is not None:  # to the local disk, not back to the store
+                self._disk_hook(ns, res.new_nodes)
+
+    async def wait_fetch(self, pin: Pin, policy: str, timeout_s: float) -> None:
+        rf = pin.remote
+        if rf is None or rf.done or rf.future is None:
+            return
+        if policy == "wait_complete":
+            await asyncio.wait([rf.future])
+        elif policy == "timeout":
+            await asyncio.wait([rf.future], timeout=timeout_s)
+        if not rf.done:  # the callback runs on the loop turn after the future resolves
+            await asyncio.sleep(0)
+
+    def take_fetched(self, pin: Pin) -> None:
+        """Fold the verified remote pages into the pin's host part, if everything before
+        them (the local disk part) is on host too."""
+        rf = pin.remote
+        if rf is None or not rf.done or not rf.loaded_pages or pin.loaded or rf.slots is None:
+            return
+        if pin.disk_len != len(rf.keys):  # the local disk part did not all arrive
+            return
+        pin.host_pages = np.concatenate([pin.host_pages, rf.slots])
+        pin.host_len += rf.loaded_pages
+        pin.disk_len -= rf.loaded_pages
+        pin.host_node = rf.last_node
+        rf.loaded_pages = 0
+
+    # -- writes -----------------------------------------------------------------------
+    def _host_stored(self, ns: NamespaceState, nodes: list[TreeNode]) -> None:
+        if self._disk_hook is not None:
+            self._disk_hook(ns, nodes)
+        if ns.namespace.state is None:
+            self.write_through(ns, nodes)
+
+    def write_through(self, ns: NamespaceState, nodes: list[TreeNode]) -> None:
+        todo = [n for n in nodes if n.host is not None and not n.removed]
+        n_pages = sum(n.n_pages for n in todo)
+        if not n_pages:
+            return
+        if not self.worker.available or self.queued_pages + n_pages > self.config.remote_queue_pages:
+            self.counters.dropped_pages += n_pages
+            return
+        arena, page_bytes, ps = self.service.host.arena.array, ns.page_class.page_bytes, ns.index.page_size
+        pages = []
+        for node in todo:
+            chain = path_with_offsets(node)
+            path_keys = [k for x, _ in chain for k in x.keys]
+            pos = chain[-1][1]
+            for i, addr in enumerate(addresses(ns.salt, path_keys, pos, pos + node.n_pages)):
+                p = pos + i
+                slot = int(node.host[i])
+                pages.append((addr, path_keys[p - 1] if p else None, node.tokens[i * ps:(i + 1) * ps],
+                              memoryview(arena[slot * page_bytes:(slot + 1) * page_bytes])))
+                self._negative.pop(addr.key, None)  # ours now: the next lookup may probe it
+            ns.index.lock(node, Tier.HOST)  # the slots stay put until the records are built
+        job = _PutJob(ns, todo, pages)
+        self.queued_pages += n_pages
+        self._post(self.worker.submit(self._put(job)), self._put_done, job)
+
+    async def _put(self, job: _PutJob) -> tuple[int, int]:
+        """On the worker: build the records (the host locks go as soon as they are), send them."""
+        try:
+            fp = job.ns.namespace.layout.fingerprint()
+            records = await self.worker.run_cpu(_encode, job.ns.salt, fp, job.pages, self._buffers)
+        finally:
+            self.loop.call_soon_threadsafe(self._unlock, job)
+        nbytes = sum(len(r) for _, r in records)
+        try:
+            stored = await asyncio.wait_for(self.store.put(records, self.config.remote_ttl_s),
+                                            self.config.remote_timeout_s)
+        except PartialWrite as e:
+            self.worker.failure(e.cause)
+            return e.stored, nbytes * e.stored // max(1, len(records))
+        except Exception as e:
+            self.worker.failure(e)
+            raise
+        else:
+            # only after a clean send: a cancelled pipeline may still hold views of them
+            self._buffers.give([r for _, r in records])
+        return stored, nbytes
+
+    def _unlock(self, job: _PutJob) -> None:
+        if not job.locked:
+            return
+        job.locked = False
+        for node in job.nodes:
+            job.ns.index.unlock(node, Tier.HOST)
+        self.service.reap(job.ns)
+
+    def _put_done(self, job: _PutJob, fut: concurrent.futures.Future) -> None:
+        self._unlock(job)  # a job cancelled before it ran
+        self.queued_pages -= len(job.pages)
+        self._latency("put", job.started)
+        try:
+            stored, nbytes = fut.result()
+        except BaseException:
+            self.counters.failed_writes += len(job.pages)
+            return
+        self.counters.written_pages += stored
+        self.counters.failed_writes += len(job.pages) - stored
+        self.counters.bytes_written += nbytes
+
+    # -- admin and lifecycle ------------------------------------------------------------------
+    async def flush_namespace(self, salt: bytes) -> int:
+        """Delete a namespace's records from the store (admin); raises when it is down."""
+        fut = self.worker.submit(self.store.delete_namespace(salt))
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(fut), FLUSH_TIMEOUT_S)
+        finally:
+            fut.cancel()
+
+    def stats(self) -> dict[str, Any]:
+        c, w = self.counters, self.worker
+        return {**self.store.describe(), "state": w.state, "available": w.available, "last_error": w.last_error,
+                "errors": w.errors, "breaker_opens": w.breaker_opens, "queue_pages": self.queued_pages,
+                "max_queue_pages": self.config.remote_queue_pages, "probes": c.probes,
+                "probe_skipped_down": c.probe_skipped_down, "negative_hits": c.negative_hits,
+                "hit_pages": c.hit_pages, "miss_pages": c.miss_pages, "fetch_missing": c.fetch_missing,
+                "corrupt_records": c.corrupt_records, "corrupt_reasons": dict(c.corrupt_reasons),
+                "written_pages": c.written_pages, "dropped_pages": c.dropped_pages,
+                "failed_writes": c.failed_writes, "bytes_read": c.bytes_read, "bytes_written": c.bytes_written,
+                "ttl_s": self.config.remote_ttl_s, "lookup_timeout_s": self.config.remote_lookup_timeout_s}
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def _encode(salt: bytes, fingerprint: bytes, pages: list, pool: remote_record.BufferPool
+            ) -> list[tuple[PageAddress, memoryview]]:
+    return [(addr, remote_record.encode(salt, addr.key, parent, fingerprint, tokens, view, pool=pool))
+            for addr, parent, tokens, view in pages]
+
+
+def _verify(salt: bytes, fingerprint: bytes, page_size: int, pages: list[PageAddress], parent: bytes | None,
+            blobs: list[bytes | None], outs: list[np.ndarray]) -> tuple[int, np.ndarray, int, dict[str, int]]:
+    """Verify records in order into their slots, up to the first missing or bad one."""
+    tokens: list[np.ndarray] = []
+    nbytes = 0
+    corrupt: dict[str, int] = {}
+    for page, blob, out in zip(pages, blobs, outs):
+        if blob is None:
+            break
+        nbytes += len(blob)
+        try:
+            tokens.append(remote_record.decode_into(blob, salt=salt, key=page.key, parent=parent,
+                                                    fingerprint=fingerprint, page_size=page_size, out=out))
+        except remote_record.RecordError as e:
+            corrupt[e.reason] = corrupt.get(e.reason, 0) + 1
+            break
+        parent = page.key
+    toks = np.concatenate(tokens) if tokens else np.empty(0, dtype=np.int32)
+    return len(tokens), toks, nbytes, corrupt

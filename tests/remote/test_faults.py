@@ -1,0 +1,216 @@
+"""The remote tier when the store misbehaves (a real redis-server): corrupted records
+are refused and counted, never served; a stopped, killed or restarted store costs a
+lookup at most its deadline and then nothing, the daemon never crashes, and the tier
+comes back when the store does."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from hicache.tiers.redis_store import record_key
+from hicache.tiers.remote_record import HEADER_BYTES
+from hicache.tiers.remote_store import address
+from tests.daemon.test_isolation import LAYOUT, engine, load_exact, store, tokens
+from tests.remote.util import DAEMON_FLAGS, remote_env, remote_stats, wait_remote_up, wait_written
+from tests.wait import wait_until
+
+PAGES = 8
+PAGE_AT = HEADER_BYTES + 4 * LAYOUT.page_size  # where the page bytes start in a record
+
+
+def _two_daemons(daemon_factory, url: str, **env: str):
+    a = daemon_factory(*DAEMON_FLAGS, env=remote_env(url, **env)).start()
+    b = daemon_factory(*DAEMON_FLAGS, env=remote_env(url, **env)).start()
+    wait_remote_up(a.socket)
+    wait_remote_up(b.socket)
+    return a, b
+
+
+def _redis(server):
+    import redis
+
+    return redis.Redis.from_url(server.url)
+
+
+CORRUPTIONS = {
+    # name: (how the record of page 5 is damaged, the reason counted)
+    "page_bytes": (lambda r, k: r.setrange(k, PAGE_AT + 1000, b"\xff\x00\xff"), "checksum"),
+    "tokens": (lambda r, k: r.setrange(k, HEADER_BYTES + 8, b"\x01"), "checksum"),
+    "namespace": (lambda r, k: r.setrange(k, 8, b"\x00" * 4), "namespace"),
+    "truncated": (lambda r, k: r.set(k, r.get(k)[:-100]), "truncated"),
+    "not_a_record": (lambda r, k: r.set(k, b"hello"), "truncated"),
+    "another_page": (None, "key"),  # page 6's record stored under page 5's key
+}
+
+
+@pytest.mark.parametrize("damage", sorted(CORRUPTIONS))
+def test_a_corrupted_record_is_a_counted_miss_never_served(damage, redis_standalone, daemon_factory):
+    a, b = _two_daemons(daemon_factory, redis_standalone.url)
+    ea, eb = engine(a.socket, "t"), engine(b.socket, "t")
+    toks = tokens(11, PAGES)
+    store(ea, toks)
+    wait_written(a.socket, PAGES)
+    keys = ea.client.page_keys(toks)
+    victim = record_key(address(ea.client.salt, keys, 5))
+    r = _redis(redis_standalone)
+    assert r.exists(victim)
+    how, reason = CORRUPTIONS[damage]
+    if how is None:
+        r.set(victim, r.get(record_key(address(ea.client.salt, keys, 6))))
+    else:
+        how(r, victim)
+    # B gets the 5 pages before the damaged one, each byte checked, and nothing after it
+    assert load_exact(eb, toks) == 5
+    st = remote_stats(b.socket)
+    assert st["corrupt_records"] == 1 and st["corrupt_reasons"] == {reason: 1}, st
+    assert st["hit_pages"] == 5
+    ea.close()
+    eb.close()
+    assert b.running
+
+
+def _misses(cache, seeds) -> list[float]:
+    """Lookup latency (match + release) of prompts no tier holds."""
+    out = []
+    for seed in seeds:
+        t0 = time.perf_counter()
+        m = cache.client.match(tokens(seed, PAGES))
+        out.append(time.perf_counter() - t0)
+        assert m.host_len == 0 and m.disk_len == 0
+        cache.client.release(m)
+    return out
+
+
+def test_a_stopped_store_costs_a_lookup_its_deadline_then_nothing(redis_standalone, daemon_factory):
+    # the default deadline (a few ms), not the tests' generous one
+    a, b = _two_daemons(daemon_factory, redis_standalone.url, HICACHE_REMOTE_LOOKUP_TIMEOUT_S="0.005")
+    ea, eb = engine(a.socket, "t"), engine(b.socket, "t")
+    before = tokens(21, PAGES)
+    store(ea, before)
+    wait_written(a.socket, PAGES)
+    baseline = _misses(eb, range(100, 110))  # store up: each probe is a round trip
+    probes = remote_stats(b.socket)["probes"]
+
+    redis_standalone.nodes[0].pause()  # SIGSTOP: connections hang, nothing is refused
+    try:
+        down = _misses(eb, range(200, 220))
+        st = remote_stats(b.socket)
+        assert st["state"] == "down" and not st["available"]
+        assert st["probes"] - probes <= 2, st  # the first lookup (or two, racing the breaker) paid...
+        assert st["probe_skipped_down"] >= 18, st  # ...the rest skipped the store
+        # bounded: no lookup waited on the store for more than the deadline plus the daemon's own work
+        assert max(down) < 0.2, down
+        assert sum(down) < sum(baseline) * 2 + 0.2, (down, baseline)
+        store(ea, tokens(22, PAGES))  # writes while down: dropped or failed, counted, never waited for
+        assert a.running and b.running
+    finally:
+        redis_standalone.nodes[0].resume()
+    wait_remote_up(b.socket)
+    wait_remote_up(a.socket)
+    assert load_exact(eb, before) == PAGES  # hits again
+    st = remote_stats(b.socket)
+    assert st["hit_pages"] == PAGES and st["breaker_opens"] >= 1
+    ea.close()
+    eb.close()
+
+
+def test_a_killed_store_is_a_miss_and_its_restart_is_picked_up(redis_standalone, daemon_factory):
+    a, b = _two_daemons(daemon_factory, redis_standalone.url)
+    ea, eb = engine(a.socket, "t"), engine(b.socket, "t")
+    old = tokens(31, PAGES)
+    store(ea, old)
+    wait_written(a.socket, PAGES)
+    node = redis_standalone.nodes[0]
+    node.kill()
+    assert _misses(eb, [32, 33, 34]) and b.running
+    wait_until(lambda: remote_stats(b.socket)["state"] == "down", 10, "B to see the store down")
+    node.start(redis_standalone.binary)  # same port, empty: a restarted node forgets everything
+    wait_remote_up(a.socket)
+    wait_remote_up(b.socket)
+    assert load_exact(eb, old) == 0  # gone with the restart: a plain miss
+    new = tokens(35, PAGES)
+    store(ea, new)
+    wait_until(lambda: remote_stats(a.socket)["written_pages"] >= 2 * PAGES, 30, "A to write again")
+    assert load_exact(eb, new) == PAGES
+    assert remote_stats(b.socket)["corrupt_records"] == 0
+    ea.close()
+    eb.close()
+
+
+def test_admin_flush_deletes_a_namespace_records(redis_standalone, daemon_factory):
+    import subprocess
+    import sys
+
+    a, b = _two_daemons(daemon_factory, redis_standalone.url)
+    ea, eb = engine(a.socket, "t"), engine(b.socket, "t")
+    toks = tokens(41, PAGES)
+    store(ea, toks)
+    wait_written(a.socket, PAGES)
+    salt = ea.client.salt.hex()
+    out = subprocess.run([sys.executable, "-m", "hicache.cli", "flush", "--tier", "remote", "--namespace", salt,
+                          "--socket", b.socket], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert f"deleted {PAGES} remote records" in out.stdout
+    assert load_exact(eb, toks) == 0
+    assert not _redis(redis_standalone).keys(b"hc1:" + salt.encode() + b":*")
+    ea.close()
+    eb.close()
+
+
+def test_metrics_show_the_remote_tier(redis_standalone, daemon_factory):
+    from tests.daemon.disk_faults_util import free_port, metrics_text
+
+    port = free_port()
+    a = daemon_factory(*DAEMON_FLAGS, env=remote_env(redis_standalone.url)).start()
+    b = daemon_factory(*DAEMON_FLAGS, "--metrics-port", str(port), env=remote_env(redis_standalone.url)).start()
+    wait_remote_up(a.socket)
+    wait_remote_up(b.socket)
+    ea, eb = engine(a.socket, "t"), engine(b.socket, "t")
+    toks = tokens(61, PAGES)
+    store(ea, toks)
+    wait_written(a.socket, PAGES)
+    assert load_exact(eb, toks) == PAGES
+
+    def scraped() -> str | None:
+        text = metrics_text(port)
+        return text if f'hicache_hits_total{{tier="remote"}} {float(PAGES)}' in text else None
+
+    text = wait_until(scraped, 30, "the remote hits in /metrics")
+    assert "hicache_remote_up 1.0" in text
+    assert 'hicache_remote_latency_seconds_count{op="fetch"}' in text
+    assert 'hicache_bytes_moved_total{dst="host",src="remote"}' in text
+    ea.close()
+    eb.close()
+
+
+def test_a_missing_continuation_is_probed_once_then_remembered(redis_standalone, daemon_factory):
+    d = daemon_factory(*DAEMON_FLAGS, env=remote_env(redis_standalone.url, HICACHE_REMOTE_NEGATIVE_TTL_S="60")).start()
+    wait_remote_up(d.socket)
+    e = engine(d.socket, "t")
+    _misses(e, [71, 71, 71])
+    st = remote_stats(d.socket)
+    assert st["probes"] == 1 and st["negative_hits"] == 2, st
+    store(e, tokens(72, PAGES))  # our own writes clear their keys from the negative cache
+    e.close()
+
+
+def test_a_daemon_started_before_its_store_joins_it_later(tmp_path, daemon_factory):
+    from tests.remote.conftest import _require_redis
+
+    _require_redis()
+    from hicache.bench.redis_procs import RedisNode, free_port, redis_server_binary
+
+    node = RedisNode(free_port(), tmp_path / "late")
+    d = daemon_factory(*DAEMON_FLAGS, env=remote_env(f"redis://127.0.0.1:{node.port}")).start()
+    try:
+        e = engine(d.socket, "t")
+        assert _misses(e, [81])  # served while the store is away
+        st = wait_until(lambda: (s := remote_stats(d.socket))["last_error"] and s, 30, "a failed first connection")
+        assert st["state"] == "connecting" and not st["available"] and "Error" in st["last_error"], st
+        node.start(redis_server_binary())
+        assert wait_remote_up(d.socket)["mode"] == "standalone"
+        e.close()
+    finally:
+        node.kill()

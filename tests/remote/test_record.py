@@ -1,0 +1,139 @@
+"""Remote records and settings, without a store: every check of a record refuses what
+it must, and a password never shows in an error, a URL shown, or the config's repr."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hicache.config import Config, load_config
+from hicache.errors import ConfigError
+from hicache.index.keys import page_keys
+from hicache.tiers import remote_record as rr
+from hicache.tiers.redis_store import record_key
+from hicache.tiers.remote_store import redact_url
+from hicache.tiers.remote_store import RUN_PAGES, address, addresses
+
+SALT = bytes(range(16))
+FP = bytes(range(16, 32))
+PAGE_SIZE = 4
+
+
+def _page(nbytes: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def _chain(n: int = 3) -> tuple[np.ndarray, list[bytes]]:
+    toks = np.arange(n * PAGE_SIZE, dtype=np.int32) * 7
+    return toks, page_keys(SALT, toks, PAGE_SIZE)
+
+
+@pytest.mark.parametrize("nbytes", [768, 64 << 10, (64 << 10) + 100])  # crc32, sum64, sum64 with a tail
+def test_a_record_round_trips_bit_exact(nbytes):
+    toks, keys = _chain()
+    page = _page(nbytes)
+    rec = rr.encode(SALT, keys[1], keys[0], FP, toks[4:8], page)
+    assert len(rec) == rr.record_bytes(PAGE_SIZE, nbytes)
+    out = np.zeros(nbytes, dtype=np.uint8)
+    got = rr.decode_into(bytes(rec), salt=SALT, key=keys[1], parent=keys[0], fingerprint=FP,
+                         page_size=PAGE_SIZE, out=out)
+    assert np.array_equal(out, page) and np.array_equal(got, toks[4:8])
+    first = rr.encode(SALT, keys[0], None, FP, toks[:4], page)  # a first page: no parent
+    rr.decode_into(bytes(first), salt=SALT, key=keys[0], parent=None, fingerprint=FP, page_size=PAGE_SIZE, out=out)
+
+
+def _damaged(edit) -> str:
+    toks, keys = _chain()
+    rec = bytearray(rr.encode(SALT, keys[1], keys[0], FP, toks[4:8], _page(4096)))
+    rec = edit(rec)
+    with pytest.raises(rr.RecordError) as e:
+        rr.decode_into(bytes(rec), salt=SALT, key=keys[1], parent=keys[0], fingerprint=FP, page_size=PAGE_SIZE,
+                       out=np.zeros(4096, dtype=np.uint8))
+    return e.value.reason
+
+
+def _flip(at: int):
+    def edit(rec: bytearray) -> bytearray:
+        rec[at] ^= 0x40
+        return rec
+    return edit
+
+
+def test_every_kind_of_damage_is_refused():
+    end = rr.HEADER_BYTES + 4 * PAGE_SIZE
+    assert _damaged(_flip(end + 4095)) == "checksum"  # last page byte
+    assert _damaged(_flip(end)) == "checksum"  # first page byte
+    assert _damaged(_flip(rr.HEADER_BYTES + 1)) == "checksum"  # a token
+    assert _damaged(_flip(0)) == "format"  # magic
+    assert _damaged(_flip(4)) == "version"
+    assert _damaged(_flip(8)) == "namespace"  # salt
+    assert _damaged(_flip(24)) == "key"
+    assert _damaged(_flip(40)) == "parent"
+    assert _damaged(_flip(56)) == "namespace"  # layout fingerprint
+    assert _damaged(_flip(rr.HEADER_BYTES - 9)) == "checksum"  # the checksum itself
+    assert _damaged(lambda r: r[:-1]) == "truncated"
+    assert _damaged(lambda r: r + b"x") == "truncated"
+    assert _damaged(lambda r: r[:10]) == "truncated"
+
+
+def test_a_record_is_only_served_as_the_page_its_tokens_hash_to():
+    toks, keys = _chain()
+    page = _page(4096)
+    out = np.zeros(4096, dtype=np.uint8)
+    # page 2's record asked for as page 1: its key, then its parent, disagree
+    rec = rr.encode(SALT, keys[2], keys[1], FP, toks[8:12], page)
+    with pytest.raises(rr.RecordError, match="key"):
+        rr.decode_into(bytes(rec), salt=SALT, key=keys[1], parent=keys[0], fingerprint=FP, page_size=PAGE_SIZE, out=out)
+    # a self-consistent header whose tokens do not hash to its key: forged or mixed up
+    forged = rr.encode(SALT, keys[1], keys[0], FP, toks[8:12], page)
+    with pytest.raises(rr.RecordError, match="key"):
+        rr.decode_into(bytes(forged), salt=SALT, key=keys[1], parent=keys[0], fingerprint=FP, page_size=PAGE_SIZE,
+                       out=out)
+    # another layout's page size
+    with pytest.raises(rr.RecordError, match="format"):
+        rr.decode_into(bytes(rr.encode(SALT, keys[1], keys[0], FP, toks[4:8], page)), salt=SALT, key=keys[1],
+                       parent=keys[0], fingerprint=FP, page_size=PAGE_SIZE, out=np.zeros(2048, dtype=np.uint8))
+
+
+def test_runs_share_a_hash_tag_and_consecutive_runs_do_not():
+    keys = [bytes([i]) * 16 for i in range(40)]
+    addrs = addresses(SALT, keys, 0, 40)
+    assert address(SALT, keys, 17) == addrs[17]
+    tags = [record_key(a).split(b"{")[1].split(b"}")[0] for a in addrs]
+    assert len(set(tags[:RUN_PAGES])) == 1 and tags[RUN_PAGES] != tags[0] and tags[2 * RUN_PAGES] != tags[RUN_PAGES]
+    assert record_key(addrs[0]).startswith(b"hc1:" + SALT.hex().encode() + b":")
+
+
+def test_passwords_never_show():
+    url = "redis://app:s3cr3t-pw@10.0.0.5:6379/0"
+    assert "s3cr3t-pw" not in redact_url(url) and "10.0.0.5:6379" in redact_url(url)
+    cfg = Config(remote_url=url, host_capacity=1 << 26, disk_capacity=1 << 28)
+    assert "s3cr3t-pw" not in repr(cfg)
+    with pytest.raises(ConfigError) as e:
+        Config(remote_url="http://u:s3cr3t-pw@host:1", host_capacity=1 << 26, disk_capacity=1 << 28)
+    assert "s3cr3t-pw" not in str(e.value) and "scheme" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        Config(remote_url="redis://u:s3cr3t-pw@host:99999", host_capacity=1 << 26, disk_capacity=1 << 28)
+    assert "s3cr3t-pw" not in str(e.value)
+
+
+def test_remote_settings_come_from_flags_variables_and_files(tmp_path):
+    cfg = load_config(None, {"remote_url": "rediss://h:6380"},
+                      environ={"HICACHE_REMOTE_TTL_S": "60", "HICACHE_REMOTE_LOOKUP_TIMEOUT_S": "0.002"})
+    assert (cfg.remote_url, cfg.remote_ttl_s, cfg.remote_lookup_timeout_s) == ("rediss://h:6380", 60.0, 0.002)
+    toml = tmp_path / "c.toml"
+    toml.write_text('[hicache]\nremote_url = "redis://10.0.0.5:6379"\nremote_queue_pages = 7\n')
+    cfg = load_config(toml, environ={})
+    assert cfg.remote_url == "redis://10.0.0.5:6379" and cfg.remote_queue_pages == 7
+    with pytest.raises(ConfigError):
+        load_config(None, environ={"HICACHE_REMOTE_LOOKUP_TIMEOUT_S": "0"})
+
+
+def test_a_missing_or_empty_password_file_is_a_clear_error(tmp_path):
+    from hicache.tiers.redis_store import RedisStore
+
+    with pytest.raises(ConfigError, match="remote_password_file"):
+        RedisStore("redis://h:1", password_file=str(tmp_path / "none"))
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ConfigError, match="empty"):
+        RedisStore("redis://h:1", password_file=str(tmp_path / "empty"))
