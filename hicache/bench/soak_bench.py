@@ -71,12 +71,7 @@ def memory_kib(pid: int) -> dict[str, int]:
 
 
 def admin(socket: str, method: str, params: dict | None = None) -> Any:
-    conn = RpcConnection.connect(socket, timeout_s=30.0)
-    try:
-        conn.hello()
-        return conn.call(method, params or {})
-    finally:
-        conn.close()
+    return RpcConnection.one_call(socket, method, params or {}, timeout_s=30.0)
 
 
 def _engine(socket: str) -> Any:

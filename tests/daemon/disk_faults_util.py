@@ -25,21 +25,11 @@ WAIT = {"HICACHE_LOAD_POLICY": "wait_complete"}
 
 
 def stats(sock: str) -> dict:
-    conn = RpcConnection.connect(sock)
-    try:
-        conn.hello()
-        return conn.call("stats")
-    finally:
-        conn.close()
+    return RpcConnection.one_call(sock, "stats", None, timeout_s=5.0)
 
 
 def admin(sock: str, method: str, params: dict | None = None) -> Any:
-    conn = RpcConnection.connect(sock)
-    try:
-        conn.hello()
-        return conn.call(method, params or {})
-    finally:
-        conn.close()
+    return RpcConnection.one_call(sock, method, params or {}, timeout_s=5.0)
 
 
 def wait_for(cond: Callable[[], Any], timeout_s: float, what: str) -> Any:

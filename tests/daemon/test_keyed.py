@@ -16,12 +16,7 @@ LAYOUT = KVLayout("mha", 2, 8, "float16", num_kv_heads=2, head_dim=16)
 
 
 def host_pages(sock: str) -> int:
-    conn = RpcConnection.connect(sock)
-    try:
-        conn.hello()
-        return conn.call("stats")["tiers"]["host"]["pages"]
-    finally:
-        conn.close()
+    return RpcConnection.one_call(sock, "stats", None, timeout_s=5.0)["tiers"]["host"]["pages"]
 
 
 def keyed(sock: str, model: str = "m") -> KeyedPagesClient:

@@ -27,12 +27,7 @@ DISK = ("--host-capacity", "64MiB", "--disk-capacity", "256MiB")
 
 
 def admin(sock: str, method: str, params: dict | None = None) -> dict:
-    conn = RpcConnection.connect(sock)
-    try:
-        conn.hello()
-        return conn.call(method, params or {})
-    finally:
-        conn.close()
+    return RpcConnection.one_call(sock, method, params or {}, timeout_s=5.0)
 
 
 def sentinel(pool, idx: torch.Tensor) -> None:

@@ -19,12 +19,7 @@ def remote_env(url: str, **more: str) -> dict[str, str]:
 
 
 def admin(socket: str, method: str, params: dict | None = None) -> dict:
-    conn = RpcConnection.connect(socket, timeout_s=30.0)
-    try:
-        conn.hello()
-        return conn.call(method, params or {})
-    finally:
-        conn.close()
+    return RpcConnection.one_call(socket, method, params or {}, timeout_s=30.0)
 
 
 def remote_stats(socket: str) -> dict:

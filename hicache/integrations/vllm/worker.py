@@ -26,7 +26,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
