@@ -14,6 +14,7 @@ comparison set (LRU, segmented LRU, S3-FIFO, ARC, LFU with aging) at the
 capacity of the host tier and of all tiers (host + disk pages, an upper bound
 on the distinct blocks hicache can hold), plus at `--sim-fractions` of the
 trace's unique blocks. `--sim-only` skips the daemon and prints just those.
+`--workload` replaces the trace file by a generated one (hicache/bench/workloads.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from hicache.bench.policy_sim import (
     simulate_all,
 )
 from hicache.bench.report import row
+from hicache.bench.workloads import generate
 from hicache.client.client import HiCacheClient
 from hicache.client.engine_cache import EngineCache
 from hicache.config import parse_size
@@ -164,8 +166,15 @@ def sim_rows(btrace: BlockTrace, caps: list[tuple[str, int]]) -> tuple[list[dict
     return rows, results
 
 
+def load_requests(args: Any) -> list[dict]:
+    """The `--trace` file, or `--limit` requests (default 4000) of a generated `--workload`."""
+    if getattr(args, "workload", None):
+        return generate(args.workload, args.limit or 4000, seed=args.seed)
+    return load_trace(args.trace, args.limit)
+
+
 def run(args: Any) -> list[dict]:
-    trace = load_trace(args.trace, args.limit)
+    trace = load_requests(args)
     btrace = block_trace(trace, BLOCK)
     srows, sims = sim_rows(btrace, capacities(args, btrace.unique_blocks()))
     if args.sim_only:

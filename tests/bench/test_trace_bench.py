@@ -62,3 +62,10 @@ def test_trace_bench_sim_only_needs_no_daemon(small_trace):
     full = rows["sim @ 1 of unique: OPT hit rate"]
     assert full["value"] == pytest.approx(rows["sim infinite cache: hit rate"]["value"])
     assert rows["sim @ 0.2 of unique: LRU hit rate"]["value"] < full["value"]
+
+
+def test_trace_bench_generated_workload():
+    rows = bench("--workload", "rag", "--limit", "500", "--sim-only", "--sim-fractions", "0.1")
+    assert rows["requests"]["value"] == 500
+    opt = rows["sim @ 0.1 of unique: OPT hit rate"]
+    assert rows["sim @ 0.1 of unique: LRU hit rate"]["value"] < opt["value"] <= opt["baseline"]
