@@ -57,6 +57,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--device-pages", type=int, default=2048)
     b.add_argument("--limit", type=int)
     b.add_argument("--page-bytes", type=int, default=64 << 10, help="bytes per 512-token block page")
+    b.add_argument("--sim-fractions", type=float, nargs="*", default=[0.1, 0.15, 0.4],
+                   help="also simulate the policies at these fractions of the trace's unique blocks")
+    b.add_argument("--workload", choices=["chat", "agent", "rag", "scan", "mixed"],
+                   help="a generated trace instead of --trace (--limit requests, default 4000)")
+    b.add_argument("--seed", type=int, default=0, help="--workload: the generator's seed")
+    b.add_argument("--sim-only", action="store_true",
+                   help="only the simulated policies (OPT, LRU, ...): no daemon, no replay")
 
     b = bench("remote", "remote tier put / get GB/s and lookup latency vs plain redis-py on the same store")
     b.add_argument("--url", help="an existing Redis / Valkey (default: start a 3-master cluster on loopback)")

@@ -6,9 +6,15 @@ deliberately small device pool serves the requests in order through the real
 client (match, per-layer load of the host part, insert with write-through
 backups, eviction under pressure); its pages are small (`--page-bytes`) so the
 replay measures the cache policy, not the copy speed. Reported: the share of
-prompt tokens served per tier and the tokens recomputed, next to the
-infinite-cache optimum of the same trace (a block hits iff every block before
-it in the request was seen earlier in the trace).
+prompt tokens served per tier and the tokens recomputed, next to bounds
+simulated on the same block sequence (hicache/bench/policy_sim.py): the
+infinite cache (a block hits iff it and every block before it in the request
+were seen earlier in the trace), Belady's offline optimum and the online
+comparison set (LRU, segmented LRU, S3-FIFO, ARC, LFU with aging) at the
+capacity of the host tier and of all tiers (host + disk pages, an upper bound
+on the distinct blocks hicache can hold), plus at `--sim-fractions` of the
+trace's unique blocks. `--sim-only` skips the daemon and prints just those.
+`--workload` replaces the trace file by a generated one (hicache/bench/workloads.py).
 """
 
 from __future__ import annotations
@@ -21,7 +27,15 @@ from typing import Any
 
 import numpy as np
 
+from hicache.bench.policy_sim import (
+    ONLINE,
+    BlockTrace,
+    SimResult,
+    block_trace,
+    simulate_all,
+)
 from hicache.bench.report import row
+from hicache.bench.workloads import generate
 from hicache.client.client import HiCacheClient
 from hicache.client.engine_cache import EngineCache
 from hicache.config import parse_size
@@ -117,9 +131,55 @@ def replay(sock: str, trace: list[dict], device_pages: int, page_bytes: int) -> 
     return {"totals": totals, "ttft": np.array(ttft), "stats": stats, "seconds": time.time() - t0}
 
 
+SIM_POLICIES = ("OPT", *ONLINE)
+
+
+def capacities(args: Any, unique: int) -> list[tuple[str, int]]:
+    """(label, capacity in blocks) to simulate: hicache's tiers, then fractions of the unique blocks."""
+    out = []
+    if not args.sim_only:
+        host = parse_size(args.host_capacity) // args.page_bytes
+        disk = parse_size(args.disk_capacity) // args.page_bytes
+        out.append(("host tier", host))
+        if disk:
+            out.append(("all tiers", host + disk))
+    out += [(f"{f:g} of unique", max(1, int(f * unique))) for f in args.sim_fractions]
+    return out
+
+
+def sim_rows(btrace: BlockTrace, caps: list[tuple[str, int]]) -> tuple[list[dict], dict[str, dict[str, SimResult]]]:
+    unique = btrace.unique_blocks()
+    inf = simulate_all(btrace, 0, ("infinite",))["infinite"]
+    rows = [row("blocks requested", btrace.num_accesses, "blocks"), row("unique blocks", unique, "blocks"),
+            row("sim infinite cache: hit rate", inf.hit_rate, "fraction")]
+    results: dict[str, dict[str, SimResult]] = {}
+    for label, cap in caps:
+        res = simulate_all(btrace, cap, SIM_POLICIES)
+        results[label] = res
+        opt = res["OPT"].hit_rate
+        rows.append(row(f"sim @ {label}: capacity", cap, "blocks", share_of_unique=cap / max(1, unique)))
+        rows.append(row(f"sim @ {label}: OPT hit rate", opt, "fraction", baseline=inf.hit_rate,
+                        baseline_name="infinite"))
+        for name in ONLINE:
+            rows.append(row(f"sim @ {label}: {name} hit rate", res[name].hit_rate, "fraction", baseline=opt,
+                            baseline_name="OPT"))
+    return rows, results
+
+
+def load_requests(args: Any) -> list[dict]:
+    """The `--trace` file, or `--limit` requests (default 4000) of a generated `--workload`."""
+    if getattr(args, "workload", None):
+        return generate(args.workload, args.limit or 4000, seed=args.seed)
+    return load_trace(args.trace, args.limit)
+
+
 def run(args: Any) -> list[dict]:
-    trace = load_trace(args.trace, args.limit)
-    opt_hit, opt_total = optimum_hit_blocks(trace)
+    trace = load_requests(args)
+    btrace = block_trace(trace, BLOCK)
+    srows, sims = sim_rows(btrace, capacities(args, btrace.unique_blocks()))
+    if args.sim_only:
+        return [row("requests", len(trace), "count"), *srows]
+    opt_hit, _ = optimum_hit_blocks(trace)
     page_bytes = args.page_bytes
     with tempfile.TemporaryDirectory(prefix="hicache-trace-") as tmp:
         daemon = None
@@ -148,8 +208,31 @@ def run(args: Any) -> list[dict]:
             baseline_name="infinite cache"),
         row("tokens recomputed", t["prompt"] - hit, "tokens", baseline=t["prompt"] - opt_tokens,
             baseline_name="infinite cache"),
+        *hicache_vs_sims(t, sims, opt_tokens / prompt),
         row("requests skipped (pool too small)", t["skipped"], "count"),
         row("replay time per request, p50", float(np.median(res["ttft"])) * 1e3 if len(res["ttft"]) else 0, "ms"),
         row("replay wall time", res["seconds"], "s"),
+        *srows,
     ]
+    return rows
+
+
+def hicache_vs_sims(t: dict, sims: dict[str, dict[str, SimResult]], infinite: float) -> list[dict]:
+    """hicache's hit rate next to OPT and LRU at the same capacity, and its share of the LRU-to-OPT gap."""
+    prompt = max(1, t["prompt"])
+    rates = {"host tier": (t["device"] + t["host"]) / prompt,
+             "all tiers": (t["device"] + t["host"] + t["disk"]) / prompt}
+    who = {"host tier": "device + host", "all tiers": "all tiers"}
+    rows = []
+    for label, res in sims.items():
+        if label not in rates:
+            continue
+        ours, opt, lru = rates[label], res["OPT"].hit_rate, res["LRU"].hit_rate
+        rows.append(row(f"hit rate, {who[label]} vs OPT @ {label}", ours, "fraction", baseline=opt,
+                        baseline_name="OPT"))
+        rows.append(row(f"hit rate, {who[label]} vs LRU @ {label}", ours, "fraction", baseline=lru,
+                        baseline_name="LRU"))
+        if opt > lru:  # undefined when LRU already reaches the optimum
+            rows.append(row(f"share of the LRU-to-OPT gap closed @ {label}", (ours - lru) / (opt - lru),
+                            "fraction"))
     return rows

@@ -1,0 +1,71 @@
+"""`hicache bench trace` end to end on a short trace: hicache's rows next to the simulated bounds."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CLI = [sys.executable, "-m", "hicache.cli"]
+
+
+@pytest.fixture
+def small_trace(tmp_path: Path) -> Path:
+    """Forty requests of four conversations under one 2-block system prompt, each turn
+    extending the last: plenty of reuse, 512-token blocks."""
+    reqs = []
+    convs = {c: [0, 1, 100 + 10 * c] for c in range(4)}
+    for turn in range(10):
+        for c in range(4):
+            convs[c] = convs[c] + [1000 + 100 * c + turn]
+            reqs.append({"timestamp": 0, "input_length": 512 * len(convs[c]) + 7, "output_length": 8,
+                         "hash_ids": convs[c] + [9999]})
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in reqs))
+    return path
+
+
+def bench(*args: str) -> dict[str, dict]:
+    out = subprocess.run([*CLI, "bench", "trace", "--json", *args], check=False, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    return {r["name"]: r for r in json.loads(out.stdout)["results"]}
+
+
+def test_trace_bench_reports_opt_lru_and_infinite_next_to_hicache(small_trace):
+    rows = bench("--trace", str(small_trace), "--limit", "40", "--device-pages", "32",
+                 "--host-capacity", "1MiB", "--disk-capacity", "2MiB", "--sim-fractions", "0.5")
+    ours = rows["hit rate, all tiers"]
+    assert ours["baseline_name"] == "infinite cache" and 0 < ours["value"] <= ours["baseline"]
+    assert rows["sim infinite cache: hit rate"]["value"] == pytest.approx(ours["baseline"])
+    vs_opt = rows["hit rate, all tiers vs OPT @ all tiers"]
+    assert vs_opt["baseline"] == rows["sim @ all tiers: OPT hit rate"]["value"]
+    assert vs_opt["ratio"] == pytest.approx(ours["value"] / vs_opt["baseline"])
+    assert rows["sim @ host tier: capacity"]["value"] == 16  # 1 MiB of 64 KiB pages
+    assert rows["sim @ all tiers: capacity"]["value"] == 48
+    for label in ("host tier", "all tiers", "0.5 of unique"):
+        opt = rows[f"sim @ {label}: OPT hit rate"]
+        assert opt["value"] <= opt["baseline"]  # never above the infinite cache
+        for name in ("LRU", "SLRU", "S3-FIFO", "ARC", "LFU-aging"):
+            r = rows[f"sim @ {label}: {name} hit rate"]
+            assert r["baseline_name"] == "OPT" and r["value"] <= r["baseline"]
+    assert "hit rate, device + host vs OPT @ host tier" in rows
+
+
+def test_trace_bench_sim_only_needs_no_daemon(small_trace):
+    rows = bench("--trace", str(small_trace), "--sim-only", "--sim-fractions", "0.2", "1.0")
+    assert rows["requests"]["value"] == 40
+    assert "hit rate, all tiers" not in rows
+    full = rows["sim @ 1 of unique: OPT hit rate"]
+    assert full["value"] == pytest.approx(rows["sim infinite cache: hit rate"]["value"])
+    assert rows["sim @ 0.2 of unique: LRU hit rate"]["value"] < full["value"]
+
+
+def test_trace_bench_generated_workload():
+    rows = bench("--workload", "rag", "--limit", "500", "--sim-only", "--sim-fractions", "0.1")
+    assert rows["requests"]["value"] == 500
+    opt = rows["sim @ 0.1 of unique: OPT hit rate"]
+    assert rows["sim @ 0.1 of unique: LRU hit rate"]["value"] < opt["value"] <= opt["baseline"]
