@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     rounds = conversations(args.conversations, args.turns, args.system_tokens, args.user_tokens,
                            args.reply_tokens)
     spec = {"model": str(model), "block_size": args.block_size, "max_tokens": args.max_tokens,
-            "rounds": rounds, "max_model_len": 8192, "kv_cache_bytes": 256 << 20}
+            "rounds": rounds, "max_model_len": 4096, "kv_cache_bytes": 256 << 20}
     base = _run({**spec, "socket": None}, workdir, "without")
     with LocalDaemon(workdir / "daemon", "--host-capacity", "1GiB", "--no-disk") as daemon:
         mine = _run({**spec, "socket": daemon.socket}, workdir, "with")
