@@ -184,3 +184,40 @@ def test_without_vllm_the_import_error_names_the_extra():
             "try:\n    import hicache.integrations.vllm\nexcept ImportError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
     assert "pip install 'hicache[vllm]'" in out
+
+
+@needs_vllm
+def test_a_reconnect_between_match_and_step_makes_the_load_stale(tmp_path):
+    """The scheduler matched (page ids of one daemon's arena), then its client reconnected to a
+    restarted daemon before the step's metadata was built: the workers must not copy those ids."""
+    from hicache.daemon.launcher import LocalDaemon
+    from hicache.integrations.vllm.layout import EngineShape, expected_arrangement
+    from hicache.integrations.vllm.scheduler import SchedulerSide
+    from tests.wait import wait_until
+
+    layout = KVLayout("mha", 2, 32, "float32", num_kv_heads=2, head_dim=32)
+    shape = EngineShape("m", layout, 1, "cpu", expected_arrangement(False, 32, 2, 32, "float32"))
+    tokens = list(range(1, 200))
+    req = SimpleNamespace(request_id="r", all_token_ids=tokens, prompt_embeds=None, lora_request=None,
+                          cache_salt=None, mm_features=[])
+    idle = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}, preempted_req_ids=None,
+                           scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[],
+                                                                 new_block_ids=[], resumed_req_ids=set()))
+    with LocalDaemon(tmp_path / "d", "--host-capacity", "64MiB", "--no-disk") as d:
+        sched = SchedulerSide(shape, NUM_BLOCKS, d.socket)
+        c = sched.clients[0]
+        plan = c.put(tokens[:192])
+        assert c.put_done(plan) == 6
+        n, _ = sched.num_new_matched_tokens(req, 0)
+        assert n == 6 * 32
+        sched.after_alloc(req, list(range(6)), n)
+        first = c.instance
+        d.stop()
+        d.start()
+        c.match(tokens)  # fails: the breaker opens and the probe reconnects
+        wait_until(c.poll, 30, "the client to reconnect")
+        assert c.instance != first
+        meta = sched.build_meta(idle)
+        assert meta.instances == {0: c.instance}
+        assert [(s.stale, s.host_pages, s.block_ids) for s in meta.loads] == [(True, {}, list(range(6)))]
+        sched.close()

@@ -18,6 +18,7 @@ class LoadSpec:
     req_id: str
     block_ids: list[int]
     host_pages: dict[int, list[int]]  # namespace rank -> pages, aligned with block_ids
+    stale: bool = False  # the pages cannot be had: report the blocks failed
 
 
 @dataclass(slots=True)
@@ -33,7 +34,7 @@ class SaveSpec:
 
 @dataclass
 class HiCacheMeta(KVConnectorMetadata):
-    instance: str | None = None  # the daemon the scheduler's page ids come from
+    instances: dict[int, str | None] = field(default_factory=dict)  # namespace rank -> daemon of its page ids
     slabs: dict[int, int] = field(default_factory=dict)  # namespace rank -> slab version those pages need
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)

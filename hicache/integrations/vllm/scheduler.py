@@ -78,9 +78,8 @@ class SchedulerSide:
         for c in self.clients.values():
             c.connect()  # each step bounded by its deadline; if down, the probe keeps trying
         self.reqs: dict[str, _Req] = {}
-        self.loads_next: list[str] = []  # requests whose load goes into the next metadata
+        self.loads_next: list[tuple[str, int, int]] = []  # (request, pages [start, end)) for the next metadata
         self.delayed: list[str] = []  # finished requests keeping their blocks for running saves
-        self.preempted = False
 
     # -- requests -------------------------------------------------------------------------
     def _state(self, request: Any) -> _Req | None:
@@ -151,22 +150,11 @@ class SchedulerSide:
                         request.request_id, num_external_tokens, (end - start) * self.page_size)
             self._release(st)
             return
-        self.loads_next.append(request.request_id)
+        self.loads_next.append((request.request_id, start, end))
 
     # -- each step ------------------------------------------------------------------------
     def build_meta(self, so: Any) -> HiCacheMeta:
         meta = HiCacheMeta(preempted=bool(getattr(so, "preempted_req_ids", None)))
-        c0 = next(iter(self.clients.values()))
-        meta.instance = c0.instance
-        meta.slabs = {r: c.slab_version for r, c in self.clients.items()}
-        for req_id in self.loads_next:
-            st = self.reqs.get(req_id)
-            if st is None or st.load is None:
-                continue
-            start, end = st.load
-            meta.loads.append(LoadSpec(req_id, st.blocks[start:end],
-                                       {r: m.host_pages[start:end].tolist() for r, m in st.matches.items()}))
-        self.loads_next = []
         self._track_blocks(so)
         computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
         cached = so.scheduled_cached_reqs
@@ -175,11 +163,33 @@ class SchedulerSide:
             st = self.reqs.get(req_id)
             if st is not None:
                 self._plan_saves(req_id, st, computed.get(req_id, 0) + n_sched, meta)
+        # Last, after every call of this step: a client that reconnected meanwhile (a new daemon,
+        # a new arena) made the page ids of its earlier matches and puts meaningless.
+        meta.instances = {r: c.instance for r, c in self.clients.items()}
+        meta.slabs = {r: c.slab_version for r, c in self.clients.items()}
+        meta.saves = [s for s in meta.saves if self._current_put(s)]
+        meta.loads = [self._load_spec(*load) for load in self.loads_next if load[0] in self.reqs]
+        self.loads_next = []
         meta.delayed, self.delayed = self.delayed, []
         self._expire_pins()
-        # vLLM does not re-read metadata: the slab versions must cover the plans made above
-        meta.slabs = {r: c.slab_version for r, c in self.clients.items()}
         return meta
+
+    def _load_spec(self, req_id: str, start: int, end: int) -> LoadSpec:
+        """The copies vLLM now counts on; stale (the workers report its blocks failed, vLLM
+        recomputes them) when the pins are gone or predate a reconnect."""
+        st = self.reqs[req_id]
+        blocks = st.blocks[start:end]
+        if not st.matches or any(m.epoch != self.clients[r].epoch for r, m in st.matches.items()):
+            return LoadSpec(req_id, blocks, {}, stale=True)
+        return LoadSpec(req_id, blocks, {r: m.host_pages[start:end].tolist() for r, m in st.matches.items()})
+
+    def _current_put(self, s: SaveSpec) -> bool:
+        st = self.reqs[s.req_id]
+        rank, plan = st.puts[s.put_id]
+        if plan.epoch == self.clients[rank].epoch:
+            return True
+        del st.puts[s.put_id]  # its daemon is gone, and the put with it
+        return False
 
     def _track_blocks(self, so: Any) -> None:
         for new in so.scheduled_new_reqs:

@@ -43,7 +43,6 @@ class _Load:
     def __init__(self, specs: list[LoadSpec], num_layers: int) -> None:
         self.specs = specs
         self.events = [threading.Event() for _ in range(num_layers)]
-        self.failed = False
 
 
 class WorkerSide:
@@ -105,11 +104,12 @@ class WorkerSide:
         """Whether the host pages the scheduler planned are mapped here: same daemon, its
         namespace's slabs at the scheduler's version."""
         c = self.client
-        if c.instance != meta.instance:
+        want = meta.instances.get(self.rank)
+        if c.instance != want:
             if c.connected:
                 c.sync_slabs()  # nothing else tells us the daemon we know died: this call does
             c.connect()  # adopts the probe's connection, or tries now (each step bounded)
-        if c.instance != meta.instance or self.copier is None:
+        if want is None or c.instance != want or self.copier is None:
             return False
         want = meta.slabs.get(self.rank)
         if want is not None and want != c.slab_version:
@@ -118,8 +118,12 @@ class WorkerSide:
 
     # -- loads ------------------------------------------------------------------------------
     def start_load(self, meta: HiCacheMeta) -> None:
-        specs = [s for s in meta.loads if self.rank in s.host_pages]
         self.load = None
+        stale = [s for s in meta.loads if s.stale]
+        if stale:
+            log.warning("hicache: %d loads lost their pages (daemon reconnected); vLLM recomputes", len(stale))
+            self._fail_load(_Load(stale, self.shape.layout.num_layers))
+        specs = [s for s in meta.loads if not s.stale and self.rank in s.host_pages]
         if not specs:
             return
         load = _Load(specs, self.shape.layout.num_layers)
@@ -153,7 +157,6 @@ class WorkerSide:
             d["load_s"] += time.perf_counter() - t0
 
     def _fail_load(self, load: _Load) -> None:
-        load.failed = True
         with self._lock:
             for s in load.specs:
                 self._failed_blocks.update(s.block_ids)
