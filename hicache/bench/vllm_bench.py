@@ -13,16 +13,14 @@ token and the prefill tokens vLLM had to compute.
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from hicache.bench.report import row
 from hicache.bench.tiny_llama import build_tiny_llama
 from hicache.daemon.launcher import LocalDaemon
+from hicache.integrations.vllm_driver import run_in_process
 
 
 def conversations(n: int, turns: int, system_tokens: int, user_tokens: int, reply_tokens: int,
@@ -44,14 +42,10 @@ def conversations(n: int, turns: int, system_tokens: int, user_tokens: int, repl
 
 
 def _run(spec: dict, workdir: Path, name: str) -> dict:
-    path = workdir / f"{name}.json"
-    path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, "-m", "hicache.integrations.vllm_driver", str(path)],
-                          capture_output=True, text=True)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("HICACHE_RESULT ")]
-    if proc.returncode or not lines:
-        raise SystemExit(f"vLLM run {name} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
-    return json.loads(lines[-1].removeprefix("HICACHE_RESULT "))
+    try:
+        return run_in_process(spec, workdir, name)
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
 
 
 def _mean(xs: list[float]) -> float:

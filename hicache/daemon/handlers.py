@@ -228,10 +228,7 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
         tokens = _get(p, "tokens", bytes)
         if len(tokens) % 4:
             raise RpcError(Code.BAD_PARAMS, "tokens must be packed int32")
-        engine = _get(p, "engine", int)
-        if svc.engine(conn, engine).ns.namespace.state is not None:
-            raise RpcError(Code.BAD_PARAMS, "hybrid namespaces store through insert (their checkpoints need it)")
-        put, present = daemon.puts.put(conn, engine, keys, np.frombuffer(tokens, dtype="<i4"))
+        put, present = daemon.puts.put(conn, _get(p, "engine", int), keys, np.frombuffer(tokens, dtype="<i4"))
         return {"put": None if put is None else put.put_id, "present": present,
                 "host_pages": ids_to_bytes(put.host_pages if put is not None else EMPTY),
                 "slabs": _slab_version(conn, p)}

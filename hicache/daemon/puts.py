@@ -77,6 +77,8 @@ class HostPuts:
         self.expire()
         rec = self.svc.engine(owner, engine_id)
         ns = rec.ns
+        if ns.namespace.state is not None:
+            raise RpcError(Code.BAD_PARAMS, "hybrid namespaces store through insert (their checkpoints need it)")
         ps = ns.index.page_size
         if len(tokens) != len(keys) * ps:
             raise RpcError(Code.BAD_PARAMS, f"{len(keys)} keys need {len(keys) * ps} tokens, got {len(tokens)}")

@@ -23,10 +23,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
+
+RESULT = "HICACHE_RESULT "  # the line of stdout that carries the result
 
 
 def _counters(llm: Any) -> dict[str, float]:
@@ -35,6 +39,21 @@ def _counters(llm: Any) -> dict[str, float]:
         if type(m).__name__ == "Counter" and any(w in m.name for w in ("prefix_cache", "prompt_tokens", "hicache")):
             out[m.name] = out.get(m.name, 0) + float(m.value)
     return out
+
+
+def run_in_process(spec: dict[str, Any], workdir: Path, name: str, env: dict[str, str] | None = None,
+                   timeout_s: float | None = None) -> dict[str, Any]:
+    """Run one vLLM as its own process on `spec` (kept with its log as workdir/NAME.json, .log);
+    its result, or RuntimeError with the tail of its output."""
+    path = workdir / f"{name}.json"
+    path.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, "-m", "hicache.integrations.vllm_driver", str(path)],
+                          capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **(env or {})})
+    (workdir / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"vLLM run {name} failed:\n{(proc.stdout + proc.stderr)[-6000:]}")
+    return json.loads(lines[-1].removeprefix(RESULT))
 
 
 def _corrupt_loads() -> None:
@@ -132,7 +151,7 @@ def main() -> None:
     if out:
         with open(out, "w") as f:
             f.write(text)
-    print("HICACHE_RESULT " + text, flush=True)
+    print(RESULT + text, flush=True)
 
 
 if __name__ == "__main__":

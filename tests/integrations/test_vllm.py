@@ -16,11 +16,8 @@ Under CI=true a missing vLLM fails the suite instead of skipping it.
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -39,6 +36,7 @@ if not HAVE_VLLM:
 from hicache.bench.tiny_llama import build_tiny_llama  # noqa: E402
 from hicache.client.connection import RpcConnection  # noqa: E402
 from hicache.daemon.launcher import LocalDaemon  # noqa: E402
+from hicache.integrations.vllm_driver import run_in_process  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -66,14 +64,7 @@ def full_blocks(p: list[int]) -> int:
 
 def run_vllm(tmp: Path, name: str, env: dict | None = None, **spec) -> dict:
     spec = {"model": str(MODEL_DIR), "block_size": BLOCK, "max_tokens": 8, **spec}
-    path = tmp / f"{name}.json"
-    path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, "-m", "hicache.integrations.vllm_driver", str(path)],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
-    (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("HICACHE_RESULT ")]
-    assert proc.returncode == 0 and lines, f"vLLM run {name} failed:\n{(proc.stdout + proc.stderr)[-6000:]}"
-    return json.loads(lines[-1].removeprefix("HICACHE_RESULT "))
+    return run_in_process(spec, tmp, name, env, timeout_s=600)
 
 
 MODEL_DIR: Path = Path()
