@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Any, NoReturn
 
-from hicache.config import admin_socket_path, format_size, load_config
+from hicache.config import EVICTION_POLICIES, admin_socket_path, format_size, load_config
 from hicache.errors import DaemonRefused, DaemonUnavailable, DaemonUntrusted, HiCacheError
 
 ADMIN_TIMEOUT_S = 10.0
@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="delete the disk tier's environment and start fresh")
     s.add_argument("--write-policy", choices=["write_through", "write_through_selective", "write_back"])
     s.add_argument("--load-policy", choices=["best_effort", "wait_complete", "timeout"])
+    s.add_argument("--eviction-policy", choices=list(EVICTION_POLICIES),
+                   help="which pages each tier evicts first (default frecency; lru for comparison)")
     s.add_argument("--metrics-port", type=int)
     s.add_argument("--remote-url", help="remote tier on Redis/Valkey (standalone or any node of a Cluster): "
                                         "redis://[user:password@]host:port, rediss://..., unix:///path")
@@ -164,6 +166,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     overrides = {k: getattr(args, k) for k in ("socket_path", "state_dir", "host_capacity", "disk_capacity",
                                                "disk_enabled", "reset_disk", "write_policy", "load_policy",
+                                               "eviction_policy",
                                                "metrics_port", "remote_url", "remote_password_file")}
     config = load_config(args.config_file, overrides)
     return serve(config)

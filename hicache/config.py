@@ -35,6 +35,7 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 LOAD_POLICIES = ("best_effort", "wait_complete", "timeout")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 DURABILITY = ("none", "batch", "sync")
+EVICTION_POLICIES = ("lru", "lfu", "frecency")  # hicache.index.policy.POLICIES
 # Page ids travel as int32; engines' pools are far smaller, and the daemon sizes work by them.
 MAX_DEVICE_PAGES_LIMIT = 1 << 30
 
@@ -136,6 +137,12 @@ class Config:
     write_policy: str = "write_through"
     write_hit_threshold: int = 2  # write_through_selective: back up after this many hits
     load_policy: str = "best_effort"
+    eviction_policy: str = "frecency"  # lru | lfu | frecency (hicache/index/policy.py)
+    # "wall": access times in unix seconds (disk records keep them across restarts);
+    # "logical": one tick per index operation, so a replay evicts the same pages every
+    # time (benches comparing policies; disk access times are then not comparable
+    # across restarts)
+    index_clock: str = "wall"
     prefetch_timeout_s: float = 0.05
     put_lease_s: float = 60.0  # a host put (puts.py) nobody finishes is dropped after this long
     disk_queue_pages: int = 1024  # queued disk writes before write-through skips (counted)
@@ -169,6 +176,10 @@ class Config:
             raise ConfigError(f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
         if self.load_policy not in LOAD_POLICIES:
             raise ConfigError(f"load_policy must be one of {LOAD_POLICIES}, got {self.load_policy!r}")
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ConfigError(f"eviction_policy must be one of {EVICTION_POLICIES}, got {self.eviction_policy!r}")
+        if self.index_clock not in ("wall", "logical"):
+            raise ConfigError(f"index_clock must be 'wall' or 'logical', got {self.index_clock!r}")
         if self.durability not in DURABILITY:
             raise ConfigError(f"durability must be one of {DURABILITY}, got {self.durability!r}")
         for name in ("max_frame_bytes", "max_buffer_bytes", "max_inflight", "disk_queue_pages",

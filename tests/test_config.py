@@ -42,7 +42,8 @@ def test_embedded_defaults_need_nothing(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("key,value", [("write_policy", "sometimes"), ("load_policy", "eager"),
-                                       ("max_inflight", 0), ("metrics_port", 70000), ("durability", "paranoid")])
+                                       ("max_inflight", 0), ("metrics_port", 70000), ("durability", "paranoid"),
+                                       ("eviction_policy", "mru"), ("index_clock", "sundial")])
 def test_bad_values_are_refused(key, value):
     with pytest.raises(ConfigError):
         load_config(environ={}, overrides={key: value})

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from hicache.bench.report import print_rows
+from hicache.config import EVICTION_POLICIES
 from hicache.bench.soak_bench import add_arguments as soak_arguments
 from hicache.bench.vllm_bench import add_arguments as vllm_arguments
 
@@ -64,6 +65,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--seed", type=int, default=0, help="--workload: the generator's seed")
     b.add_argument("--sim-only", action="store_true",
                    help="only the simulated policies (OPT, LRU, ...): no daemon, no replay")
+    b.add_argument("--eviction-policy", choices=list(EVICTION_POLICIES), default="frecency",
+                   help="the started daemon's eviction policy (lru for comparison)")
 
     b = bench("remote", "remote tier put / get GB/s and lookup latency vs plain redis-py on the same store")
     b.add_argument("--url", help="an existing Redis / Valkey (default: start a 3-master cluster on loopback)")

@@ -14,14 +14,16 @@ offered for admission. Capacities are in blocks.
   parent's next use always precedes its child's: descendants go before
   ancestors without a special rule (ties among never-again blocks: deepest first).
 - `LruPolicy`, `SlruPolicy`, `S3FifoPolicy`, `ArcPolicy`, `LfuAgingPolicy`: the
-  online comparison set. They touch a request's blocks leaf first, so a parent
-  is always more recent than its children, as in a radix cache.
+  online comparison set; `FrecencySim`: hicache's default eviction policy.
+  They touch a request's blocks leaf first, so a parent is always more recent
+  than its children, as in a radix cache.
 
 Every policy is deterministic: the same trace and capacity give the same hits.
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -398,7 +400,62 @@ class LfuAgingPolicy(CachePolicy):
         self._set(block)
 
 
+class FrecencySim(CachePolicy):
+    """hicache's `frecency` eviction (hicache/index/policy.py) on the block trace:
+    priority = last touch + W * log2(1 + hits), W = the moving average (64 evictions)
+    of how long a never-hit block stayed between its last touch and its eviction.
+    Time is the request number; leaf-first touches keep parents above children."""
+
+    name = "frecency"
+
+    def __init__(self, capacity: int, window: int = 64) -> None:
+        super().__init__(capacity)
+        self._alpha = 1.0 / window
+        self._lifetime = 0.0
+        self._now = 0
+        self._hits: dict[int, int] = {}
+        self._last: dict[int, int] = {}
+        self._prio: dict[int, float] = {}
+        self._heap: list[tuple[float, int, int]] = []  # (priority, -touch, block), lazy
+
+    def __contains__(self, block: int) -> bool:
+        return block in self._prio
+
+    def cached(self) -> set[int]:
+        return set(self._prio)
+
+    def request(self, ids: Sequence[int], pos: int) -> None:
+        self._now += 1
+        super().request(ids, pos)
+
+    def _touch(self, block: int) -> None:
+        h = self._hits[block]
+        prio = self._now + self._lifetime * math.log2(1 + h) if h else float(self._now)
+        self._last[block] = self._now
+        self._prio[block] = prio
+        heappush(self._heap, (prio, -self._now, block))
+
+    def hit(self, block: int) -> None:
+        self._hits[block] += 1
+        self._touch(block)
+
+    def admit(self, block: int) -> None:
+        if self.capacity <= 0:
+            return
+        while len(self._prio) >= self.capacity:
+            prio, _, b = heappop(self._heap)
+            if self._prio.get(b) != prio:
+                continue
+            del self._prio[b]
+            last = self._last.pop(b)
+            if not self._hits.pop(b):
+                self._lifetime += (self._now - last - self._lifetime) * self._alpha
+        self._hits[block] = 0
+        self._touch(block)
+
+
 ONLINE = {p.name: p for p in (LruPolicy, SlruPolicy, S3FifoPolicy, ArcPolicy, LfuAgingPolicy)}
+HICACHE_POLICIES = {FrecencySim.name: FrecencySim}  # simulated as the daemon runs them
 
 
 def make_policy(name: str, capacity: int, trace: BlockTrace) -> CachePolicy:
@@ -406,6 +463,8 @@ def make_policy(name: str, capacity: int, trace: BlockTrace) -> CachePolicy:
         return OptPolicy(capacity, trace)
     if name == "infinite":
         return InfinitePolicy()
+    if name in HICACHE_POLICIES:
+        return HICACHE_POLICIES[name](capacity)
     return ONLINE[name](capacity)
 
 

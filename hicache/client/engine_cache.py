@@ -251,6 +251,11 @@ class EngineCache:
         if freed is not None and len(freed):
             self._release_cached(freed)
 
+    def wait_backups(self) -> None:
+        """Block until every started backup is done and reported (replays use it so that
+        each request sees the same cache state, whatever the copies' timing)."""
+        self._drain_backups(report=True)
+
     def _drain_backups(self, report: bool) -> None:
         for plan, handle, _ in self.backups:
             if report:

@@ -9,6 +9,7 @@ flush the disk queue and exit 0.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import signal
@@ -17,6 +18,7 @@ import stat
 import time
 from dataclasses import asdict
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from hicache import __version__
@@ -27,6 +29,7 @@ from hicache.daemon.hybrid import HybridStates
 from hicache.daemon.puts import HostPuts
 from hicache.daemon.service import CacheService
 from hicache.errors import HiCacheError
+from hicache.index.policy import make_policy
 from hicache.index.radix import Tier
 from hicache.rpc.server import Connection, RpcServer
 from hicache.service.activation import listen_fds_with_names
@@ -89,6 +92,15 @@ def check_socket_dir(parent: Path, private: bool) -> None:
                            f"replace the socket: chmod go-w {parent}")
 
 
+
+def index_clock(kind: str) -> Callable[[], float]:
+    """The index's access times (Config.index_clock): wall seconds, which disk records keep
+    across restarts, or one tick per call, which makes a replay evict deterministically."""
+    if kind == "wall":
+        return time.time
+    ticks = itertools.count(1)
+    return lambda: float(next(ticks))
+
 class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -142,8 +154,9 @@ class Daemon:
                  self.host.num_slabs, format_size(self.host.slab_bytes), self.host.arena.locked)
         self.service = CacheService(self.host, write_policy=WritePolicy(cfg.write_policy),
                                     write_hit_threshold=cfg.write_hit_threshold, emit=self._emit,
-                                    clock=time.time,  # wall clock: disk LRU times survive restarts
-                                    max_device_pages=cfg.max_device_pages)
+                                    clock=index_clock(cfg.index_clock),
+                                    max_device_pages=cfg.max_device_pages,
+                                    eviction_policy=make_policy(cfg.eviction_policy))
         self.puts = HostPuts(self.service, lease_s=cfg.put_lease_s)
         self.service.on_engine_gone.append(self.puts.forget_engine)
         # before the disk tier: its rebuild hands state checkpoint records to HybridStates
@@ -320,7 +333,8 @@ class Daemon:
                     "resident_pages": r.ns.index.num_pages(Tier.DEVICE, r.engine_id),
                     "pid": getattr(getattr(r.owner, "peer", None), "pid", None)} for r in svc.engines.values()]
         return {"version": __version__, "pid": os.getpid(), "uptime_s": time.time() - self.started_at,
-                "write_policy": svc.write_policy.value, "tiers": tiers, "engines": engines,
+                "write_policy": svc.write_policy.value,
+                "eviction_policy": svc.eviction_policy.name, "tiers": tiers, "engines": engines,
                 "namespaces": len(svc.namespaces), "pins": len(svc.pins), "pending_backups": len(svc.backups),
                 "requests": {"matches": c.matches, "requested_pages": c.requested_pages,
                              "inserts": c.inserts, "inserted_pages": c.inserted_pages,

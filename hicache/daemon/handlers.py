@@ -42,7 +42,8 @@ TIERS = {"device": Tier.DEVICE, "host": Tier.HOST, "disk": Tier.DISK}
 
 # Destructive or cross-namespace: the server checks these before the handler runs.
 ADMIN_METHODS = frozenset({"flush", "evict_tier", "doctor", "export_open", "export_next",
-                           "import_open", "import_pages", "remote_flush"})
+                           "import_open", "import_pages", "remote_flush", "settle"})
+MAX_SETTLE_S = 60.0
 MAX_NAME_CHARS = 1024  # model names, extra keys, namespace queries
 MAX_TP_SIZE = 1 << 16
 MAX_EVICT_BYTES = (1 << 63) - 1
@@ -306,6 +307,20 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
         spaces = [ns for ns in svc.namespaces.values() if conn.admin or ns.salt.hex() in conn.namespaces]
         return await tree_summary(spaces, depth)
 
+    async def settle(conn: Connection, p: dict) -> Any:
+        """Wait until no disk write is in flight (at most `timeout_s`): a replay calls it
+        between requests so that what reaches the disk does not depend on the writer
+        thread's timing. {"settled": False} when the deadline passed first."""
+        timeout = p.get("timeout_s", 10.0)
+        if type(timeout) not in (int, float) or not 0 <= timeout <= MAX_SETTLE_S:
+            raise RpcError(Code.BAD_PARAMS, f"timeout_s must be a number in [0, {MAX_SETTLE_S:g}]")
+        deadline = time.monotonic() + timeout
+        while daemon.disk is not None and daemon.disk.writes:
+            if time.monotonic() >= deadline:
+                return {"settled": False}
+            await asyncio.sleep(0.0005)  # commits arrive on this loop from the writer thread
+        return {"settled": True}
+
     async def remote_flush(conn: Connection, p: dict) -> Any:
         """Delete one namespace's records from the remote store (every daemon sharing it
         loses them): by a full salt in hex, or a namespace this daemon knows by salt prefix
@@ -361,6 +376,6 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
             "load": load, "load_done": load_done, "map_slabs": map_slabs, "release": release, "insert": insert,
             "backup_done": backup_done, "put": put, "put_done": put_done,
             "state_backup_done": state_backup_done,
-            "evict": evict, "stats": stats, "flush": flush, "evict_tier": evict_tier, "ls": ls,
+            "evict": evict, "stats": stats, "flush": flush, "settle": settle, "evict_tier": evict_tier, "ls": ls,
             "subscribe": subscribe, "doctor": doctor, "remote_flush": remote_flush, **portable_handlers(daemon),
             **keyed_handlers(daemon, keys_of)}

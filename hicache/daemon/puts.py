@@ -24,6 +24,7 @@ worker that died mid-copy leaks nothing; so does one whose engine goes away.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -66,7 +67,7 @@ class HostPuts:
                  clock: Callable[[], float] | None = None) -> None:
         self.svc = service
         self.lease_s = lease_s
-        self.clock = clock or service.clock
+        self.clock = clock or time.monotonic  # leases are real time, whatever the index's clock
         self.puts: dict[int, Put] = {}  # insertion order is deadline order
         self.counters = PutCounters()
 

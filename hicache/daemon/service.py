@@ -38,6 +38,7 @@ from hicache.daemon.host_tier import HostTier, PageClass
 from hicache.daemon.slab_reclaim import reclaim_slab
 from hicache.index.keys import Namespace, PackedKeys
 from hicache.index.node import Freed, IndexStateError, Tier, TreeNode
+from hicache.index.policy import EvictionPolicy, LruPolicy
 from hicache.index.radix import RadixIndex
 from hicache.rpc.protocol import Code, RpcError
 from hicache.transfer.policy import WritePolicy
@@ -133,8 +134,11 @@ def path_with_offsets(node: TreeNode) -> list[tuple[TreeNode, int]]:
 class CacheService:
     def __init__(self, host: HostTier, *, write_policy: WritePolicy = WritePolicy.WRITE_THROUGH,
                  write_hit_threshold: int = 2, emit: Callable[[dict], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic, max_device_pages: int = 1 << 24) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_device_pages: int = 1 << 24,
+                 eviction_policy: EvictionPolicy | None = None) -> None:
         self.host = host
+        # One policy for every namespace: their priorities are compared when they share a tier.
+        self.eviction_policy = eviction_policy if eviction_policy is not None else LruPolicy()
         self.max_device_pages = max_device_pages  # per engine (Config.max_device_pages)
         self.write_policy = write_policy
         self.write_hit_threshold = write_hit_threshold
@@ -167,7 +171,8 @@ class CacheService:
         ns = self.namespaces.get(salt)
         if ns is None:
             cls = self.host.page_class(salt, namespace.layout.page_bytes)
-            ns = NamespaceState(namespace, salt, RadixIndex(namespace.layout.page_size, salt, clock=self.clock), cls)
+            ns = NamespaceState(namespace, salt, RadixIndex(namespace.layout.page_size, salt, self.eviction_policy, self.clock),
+                                cls)
             self.namespaces[salt] = ns
         return ns
 

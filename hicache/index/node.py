@@ -70,6 +70,7 @@ class TreeNode:
     last_access: float = 0.0
     hit_count: int = 0
     state: object | None = None          # hybrid-model state checkpoint at the node's end
+    policy_memo: tuple | None = None     # an EvictionPolicy's cached priority (see policy.py)
     # Bookkeeping of RadixIndex and its ResidencyLedger; read-only for everyone else.
     device_locks: dict[int | None, int] = field(default_factory=dict)  # engine (None = all) -> refs
     child_lanes: dict[int, int] = field(default_factory=dict)  # lane -> children resident in it

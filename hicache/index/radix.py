@@ -466,12 +466,14 @@ class RadixIndex:
         ledger = self._ledger
         acc = FreedCollector()
         got = 0
+        now = self.clock()
         while got < num_pages:
             top = ledger.candidates.top(lane, pop=True)
             if top is None:
                 break
             node = top[1]
             got += len(node.keys)
+            self.policy.on_evict(node, lane, now)
             acc.add(lane, node.keys, ledger.drop_lane(node, lane))
             ledger.reap(node, acc)
         return self._drain(acc)

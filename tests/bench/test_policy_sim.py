@@ -133,3 +133,17 @@ def test_online_policies_respect_capacity_and_replay_identically(name):
 def test_block_trace_drops_the_partial_block_but_counts_its_tokens():
     t = block_trace([{"input_length": 1030, "hash_ids": [5, 6, 7]}], 512)
     assert t.requests == ((5, 6),) and t.prompt_tokens == 1030
+
+
+def test_frecency_sim_is_deterministic_and_resists_scans():
+    """hicache's policy, simulated: same hits on a replay, and on the scan workload (one-shot
+    documents between conversations) it keeps more of the hot set than LRU."""
+    from hicache.bench.workloads import generate
+
+    t = block_trace(generate("scan", 1500, seed=3), 512)
+    cap = t.unique_blocks() // 10
+    a, b = simulate(t, make_policy("frecency", cap, t)), simulate(t, make_policy("frecency", cap, t))
+    assert a.hit_blocks == b.hit_blocks
+    lru = simulate(t, make_policy("LRU", cap, t))
+    opt = simulate(t, make_policy("OPT", cap, t))
+    assert lru.hit_blocks < a.hit_blocks <= opt.hit_blocks

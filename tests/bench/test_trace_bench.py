@@ -53,6 +53,31 @@ def test_trace_bench_reports_opt_lru_and_infinite_next_to_hicache(small_trace):
             r = rows[f"sim @ {label}: {name} hit rate"]
             assert r["baseline_name"] == "OPT" and r["value"] <= r["baseline"]
     assert "hit rate, device + host vs OPT @ host tier" in rows
+    assert rows["requests skipped (longer than the device pool)"]["value"] == 0
+    fre = rows["sim @ 0.5 of unique: frecency vs best online (LRU)"] if (
+        "sim @ 0.5 of unique: frecency vs best online (LRU)" in rows) else next(
+        r for n, r in rows.items() if n.startswith("sim @ 0.5 of unique: frecency vs best online"))
+    assert fre["value"] == rows["sim @ 0.5 of unique: frecency hit rate"]["value"]
+
+
+def test_trace_replay_is_deterministic_and_skips_nothing_that_fits(small_trace, tmp_path):
+    """The conversations plus one-shot 20-block documents through a 24-page pool, pages
+    held by backups and all: nothing is skipped, and two replays (each its own daemon)
+    hit exactly the same pages; a 60-block request cannot fit and is the one skipped."""
+    reqs = [json.loads(line) for line in small_trace.read_text().splitlines()]
+    for d in range(4):
+        reqs.insert(8 * d + 3, {"timestamp": 0, "input_length": 512 * 20 + 3, "output_length": 8,
+                                "hash_ids": list(range(5000 + 100 * d, 5021 + 100 * d))})
+    reqs.append({"timestamp": 0, "input_length": 512 * 60, "output_length": 8, "hash_ids": list(range(7000, 7060))})
+    trace = tmp_path / "long.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in reqs))
+    args = ("--trace", str(trace), "--device-pages", "24", "--host-capacity", "1MiB",
+            "--disk-capacity", "0", "--sim-fractions")
+    first, second = bench(*args), bench(*args, "--eviction-policy", "frecency")
+    assert first["requests skipped (longer than the device pool)"]["value"] == 1
+    for tier in ("device", "host"):
+        assert first[f"hit rate, {tier}"]["value"] == second[f"hit rate, {tier}"]["value"]
+    assert first["hit rate, device"]["value"] + first["hit rate, host"]["value"] > 0
 
 
 def test_trace_bench_sim_only_needs_no_daemon(small_trace):
