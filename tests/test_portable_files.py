@@ -202,7 +202,7 @@ def test_import_checks_declared_sizes_before_reading(tmp_path, daemons, record):
     else:
         huge = ExportHeader.for_namespace(Namespace("huge", HUGE_LAYOUT))
         path = sparse_file(tmp_path / "big.hicache", huge, HUGE_LAYOUT.page_size, HUGE_LAYOUT.page_bytes)
-        expected = ("do not fit this daemon's host slab",)
+        expected = ("need host slabs of twice that",)
     assert path.stat().st_size == SPARSE_BYTES and path.stat().st_blocks * 512 < 1 << 20  # a hole, not data
     out, rss = run_measured("import", "--socket", b.socket, str(path))
     # reading the declared record costs SPARSE_BYTES (512 MiB) and more; the check costs nothing

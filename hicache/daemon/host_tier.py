@@ -132,11 +132,18 @@ class HostTier:
         self._starved = 0  # classes that asked for a slab and found none
         self.slabs_reassigned = 0  # slabs punched out and backed anew for another owner
 
+    @property
+    def max_page_bytes(self) -> int:
+        """Pages do not straddle slabs and a slab's first page starts where the previous
+        slab's last one ends: only a slab of two pages or more surely holds a whole one."""
+        return self.slab_bytes // 2
+
     def page_class(self, owner: bytes, page_bytes: int, kind: str = "kv") -> PageClass:
-        if page_bytes > self.slab_bytes:
+        if page_bytes > self.max_page_bytes:
             raise HiCacheError(
-                f"a page of {page_bytes} bytes does not fit a host slab of {self.slab_bytes} bytes; "
-                f"raise --host-capacity to at least {page_bytes * SLABS_PER_ARENA} bytes")
+                f"a page of {page_bytes} bytes needs host slabs of at least twice that, and they are "
+                f"{self.slab_bytes} bytes; raise --host-capacity to at least "
+                f"{2 * page_bytes * SLABS_PER_ARENA} bytes")
         key = (owner, page_bytes, kind)
         cls = self.classes.get(key)
         if cls is None:

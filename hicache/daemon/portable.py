@@ -238,9 +238,9 @@ class Portable:
         except PortableFormatError as e:
             raise RpcError(Code.BAD_PARAMS, str(e)) from None
         host, cfg = self.daemon.host, self.daemon.config
-        if header.page_bytes > host.slab_bytes:
-            raise RpcError(Code.BAD_PARAMS, f"pages of {header.page_bytes} bytes do not fit this daemon's host "
-                                            f"slab of {host.slab_bytes} bytes; raise --host-capacity")
+        if header.page_bytes > host.max_page_bytes:
+            raise RpcError(Code.BAD_PARAMS, f"pages of {header.page_bytes} bytes need host slabs of twice that, "
+                                            f"and this daemon's are {host.slab_bytes} bytes; raise --host-capacity")
         record_bytes = PAGE_HEAD.size + header.page_size * 4 + header.page_bytes + CRC.size
         if record_bytes + 4096 > cfg.max_frame_bytes:
             raise RpcError(Code.BAD_PARAMS, f"pages of {header.page_bytes} bytes exceed this daemon's frame cap "

@@ -177,3 +177,17 @@ def test_slab_fds_are_sealed_against_resizing():
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)  # sealed seals: no more changes
     host.arena.array[:] = 1  # the daemon's mapping is whole
     host.close()
+
+
+def test_pages_over_half_a_slab_are_refused_with_what_to_do():
+    """A 700 KiB page fits a 1 MiB slab once, but the next slab's first whole page would
+    start past its end: refused up front (it used to fail on the second slab)."""
+    from hicache.errors import HiCacheError
+
+    host = HostTier(64 << 20, mlock=False)
+    assert host.slab_bytes == 1 << 20 and host.max_page_bytes == 512 << 10
+    with pytest.raises(HiCacheError, match="raise --host-capacity to at least"):
+        host.page_class(b"x" * 16, 700 << 10)
+    cls = host.page_class(b"x" * 16, 512 << 10)  # exactly half: every slab holds two
+    ids = cls.alloc(2 * host.num_slabs)
+    assert ids is not None and len(set(ids.tolist())) == 2 * host.num_slabs
