@@ -308,14 +308,20 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
         return await tree_summary(spaces, depth)
 
     async def settle(conn: Connection, p: dict) -> Any:
-        """Wait until no disk write is in flight (at most `timeout_s`): a replay calls it
-        between requests so that what reaches the disk does not depend on the writer
+        """Wait until every disk write and delete queued so far is committed and no write is
+        in flight (at most `timeout_s`): a replay calls it between requests so that what
+        reaches the disk, and the disk budget's totals, do not depend on the writer
         thread's timing. {"settled": False} when the deadline passed first."""
         timeout = p.get("timeout_s", 10.0)
         if type(timeout) not in (int, float) or not 0 <= timeout <= MAX_SETTLE_S:
             raise RpcError(Code.BAD_PARAMS, f"timeout_s must be a number in [0, {MAX_SETTLE_S:g}]")
         deadline = time.monotonic() + timeout
-        while daemon.disk is not None and daemon.disk.writes:
+        disk = daemon.disk
+        if disk is None:
+            return {"settled": True}
+        if not await asyncio.to_thread(disk.tier.flush, timeout):  # deletes and touches too
+            return {"settled": False}
+        while disk.writes:
             if time.monotonic() >= deadline:
                 return {"settled": False}
             await asyncio.sleep(0.0005)  # commits arrive on this loop from the writer thread
