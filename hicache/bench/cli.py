@@ -28,6 +28,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--prompt-tokens", type=int, default=8192)
     b.add_argument("--requests", type=int, default=2000)
     b.add_argument("--clients", type=int, nargs="+", default=[1, 8])
+    b.add_argument("--repeats", type=int, default=3, help="rounds per server; percentiles are medians over them")
+    b.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="leave servers and clients unpinned (default: servers on CPU 0, clients on the rest)")
 
     b = bench("transfer", "per-layer load and all-layer backup vs a contiguous copy")
     b.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -92,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.time()
     if args.bench == "rpc":
         from hicache.bench.rpc_bench import run as go
-        rows = go(args.socket_path, args.prompt_tokens, args.requests, tuple(args.clients))
+        rows = go(args.socket_path, args.prompt_tokens, args.requests, tuple(args.clients), args.repeats, args.pin)
     elif args.bench == "transfer" and args.device == "cuda":
         from hicache.bench.device_transfer_bench import run as go
         rows = go(tuple(args.page_sizes), device="cuda", repeats=args.repeats,

@@ -1,7 +1,7 @@
 """The daemon's side of the socket: one asyncio Protocol per connection.
 
-Handlers are plain callables `handler(conn, params) -> result`; a handler may
-return an awaitable, which then runs as a tracked task. Synchronous handlers
+Handlers are plain callables `handler(conn, params) -> result`; an `async def`
+handler's coroutine runs as a tracked task. Synchronous handlers
 (match, insert, ... : pure index work) answer inline with no task at all, which
 keeps a round trip close to a bare echo. Nothing a client sends can crash the
 daemon: bad frames get an error response, and only broken framing (an
@@ -35,6 +35,7 @@ import socket
 import struct
 import termios
 import time
+from types import CoroutineType
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Any
@@ -285,15 +286,17 @@ class Connection(asyncio.Protocol):
             self.send_error(req_id, Code.INTERNAL, f"{type(e).__name__}: {e}")
             self._observe(method, t0, Code.INTERNAL.value)
             return
-        if asyncio.iscoroutine(result):  # async handlers; cheaper than an Awaitable ABC check
+        if type(result) is CoroutineType:  # async handlers (`async def`); no ABC check for the rest
             task = asyncio.ensure_future(self._finish(req_id, method, result, t0))
             self.inflight.add(task)
             server.tasks.add(task)
             task.add_done_callback(self._task_done)
         else:
-            self._succeeded(method)
+            if method == server.hello_method:
+                self.greeted = True
             self.send_result(req_id, result)
-            self._observe(method, t0, "OK")
+            if server.observe is not None:
+                server.observe(method, time.perf_counter() - t0, "OK")
 
     async def _finish(self, req_id: int, method: str, aw: Awaitable, t0: float) -> None:
         try:
