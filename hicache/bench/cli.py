@@ -28,9 +28,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--prompt-tokens", type=int, default=8192)
     b.add_argument("--requests", type=int, default=2000)
     b.add_argument("--clients", type=int, nargs="+", default=[1, 8])
-    b.add_argument("--repeats", type=int, default=3, help="rounds per server; percentiles are medians over them")
-    b.add_argument("--no-pin", dest="pin", action="store_false",
-                   help="leave servers and clients unpinned (default: servers on CPU 0, clients on the rest)")
+    b.add_argument("--repeats", type=int, default=5, help="rounds per server; percentiles are medians over them")
+    b.add_argument("--pin", action="store_true", help="servers on CPU 0, clients on the other CPUs")
 
     b = bench("transfer", "per-layer load and all-layer backup vs a contiguous copy")
     b.add_argument("--device", choices=["cpu", "cuda"], default="cpu",

@@ -11,10 +11,11 @@ reported is the median over the rounds of that round's percentile: one noisy
 round on a shared machine moves no number alone. A `match` round trip is timed
 without the `release` that follows it (still sent, untimed).
 
-With two or more CPUs the servers run on CPU 0 and the clients on the others
-(`pin`): unpinned, a 1-client round trip lands in one of two groups ~2x apart
-by whether the scheduler put both ends on one core (see LIMITS.md), and a
-median of three rounds still flips between them.
+With `pin` (and two or more CPUs) the servers run on CPU 0 and the clients on
+the others. Unpinned (the default), a 1-client round trip lands in one of two
+groups by whether the scheduler put both ends on one core (see LIMITS.md); the
+repeats' median steadies that, and pinned, every round trip pays the VM's
+cross-core wake-up, which on this machine costs more than the work measured.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ LAYOUT = KVLayout("mha", num_layers=32, page_size=16, dtype="bfloat16", num_kv_h
 # -- the echo baseline ------------------------------------------------------------------
 def echo_server(path: str) -> None:
     """Answer every frame with a frame holding the same msgpack body, as a daemon would."""
-    from hicache.rpc.framing import FrameDecoder, unpack_body
+    from hicache.rpc.framing import FrameDecoder, new_packer, unpack_body
+
+    packer = new_packer()  # as the daemon does
 
     class Echo(asyncio.Protocol):
         def connection_made(self, transport):  # type: ignore[no-untyped-def]
@@ -55,7 +58,7 @@ def echo_server(path: str) -> None:
         def data_received(self, data: bytes) -> None:
             for body in self.dec.feed(data):
                 msg = unpack_body(body)
-                self.t.write(pack_frame({"id": msg["id"], "result": msg.get("params")}))
+                self.t.write(pack_frame({"id": msg["id"], "result": msg.get("params")}, packer))
 
     async def main() -> None:
         server = await asyncio.get_running_loop().create_unix_server(Echo, path=path)
@@ -178,7 +181,7 @@ def _median_pcts(rounds: list[np.ndarray], q: float) -> float:
 
 
 def run(socket_path: str | None = None, prompt_tokens: int = 8192, requests: int = 2000,
-        client_counts: tuple[int, ...] = (1, 8), repeats: int = 3, pin: bool = True) -> list[dict]:
+        client_counts: tuple[int, ...] = (1, 8), repeats: int = 5, pin: bool = False) -> list[dict]:
     tmp = Path(tempfile.mkdtemp(prefix="hicache-rpc-bench-"))
     procs: list[subprocess.Popen] = []
     daemon = None
