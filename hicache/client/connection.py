@@ -8,10 +8,12 @@ of its reads, so a daemon that stopped mid-reply costs one deadline, not one
 per read. `connect` checks who listens (hicache/client/peer.py) before a byte
 is sent.
 
-The socket stays blocking with SO_RCVTIMEO / SO_SNDTIMEO, which are reset only
-when an exchange's time left strays from them by more than TIMEOUT_SLACK_S: a
-Python socket timeout costs an ioctl per `settimeout` and a poll per recv, and
-on a round trip of ~15 µs those syscalls were a third of it. Replies are read
+The socket stays blocking with SO_RCVTIMEO / SO_SNDTIMEO: a Python socket
+timeout costs an ioctl per `settimeout` and a poll per recv, and on a round
+trip of ~15 µs those syscalls were a third of it. The kernel timeout is only
+lowered when an exchange has less time left than it (by TIMEOUT_SLACK_S), and
+raised only when it ran out before the deadline, so calls alternating between
+deadlines (match 0.25 s, release 0.5 s) cost no setsockopt. Replies are read
 in chunks into one reusable buffer, so a frame usually takes one recv.
 """
 
@@ -35,7 +37,7 @@ MAX_FRAME_BYTES = 256 << 20
 REFUSED_CODES = {"FORBIDDEN"}  # a daemon that says why it refuses this peer
 MAX_FDS = 253  # the most one SCM_RIGHTS message carries (the kernel's SCM_MAX_FD)
 RECV_CHUNK = 256 << 10  # the reusable receive buffer; larger frames get their own
-TIMEOUT_SLACK_S = 0.002  # how far past its deadline an exchange may wait before a setsockopt is due
+TIMEOUT_SLACK_S = 0.002  # how far past its deadline an exchange may wait
 _TIMEVAL = struct.Struct("@ll")
 
 
@@ -168,24 +170,29 @@ class RpcConnection:
             raise DaemonUnavailable(f"send failed: {e}") from e
 
     def _send_bytes(self, data: bytes, deadline: float | None) -> None:
+        if deadline is None:
+            deadline = self._deadline(None)
         self._wait(deadline)
         try:
             sent = self.sock.send(data)  # almost always all of it: the socket buffer has room
         except BlockingIOError:
-            sent = _expired(deadline)
+            self._rearm(deadline)
+            sent = 0
         view = memoryview(data)
         while sent < len(data):
             self._wait(deadline)
             try:
                 sent += self.sock.send(view[sent:])
             except BlockingIOError:
-                _expired(deadline)
+                self._rearm(deadline)
 
     def _deadline(self, timeout_s: float | None) -> float:
         return time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
 
     def _read_message(self, deadline: float | None = None, method: str = "", fds: list[int] | None = None
                       ) -> dict:
+        if deadline is None:  # the default timeout, over the whole message
+            deadline = self._deadline(None)
         try:
             while self._end - self._start < 4:
                 self._fill(deadline, fds)
@@ -207,7 +214,7 @@ class RpcConnection:
             self.close()
             raise DaemonUnavailable(f"receive failed: {e}") from e
 
-    def _fill(self, deadline: float | None, fds: list[int] | None) -> None:
+    def _fill(self, deadline: float, fds: list[int] | None) -> None:
         """Receive more bytes after _end, first moving unparsed ones to the buffer's front
         when the end is near. With `fds`, descriptors that come along are appended there
         (they ride on the first byte of their frame)."""
@@ -226,14 +233,14 @@ class RpcConnection:
                     k, got = self._recvmsg_into(self._view[self._end:])
                     fds.extend(got)
             except BlockingIOError:
-                _expired(deadline)
+                self._rearm(deadline)
                 continue
             if k == 0:
                 raise ConnectionResetError("the daemon closed the connection")
             self._end += k
             return
 
-    def _read_big(self, n: int, deadline: float | None, fds: list[int] | None) -> bytes:
+    def _read_big(self, n: int, deadline: float, fds: list[int] | None) -> bytes:
         """A frame larger than the buffer: its own bytearray."""
         have = self._end - self._start - 4
         body = bytearray(n)
@@ -249,7 +256,7 @@ class RpcConnection:
                     k, got = self._recvmsg_into(view[have:])
                     fds.extend(got)
             except BlockingIOError:
-                _expired(deadline)
+                self._rearm(deadline)
                 continue
             if k == 0:
                 raise ConnectionResetError("the daemon closed the connection")
@@ -272,14 +279,22 @@ class RpcConnection:
             self.close()
             raise
 
-    def _wait(self, deadline: float | None) -> None:
-        """Bound the next blocking read or write by the exchange's deadline (None: the
-        default timeout); no syscall while the socket's timeout is within the slack."""
-        left = self.timeout_s if deadline is None else deadline - time.monotonic()
+    def _wait(self, deadline: float) -> None:
+        """Bound the next blocking read or write by the exchange's deadline: lower the
+        socket's timeout when it would overshoot by more than the slack."""
+        left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("timed out")
-        if abs(left - self._so_timeout) > TIMEOUT_SLACK_S:
+        if left < self._so_timeout - TIMEOUT_SLACK_S:
             self._set_so_timeout(left)
+
+    def _rearm(self, deadline: float) -> None:
+        """The socket's timeout ran out (EAGAIN on a blocking socket): a timeout if the
+        deadline passed too, else the rest of the time for the next try."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("timed out")
+        self._set_so_timeout(left)
 
     def _set_so_timeout(self, seconds: float) -> None:
         """0 would mean 'no timeout' to the kernel: the shortest is one microsecond."""
@@ -289,7 +304,7 @@ class RpcConnection:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
         self._so_timeout = seconds
 
-    def _recv_exact(self, n: int, deadline: float | None = None) -> bytes:
+    def _recv_exact(self, n: int, deadline: float) -> bytes:
         """Exactly n bytes (the handshake reads no further than its reply)."""
         buf = bytearray(n)
         view = memoryview(buf)
@@ -299,14 +314,14 @@ class RpcConnection:
             try:
                 k = self.sock.recv_into(view[got:], n - got)
             except BlockingIOError:
-                _expired(deadline)
+                self._rearm(deadline)
                 continue
             if k == 0:
                 raise ConnectionResetError("the daemon closed the connection")
             got += k
         return bytes(buf)
 
-    def _recv_with_fds(self, n: int, deadline: float | None = None) -> tuple[bytes, list[int]]:
+    def _recv_with_fds(self, n: int, deadline: float) -> tuple[bytes, list[int]]:
         fds = array.array("i")
         while True:
             self._wait(deadline)
@@ -315,7 +330,7 @@ class RpcConnection:
                                                       socket.MSG_CMSG_CLOEXEC)
                 break
             except BlockingIOError:
-                _expired(deadline)
+                self._rearm(deadline)
                 continue
         for level, kind, payload in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -325,14 +340,6 @@ class RpcConnection:
         if len(data) < n:
             data += self._recv_exact(n - len(data), deadline)
         return data, list(fds)
-
-
-def _expired(deadline: float | None) -> int:
-    """The socket's own timeout ran out (EAGAIN on a blocking socket): a timeout when the
-    exchange has no deadline of its own; else the caller's _wait tells whether it passed."""
-    if deadline is None:
-        raise TimeoutError("timed out")
-    return 0
 
 
 def _connect_failure(path: str, e: OSError) -> str:

@@ -144,3 +144,27 @@ def test_a_peer_that_hangs_up_mid_frame(peer_factory):
     with pytest.raises(DaemonUnavailable, match="closed the connection"):
         conn.call("m")
     assert conn.closed
+
+
+def test_a_long_call_after_a_short_one_waits_its_own_deadline(peer_factory):
+    """The socket's timeout stays at the short call's; the long call re-arms it when it
+    runs out instead of failing early."""
+    def answer(req: dict, s: socket.socket) -> None:
+        if req["method"] == "slow":
+            time.sleep(0.6)  # the daemon's side being slow, not the test waiting
+        s.sendall(reply(req, req["method"]))
+    conn = RpcConnection(peer_factory(answer).client_sock, timeout_s=10)
+    assert conn.call("fast", timeout_s=0.2) == "fast"
+    assert conn.call("slow", timeout_s=5.0) == "slow"
+    assert conn.call("fast", timeout_s=0.2) == "fast"
+
+
+def test_alternating_deadlines_set_no_socket_option(peer_factory, monkeypatch):
+    conn = RpcConnection(peer_factory(lambda req, s: s.sendall(reply(req, 1))).client_sock, timeout_s=10)
+    sets: list[float] = []
+    real = conn._set_so_timeout
+    monkeypatch.setattr(conn, "_set_so_timeout", lambda seconds: (sets.append(seconds), real(seconds)))
+    for _ in range(50):
+        assert conn.call("match", timeout_s=0.25) == 1
+        assert conn.call("release", timeout_s=0.5) == 1
+    assert len(sets) == 1, sets  # lowered once to the shortest deadline, then left alone
