@@ -29,6 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--prompt-tokens", type=int, default=8192)
     b.add_argument("--requests", type=int, default=2000)
     b.add_argument("--clients", type=int, nargs="+", default=[1, 8])
+    b.add_argument("--repeats", type=int, default=5, help="rounds per server; percentiles are medians over them")
+    b.add_argument("--pin", action="store_true", help="servers on CPU 0, clients on the other CPUs")
 
     b = bench("transfer", "per-layer load and all-layer backup vs a contiguous copy")
     b.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -95,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.time()
     if args.bench == "rpc":
         from hicache.bench.rpc_bench import run as go
-        rows = go(args.socket_path, args.prompt_tokens, args.requests, tuple(args.clients))
+        rows = go(args.socket_path, args.prompt_tokens, args.requests, tuple(args.clients), args.repeats, args.pin)
     elif args.bench == "transfer" and args.device == "cuda":
         from hicache.bench.device_transfer_bench import run as go
         rows = go(tuple(args.page_sizes), device="cuda", repeats=args.repeats,

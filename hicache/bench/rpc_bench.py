@@ -6,6 +6,16 @@ two baselines measured in the same run with the same payload sizes:
 - redis-server GET over a Unix socket (when redis-server is installed).
 
 Each client is its own process with a blocking socket, as engine schedulers are.
+The three servers take turns, `repeats` rounds of each, and every percentile
+reported is the median over the rounds of that round's percentile: one noisy
+round on a shared machine moves no number alone. A `match` round trip is timed
+without the `release` that follows it (still sent, untimed).
+
+With `pin` (and two or more CPUs) the servers run on CPU 0 and the clients on
+the others. Unpinned (the default), a 1-client round trip lands in one of two
+groups by whether the scheduler put both ends on one core (see LIMITS.md); the
+repeats' median steadies that, and pinned, every round trip pays the VM's
+cross-core wake-up, which on this machine costs more than the work measured.
 """
 
 from __future__ import annotations
@@ -36,7 +46,9 @@ LAYOUT = KVLayout("mha", num_layers=32, page_size=16, dtype="bfloat16", num_kv_h
 # -- the echo baseline ------------------------------------------------------------------
 def echo_server(path: str) -> None:
     """Answer every frame with a frame holding the same msgpack body, as a daemon would."""
-    from hicache.rpc.framing import FrameDecoder, unpack_body
+    from hicache.rpc.framing import FrameDecoder, new_packer, unpack_body
+
+    packer = new_packer()  # as the daemon does
 
     class Echo(asyncio.Protocol):
         def connection_made(self, transport):  # type: ignore[no-untyped-def]
@@ -46,7 +58,7 @@ def echo_server(path: str) -> None:
         def data_received(self, data: bytes) -> None:
             for body in self.dec.feed(data):
                 msg = unpack_body(body)
-                self.t.write(pack_frame({"id": msg["id"], "result": msg.get("params")}))
+                self.t.write(pack_frame({"id": msg["id"], "result": msg.get("params")}, packer))
 
     async def main() -> None:
         server = await asyncio.get_running_loop().create_unix_server(Echo, path=path)
@@ -138,10 +150,23 @@ def _redis_client(path: str, nbytes: int, n: int, q: mp.Queue) -> None:
     s.close()
 
 
-def _run_clients(target, args_for, clients: int) -> np.ndarray:
+def _client_cpus() -> set[int] | None:
+    cpus = sorted(os.sched_getaffinity(0))
+    return set(cpus[1:]) if len(cpus) > 1 else None
+
+
+def _pinned(target, cpus: set[int] | None):  # type: ignore[no-untyped-def]
+    def run(*args):  # type: ignore[no-untyped-def]
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+        target(*args)
+    return run
+
+
+def _run_clients(target, args_for, clients: int, cpus: set[int] | None = None) -> np.ndarray:
     ctx = mp.get_context("fork")
     q: mp.Queue = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(*args_for(i), q)) for i in range(clients)]
+    procs = [ctx.Process(target=_pinned(target, cpus), args=(*args_for(i), q)) for i in range(clients)]
     for p in procs:
         p.start()
     lats = [q.get(timeout=600) for _ in procs]
@@ -151,8 +176,12 @@ def _run_clients(target, args_for, clients: int) -> np.ndarray:
 
 
 # -- the benchmark --------------------------------------------------------------------------
+def _median_pcts(rounds: list[np.ndarray], q: float) -> float:
+    return float(np.median([_pct(lat, q) for lat in rounds]))
+
+
 def run(socket_path: str | None = None, prompt_tokens: int = 8192, requests: int = 2000,
-        client_counts: tuple[int, ...] = (1, 8)) -> list[dict]:
+        client_counts: tuple[int, ...] = (1, 8), repeats: int = 5, pin: bool = False) -> list[dict]:
     tmp = Path(tempfile.mkdtemp(prefix="hicache-rpc-bench-"))
     procs: list[subprocess.Popen] = []
     daemon = None
@@ -173,6 +202,11 @@ def run(socket_path: str | None = None, prompt_tokens: int = 8192, requests: int
                                            "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL))
             _wait_socket(redis_path, procs[-1])
 
+        cpus = _client_cpus() if pin else None
+        if cpus:  # servers on the first CPU, clients on the rest
+            server_cpu = {min(os.sched_getaffinity(0))}
+            for pid in [p.pid for p in procs] + ([daemon.proc.pid] if daemon is not None and daemon.proc else []):
+                os.sched_setaffinity(pid, server_cpu)
         rng = np.random.default_rng(0)
         rows: list[dict] = []
         n_pages = prompt_tokens // LAYOUT.page_size
@@ -184,19 +218,23 @@ def run(socket_path: str | None = None, prompt_tokens: int = 8192, requests: int
         for clients in client_counts:
             per = max(100, requests // clients)
             for kind in ("match", "insert"):
-                toks = [rng.integers(0, 1 << 30, prompt_tokens, dtype=np.int32) for _ in range(clients)]
-                hc = _run_clients(_hicache_client, lambda i: (daemon_path, kind, per, toks[i]), clients)
-                echo = _run_clients(_echo_client, lambda i: (echo_path, payloads[kind], per), clients)
                 size = len(pack_frame({"id": 1, "method": kind, "params": payloads[kind]}))
+                hc, echo, red = [], [], []
+                for _ in range(repeats):  # the servers take turns: load swings hit all three alike
+                    toks = [rng.integers(0, 1 << 30, prompt_tokens, dtype=np.int32) for _ in range(clients)]
+                    hc.append(_run_clients(_hicache_client, lambda i: (daemon_path, kind, per, toks[i]), clients,
+                                           cpus))
+                    echo.append(_run_clients(_echo_client, lambda i: (echo_path, payloads[kind], per), clients, cpus))
+                    if redis_path:
+                        red.append(_run_clients(_redis_client, lambda i: (redis_path, size, per), clients, cpus))
                 label = f"{kind} {prompt_tokens} tokens, {clients} client{'s' if clients > 1 else ''}"
                 for q in (50, 99):
-                    rows.append(row(f"{label} p{q}", _pct(hc, q), "us", baseline=_pct(echo, q),
-                                    baseline_name="echo"))
+                    rows.append(row(f"{label} p{q}", _median_pcts(hc, q), "us", baseline=_median_pcts(echo, q),
+                                    baseline_name="echo", repeats=repeats))
                 if redis_path:
-                    red = _run_clients(_redis_client, lambda i: (redis_path, size, per), clients)
                     for q in (50, 99):
-                        rows.append(row(f"{label} p{q} vs redis GET {size}B", _pct(hc, q), "us",
-                                        baseline=_pct(red, q), baseline_name="redis"))
+                        rows.append(row(f"{label} p{q} vs redis GET {size}B", _median_pcts(hc, q), "us",
+                                        baseline=_median_pcts(red, q), baseline_name="redis", repeats=repeats))
         return rows
     finally:
         if daemon is not None:

@@ -7,6 +7,14 @@ deadline (`timeout_s` per call, the connection's default otherwise) over all
 of its reads, so a daemon that stopped mid-reply costs one deadline, not one
 per read. `connect` checks who listens (hicache/client/peer.py) before a byte
 is sent.
+
+The socket stays blocking with SO_RCVTIMEO / SO_SNDTIMEO: a Python socket
+timeout costs an ioctl per `settimeout` and a poll per recv, and on a round
+trip of ~15 µs those syscalls were a third of it. The kernel timeout is only
+lowered when an exchange has less time left than it (by TIMEOUT_SLACK_S), and
+raised only when it ran out before the deadline, so calls alternating between
+deadlines (match 0.25 s, release 0.5 s) cost no setsockopt. Replies are read
+in chunks into one reusable buffer, so a frame usually takes one recv.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import array
 import itertools
 import socket
+import struct
 import time
 from collections import deque
 from collections.abc import Collection
@@ -21,22 +30,31 @@ from typing import Any
 
 from hicache.client.peer import check_daemon
 from hicache.errors import ClientError, DaemonRefused, DaemonUnavailable, ProtocolError
-from hicache.rpc.framing import HEADER, pack_frame, unpack_body
+from hicache.rpc.framing import HEADER, new_packer, pack_frame, unpack_body
 from hicache.rpc.protocol import PROTOCOL_VERSION
 
 MAX_FRAME_BYTES = 256 << 20
 REFUSED_CODES = {"FORBIDDEN"}  # a daemon that says why it refuses this peer
 MAX_FDS = 253  # the most one SCM_RIGHTS message carries (the kernel's SCM_MAX_FD)
+RECV_CHUNK = 256 << 10  # the reusable receive buffer; larger frames get their own
+TIMEOUT_SLACK_S = 0.002  # how far past its deadline an exchange may wait
+_TIMEVAL = struct.Struct("@ll")
 
 
 class RpcConnection:
     def __init__(self, sock: socket.socket, timeout_s: float) -> None:
         self.sock = sock
         self.timeout_s = timeout_s
-        self.sock.settimeout(timeout_s)
         self._ids = itertools.count(1)
         self.events: deque[dict] = deque(maxlen=65536)
         self.closed = False
+        self._packer = new_packer()  # a connection is one thread's at a time
+        self._buf = bytearray(RECV_CHUNK)  # received bytes not parsed yet: _buf[_start:_end]
+        self._view = memoryview(self._buf)
+        self._start = self._end = 0
+        self._so_timeout = -1.0  # the SO_RCVTIMEO / SO_SNDTIMEO set now (-1: not yet)
+        sock.settimeout(None)  # blocking: the kernel's socket timeouts bound each read and write
+        self._set_so_timeout(timeout_s)
 
     @classmethod
     def connect(cls, path: str, timeout_s: float = 5.0, daemon_uids: Collection[int] | None = None
@@ -80,8 +98,7 @@ class RpcConnection:
         frame = pack_frame({"id": req_id, "method": "hello", "params": {"version": PROTOCOL_VERSION}})
         fds: list[int] = []
         try:
-            self._wait(deadline)
-            self.sock.sendall(frame)
+            self._send_bytes(frame, deadline)
             header, fds = self._recv_with_fds(4, deadline)
             (n,) = HEADER.unpack(header)
             body = self._recv_exact(n, deadline)
@@ -147,27 +164,48 @@ class RpcConnection:
     # -- internals -------------------------------------------------------------
     def _send(self, msg: dict, deadline: float | None = None) -> None:
         try:
-            self._wait(deadline)
-            self.sock.sendall(pack_frame(msg))
+            self._send_bytes(pack_frame(msg, self._packer), deadline)
         except OSError as e:
             self.close()
             raise DaemonUnavailable(f"send failed: {e}") from e
+
+    def _send_bytes(self, data: bytes, deadline: float | None) -> None:
+        if deadline is None:
+            deadline = self._deadline(None)
+        self._wait(deadline)
+        try:
+            sent = self.sock.send(data)  # almost always all of it: the socket buffer has room
+        except BlockingIOError:
+            self._rearm(deadline)
+            sent = 0
+        view = memoryview(data)
+        while sent < len(data):
+            self._wait(deadline)
+            try:
+                sent += self.sock.send(view[sent:])
+            except BlockingIOError:
+                self._rearm(deadline)
 
     def _deadline(self, timeout_s: float | None) -> float:
         return time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
 
     def _read_message(self, deadline: float | None = None, method: str = "", fds: list[int] | None = None
                       ) -> dict:
+        if deadline is None:  # the default timeout, over the whole message
+            deadline = self._deadline(None)
         try:
-            if fds is None:
-                header = self._recv_exact(4, deadline)
-            else:  # descriptors ride on the first byte of their frame
-                header, got = self._recv_with_fds(4, deadline)
-                fds.extend(got)
-            (n,) = HEADER.unpack(header)
+            while self._end - self._start < 4:
+                self._fill(deadline, fds)
+            (n,) = HEADER.unpack_from(self._buf, self._start)
             if n > MAX_FRAME_BYTES:
                 raise ProtocolError(f"frame of {n} bytes from the daemon")
-            return self._decode(self._recv_exact(n, deadline))
+            if n + 4 > len(self._buf):
+                return self._decode(self._read_big(n, deadline, fds))
+            while self._end - self._start < n + 4:
+                self._fill(deadline, fds)
+            start = self._start + 4
+            self._start = start + n
+            return self._decode(self._view[start:start + n])
         except TimeoutError as e:
             self.close()
             raise DaemonUnavailable(f"no answer to {method or 'a read'} in time (the daemon is hung or "
@@ -176,40 +214,124 @@ class RpcConnection:
             self.close()
             raise DaemonUnavailable(f"receive failed: {e}") from e
 
-    def _decode(self, body: bytes) -> dict:
+    def _fill(self, deadline: float, fds: list[int] | None) -> None:
+        """Receive more bytes after _end, first moving unparsed ones to the buffer's front
+        when the end is near. With `fds`, descriptors that come along are appended there
+        (they ride on the first byte of their frame)."""
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif len(self._buf) - self._end < RECV_CHUNK // 4:
+            n = self._end - self._start
+            self._buf[:n] = bytes(self._view[self._start:self._end])  # no overlapping copy
+            self._start, self._end = 0, n
+        while True:
+            self._wait(deadline)
+            try:
+                if fds is None:
+                    k = self.sock.recv_into(self._view[self._end:])
+                else:
+                    k, got = self._recvmsg_into(self._view[self._end:])
+                    fds.extend(got)
+            except BlockingIOError:
+                self._rearm(deadline)
+                continue
+            if k == 0:
+                raise ConnectionResetError("the daemon closed the connection")
+            self._end += k
+            return
+
+    def _read_big(self, n: int, deadline: float, fds: list[int] | None) -> bytes:
+        """A frame larger than the buffer: its own bytearray."""
+        have = self._end - self._start - 4
+        body = bytearray(n)
+        body[:have] = self._view[self._start + 4:self._end]
+        self._start = self._end = 0
+        view = memoryview(body)
+        while have < n:
+            self._wait(deadline)
+            try:
+                if fds is None:
+                    k = self.sock.recv_into(view[have:])
+                else:
+                    k, got = self._recvmsg_into(view[have:])
+                    fds.extend(got)
+            except BlockingIOError:
+                self._rearm(deadline)
+                continue
+            if k == 0:
+                raise ConnectionResetError("the daemon closed the connection")
+            have += k
+        return bytes(body)
+
+    def _recvmsg_into(self, view: memoryview) -> tuple[int, list[int]]:
+        fds = array.array("i")
+        k, ancdata, _, _ = self.sock.recvmsg_into([view], socket.CMSG_SPACE(MAX_FDS * fds.itemsize),
+                                                 socket.MSG_CMSG_CLOEXEC)
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+        return k, list(fds)
+
+    def _decode(self, body: bytes | memoryview) -> dict:
         try:
             return unpack_body(body)
         except ProtocolError:
             self.close()
             raise
 
-    def _wait(self, deadline: float | None) -> None:
-        """Bound the next blocking read by the exchange's deadline (None: the default timeout)."""
-        if deadline is None:
-            self.sock.settimeout(self.timeout_s)
-            return
+    def _wait(self, deadline: float) -> None:
+        """Bound the next blocking read or write by the exchange's deadline: lower the
+        socket's timeout when it would overshoot by more than the slack."""
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("timed out")
-        self.sock.settimeout(left)
+        if left < self._so_timeout - TIMEOUT_SLACK_S:
+            self._set_so_timeout(left)
 
-    def _recv_exact(self, n: int, deadline: float | None = None) -> bytes:
+    def _rearm(self, deadline: float) -> None:
+        """The socket's timeout ran out (EAGAIN on a blocking socket): a timeout if the
+        deadline passed too, else the rest of the time for the next try."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("timed out")
+        self._set_so_timeout(left)
+
+    def _set_so_timeout(self, seconds: float) -> None:
+        """0 would mean 'no timeout' to the kernel: the shortest is one microsecond."""
+        usec = max(1, int(seconds * 1e6))
+        tv = _TIMEVAL.pack(usec // 1_000_000, usec % 1_000_000)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        self._so_timeout = seconds
+
+    def _recv_exact(self, n: int, deadline: float) -> bytes:
+        """Exactly n bytes (the handshake reads no further than its reply)."""
         buf = bytearray(n)
         view = memoryview(buf)
         got = 0
         while got < n:
             self._wait(deadline)
-            k = self.sock.recv_into(view[got:], n - got)
+            try:
+                k = self.sock.recv_into(view[got:], n - got)
+            except BlockingIOError:
+                self._rearm(deadline)
+                continue
             if k == 0:
                 raise ConnectionResetError("the daemon closed the connection")
             got += k
         return bytes(buf)
 
-    def _recv_with_fds(self, n: int, deadline: float | None = None) -> tuple[bytes, list[int]]:
+    def _recv_with_fds(self, n: int, deadline: float) -> tuple[bytes, list[int]]:
         fds = array.array("i")
-        self._wait(deadline)
-        data, ancdata, _, _ = self.sock.recvmsg(n, socket.CMSG_SPACE(MAX_FDS * fds.itemsize),
-                                              socket.MSG_CMSG_CLOEXEC)
+        while True:
+            self._wait(deadline)
+            try:
+                data, ancdata, _, _ = self.sock.recvmsg(n, socket.CMSG_SPACE(MAX_FDS * fds.itemsize),
+                                                      socket.MSG_CMSG_CLOEXEC)
+                break
+            except BlockingIOError:
+                self._rearm(deadline)
+                continue
         for level, kind, payload in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])

@@ -292,6 +292,8 @@ def _non_negative(value: object, name: str) -> int:
 
 
 def check_tier(tier: object) -> Tier:
+    if type(tier) is Tier:
+        return tier  # the common case, without Enum's lookup
     try:
         return Tier(tier)
     except ValueError as err:

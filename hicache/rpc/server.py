@@ -1,7 +1,7 @@
 """The daemon's side of the socket: one asyncio Protocol per connection.
 
-Handlers are plain callables `handler(conn, params) -> result`; a handler may
-return an awaitable, which then runs as a tracked task. Synchronous handlers
+Handlers are plain callables `handler(conn, params) -> result`; an `async def`
+handler's coroutine runs as a tracked task. Synchronous handlers
 (match, insert, ... : pure index work) answer inline with no task at all, which
 keeps a round trip close to a bare echo. Nothing a client sends can crash the
 daemon: bad frames get an error response, and only broken framing (an
@@ -35,12 +35,13 @@ import socket
 import struct
 import termios
 import time
+from types import CoroutineType
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
 from hicache.errors import ProtocolError
-from hicache.rpc.framing import FrameDecoder, pack_frame, unpack_body
+from hicache.rpc.framing import HEADER, FrameDecoder, new_packer, pack_frame, unpack_body
 from hicache.rpc.protocol import Code, RpcError
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,13 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closed:
             return
+        if (not self.decoder.buffered and self._turn is None and not self._output_paused
+                and len(data) > 4 and HEADER.unpack_from(data)[0] == len(data) - 4
+                and len(data) - 4 <= self.decoder.max_frame_bytes):
+            # One whole frame and nothing buffered (a blocking client's request): handled
+            # straight from the read, without copying it through the decoder's buffer.
+            self._handle(memoryview(data)[4:])
+            return
         self.decoder.append(data)
         if self._turn is None and not self._output_paused:
             self._run_frames()
@@ -233,7 +241,7 @@ class Connection(asyncio.Protocol):
         self.decoder = FrameDecoder(self.server.max_frame_bytes)  # drop what was buffered
 
     # -- requests ---------------------------------------------------------
-    def _handle(self, body: bytes) -> None:
+    def _handle(self, body: bytes | memoryview) -> None:
         try:
             msg = unpack_body(body)
         except ProtocolError as e:
@@ -278,15 +286,17 @@ class Connection(asyncio.Protocol):
             self.send_error(req_id, Code.INTERNAL, f"{type(e).__name__}: {e}")
             self._observe(method, t0, Code.INTERNAL.value)
             return
-        if asyncio.iscoroutine(result):  # async handlers; cheaper than an Awaitable ABC check
+        if type(result) is CoroutineType:  # async handlers (`async def`); no ABC check for the rest
             task = asyncio.ensure_future(self._finish(req_id, method, result, t0))
             self.inflight.add(task)
             server.tasks.add(task)
             task.add_done_callback(self._task_done)
         else:
-            self._succeeded(method)
+            if method == server.hello_method:
+                self.greeted = True
             self.send_result(req_id, result)
-            self._observe(method, t0, "OK")
+            if server.observe is not None:
+                server.observe(method, time.perf_counter() - t0, "OK")
 
     async def _finish(self, req_id: int, method: str, aw: Awaitable, t0: float) -> None:
         try:
@@ -330,7 +340,7 @@ class Connection(asyncio.Protocol):
     def send(self, msg: dict) -> None:
         if self.closed or self.transport is None:
             return
-        self.write_frame(pack_frame(msg))
+        self.write_frame(pack_frame(msg, self.server.packer))
 
     def write_frame(self, frame: bytes) -> None:
         """Queue bytes on the transport (never blocks); over max_output_bytes unsent, abort."""
@@ -362,7 +372,7 @@ class Connection(asyncio.Protocol):
             self.send_error(msg["id"], Code.BUSY, "cannot pass descriptors with replies unread; read them "
                                                   "and retry")
             return
-        frame = pack_frame(msg)
+        frame = pack_frame(msg, self.server.packer)
         try:
             with socket.socket(fileno=os.dup(self._fd)) as s:
                 s.setblocking(False)  # already so (shared with the transport); said again, not assumed
@@ -411,6 +421,7 @@ class RpcServer:
         self.tasks: set[asyncio.Task] = set()
         self.buffered_bytes = 0  # unparsed input over all connections
         self.counters = ServerCounters()
+        self.packer = new_packer()  # the loop's thread only
         self.draining = False
         self.allowed_while_draining = {"release", "load_done", "backup_done", "stats"}
         self.observe: Callable[[str, float, str], None] | None = None  # (method, seconds, code), for metrics
@@ -477,5 +488,5 @@ class RpcServer:
                 conn._abort()
                 continue
             if frame is None:
-                frame = pack_frame({"event": event})
+                frame = pack_frame({"event": event}, self.packer)
             conn.write_frame(frame)
