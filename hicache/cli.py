@@ -130,7 +130,8 @@ def _admin_call(args: argparse.Namespace, method: str, params: dict[str, Any] | 
 
 def _print_stats(st: dict) -> None:
     print(f"hicache {st['version']}  pid {st['pid']}  up {st['uptime_s']:.0f}s  "
-          f"policy {st['write_policy']}  connections {st['connections']}")
+          f"policy {st['write_policy']}  eviction {st.get('eviction_policy', '-')}  "
+          f"connections {st['connections']}")
     print(f"{'tier':<8}{'capacity':>12}{'used':>12}{'pages':>10}{'hit rate':>10}{'evicted':>10}")
     for name in ("device", "host", "disk", "remote"):
         t = st["tiers"].get(name)

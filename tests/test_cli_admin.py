@@ -285,7 +285,7 @@ def test_a_bad_file_is_refused_and_changes_nothing(tmp_path, start, exported, da
     expected = {"flipped byte": "record 2: checksum mismatch", "truncated": "truncated",
                 "no end record": "no end record", "wrong magic": "not a hicache export file",
                 "future version": "format version 2", "foreign file": "not a hicache export file",
-                "pages bigger than the host slab": "do not fit this daemon's host slab"}[damage]
+                "pages bigger than the host slab": "need host slabs of twice that"}[damage]
     assert expected in message
     st = call(b, "stats")
     assert st["namespaces"] == 0 and st["tiers"]["disk"]["pages"] == 0
