@@ -291,7 +291,8 @@ def run(sizes: tuple[int, ...] = (256 << 10, 1 << 20, 2 << 20), total_bytes: int
             dd_path = os.path.join(workdir, "dd.bin")
             dd = _median(lambda: _dd(dd_path, size, n), lambda: None, repeats)
             rows.append(_row(f"put_{label}_{durability}_tier_vs_dd_fdatasync", med["tier_put"], "GB/s", dd))
-        rows += _durability_rows(workdir, salt, durabilities, total_bytes, repeats, config)
+        if durabilities:
+            rows += _durability_rows(workdir, salt, durabilities, total_bytes, repeats, config)
         if rebuild_records:
             rows.append(_rebuild_row(os.path.join(workdir, "rebuild"), salt, rebuild_records, config))
             rows.append(index_rebuild_row(os.path.join(workdir, "index-rebuild"), rebuild_records, config))
@@ -402,11 +403,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--durability", default=DEFAULT_DURABILITY, choices=sorted(_SYNC))
     ap.add_argument("--rebuild-records", type=int, default=1_000_000)
-    ap.add_argument("--checksum", default="auto", choices=["auto", "sum64", "crc32"])
+    ap.add_argument("--sizes-kib", default="16,64,256,1024,4096",
+                    help="page sizes in KiB, comma-separated")
+    ap.add_argument("--durabilities", default="none,batch,sync",
+                    help="modes for the 1 MiB durability rows (empty: none of those rows)")
     args = ap.parse_args(argv)
-    rows = run(total_bytes=args.total_mib << 20, workdir=args.workdir, repeats=args.repeats,
-               durability=args.durability, rebuild_records=args.rebuild_records,
-               config=DiskTierConfig(checksum=args.checksum))
+    sizes = tuple(int(s) << 10 for s in args.sizes_kib.split(",") if s)
+    modes = tuple(m for m in args.durabilities.split(",") if m)
+    rows = run(sizes=sizes, total_bytes=args.total_mib << 20, workdir=args.workdir, repeats=args.repeats,
+               durability=args.durability, durabilities=modes, rebuild_records=args.rebuild_records)
     for r in rows:
         print(json.dumps(r))
 

@@ -130,18 +130,16 @@ def _readable_bytes(page: object) -> memoryview:
     return mv
 
 
-def _writable_u8(out: object) -> np.ndarray:
-    if isinstance(out, np.ndarray):
-        if not out.flags.c_contiguous or not out.flags.writeable:
-            raise ValueError("out must be a writable C-contiguous array")
-        return out.reshape(-1).view(np.uint8)
+def _writable_bytes(out: object) -> memoryview:
+    """A flat writable byte view of `out` (a memoryview copy is cheaper per call
+    than numpy's for small pages and the same memcpy for big ones)."""
     try:
         mv = memoryview(out)  # type: ignore[arg-type]
     except TypeError as e:
         raise ValueError(f"out must be a writable buffer, got {type(out).__name__}") from e
     if mv.readonly or not mv.c_contiguous:
         raise ValueError("out must be a writable C-contiguous buffer")
-    return np.frombuffer(mv.cast("B"), dtype=np.uint8)
+    return mv if mv.ndim == 1 and mv.format == "B" else mv.cast("B")
 
 
 class DiskTier:
@@ -281,50 +279,49 @@ class DiskTier:
         """
         _check_key("salt", salt)
         _check_key("key", key)
-        dst = _writable_u8(out)
+        dst = _writable_bytes(out)
         if self._closed:
             raise DiskTierError(f"{self.path}: disk tier is closed")
-        hdr = None
+        fields = None
         status = "miss"
         try:
             with self._env.begin(buffers=True) as txn:
                 raw = txn.get(key, db=self._meta)
                 if raw is not None:
-                    hdr = fmt.unpack_meta_header(raw)
-                    if hdr is None:
+                    fields = fmt.read_fields(raw)
+                    if fields is None:
                         status = "corrupt"
-                    elif hdr.salt != salt:
+                    elif fields[0] != salt:
                         status = "miss"  # another namespace's page
-                    elif hdr.size != dst.size:
+                    elif fields[1] != dst.nbytes:
                         status = "size"
                     else:
                         page = txn.get(key, db=self._pages)
-                        if page is None or len(page) != hdr.size:
+                        if page is None or len(page) != dst.nbytes:
                             status = "corrupt"
                         elif not self.config.verify_reads:  # copy before the view dies with the transaction
-                            np.copyto(dst, np.frombuffer(page, dtype=np.uint8))
+                            fmt.copy_into(dst, page)
                             status = "hit"
-                        else:  # the checksum of what landed in `dst`, fused with the copy
-                            digest = fmt.copy_checksum(hdr.algo, np.frombuffer(page, dtype=np.uint8), dst)
-                            status = "hit" if digest == hdr.checksum else "corrupt"
+                        else:  # hash the mapped bytes, then one copy while they are in the cache
+                            status = "hit" if fmt.copy_verified(fields[3], page, dst, fields[2]) else "corrupt"
         except lmdb.Error as e:  # MDB_CORRUPTED / MDB_PAGE_NOTFOUND: the B-tree under this key is damaged
             self._writer.warn("reading page %s failed: %s", key.hex(), e)
             status = "corrupt"
         if status == "size":
-            raise ValueError(f"out has {dst.size} bytes, page {key.hex()} has {hdr.size}")
+            raise ValueError(f"out has {dst.nbytes} bytes, page {key.hex()} has {fields[1]}")
         with self._rlock:
             r = self._r
             r["gets"] += 1
             if status == "hit":
                 r["hits"] += 1
-                r["bytes_read"] += dst.size
+                r["bytes_read"] += dst.nbytes
             else:
                 r["misses"] += 1
                 if status == "corrupt":
                     r["corrupt_pages"] += 1
         if status == "corrupt":
             self._writer.warn("corrupt page %s dropped", key.hex())
-            self._writer.drop(key, None if hdr is None else hdr.checksum)
+            self._writer.drop(key, None if fields is None else fields[2])
         return status == "hit"
 
     def get_many_async(self, salt: bytes, keys: Sequence[bytes], outs: Sequence[object]) -> Future[list[bool]]:
