@@ -104,6 +104,10 @@ from hicache.tiers.disk_writer import DiskWriter, EvictHook, OnDone
 
 log = logging.getLogger(__name__)
 
+_xxh3 = fmt.xxh3_64
+_XXH3 = fmt.CHECKSUM_XXH3
+_HASH_DST_BYTES = fmt.HASH_DST_BYTES
+
 __all__ = ["DiskTier", "DiskTierConfig", "DiskRecord", "Durability", "DEFAULT_DURABILITY"]
 
 Durability = Literal["none", "batch", "sync"]
@@ -160,7 +164,7 @@ class DiskTier:
         self._closed = False
         # Reader counters, guarded by _rlock.
         self._rlock = threading.Lock()
-        self._r = dict(gets=0, hits=0, misses=0, corrupt_pages=0, bytes_read=0)
+        self._r = dict(hits=0, misses=0, corrupt_pages=0, bytes_read=0)  # gets = hits + misses
         self._readers = ThreadPoolExecutor(config.readers, thread_name_prefix="hicache-disk-read")
         self._writer = DiskWriter(env, self.path, pages=self._pages, meta=self._meta, info=info,
                                   capacity_bytes=capacity_bytes, config=config, evict_hook=evict_hook,
@@ -277,11 +281,13 @@ class DiskTier:
         the content of `out` is unspecified. Raises ValueError if `out` does
         not have the stored page's size (a caller error; nothing changes).
         """
-        _check_key("salt", salt)
-        _check_key("key", key)
+        if type(salt) is not bytes or type(key) is not bytes or len(salt) != 16 or len(key) != 16:
+            _check_key("salt", salt)  # the message (this path is hot: one test when all is well)
+            _check_key("key", key)
         dst = _writable_bytes(out)
         if self._closed:
             raise DiskTierError(f"{self.path}: disk tier is closed")
+        n = dst.nbytes
         fields = None
         status = "miss"
         try:
@@ -293,36 +299,40 @@ class DiskTier:
                         status = "corrupt"
                     elif fields[0] != salt:
                         status = "miss"  # another namespace's page
-                    elif fields[1] != dst.nbytes:
+                    elif fields[1] != n:
                         status = "size"
                     else:
                         page = txn.get(key, db=self._pages)
-                        if page is None or len(page) != dst.nbytes:
+                        if page is None or len(page) != n:
                             status = "corrupt"
                         elif not self.config.verify_reads:  # copy before the view dies with the transaction
                             fmt.copy_into(dst, page)
                             status = "hit"
-                        else:  # hash the mapped bytes, then one copy while they are in the cache
+                        elif fields[3] == _XXH3 and n <= _HASH_DST_BYTES:  # the common case, inlined:
+                            fmt.copy_into(dst, page)  # copy, then hash the copy while it is in L2
+                            status = "hit" if (_xxh3(dst), 0) == fields[2] else "corrupt"
+                        else:
                             status = "hit" if fmt.copy_verified(fields[3], page, dst, fields[2]) else "corrupt"
         except lmdb.Error as e:  # MDB_CORRUPTED / MDB_PAGE_NOTFOUND: the B-tree under this key is damaged
             self._writer.warn("reading page %s failed: %s", key.hex(), e)
             status = "corrupt"
+        if status == "hit":
+            with self._rlock:
+                r = self._r
+                r["hits"] += 1
+                r["bytes_read"] += n
+            return True
         if status == "size":
-            raise ValueError(f"out has {dst.nbytes} bytes, page {key.hex()} has {fields[1]}")
+            raise ValueError(f"out has {n} bytes, page {key.hex()} has {fields[1]}")
         with self._rlock:
             r = self._r
-            r["gets"] += 1
-            if status == "hit":
-                r["hits"] += 1
-                r["bytes_read"] += dst.nbytes
-            else:
-                r["misses"] += 1
-                if status == "corrupt":
-                    r["corrupt_pages"] += 1
+            r["misses"] += 1
+            if status == "corrupt":
+                r["corrupt_pages"] += 1
         if status == "corrupt":
             self._writer.warn("corrupt page %s dropped", key.hex())
             self._writer.drop(key, None if fields is None else fields[2])
-        return status == "hit"
+        return False
 
     def get_many_async(self, salt: bytes, keys: Sequence[bytes], outs: Sequence[object]) -> Future[list[bool]]:
         """``get_into`` for each (key, out) on the reader pool; the future's
@@ -388,6 +398,7 @@ class DiskTier:
         q = w.queue_stats()
         with self._rlock:
             r = dict(self._r)
+        r["gets"] = r["hits"] + r["misses"]
         return dict(used_bytes=w.used_bytes, capacity_bytes=self.capacity_bytes,
                     num_pages=w.num_pages, map_size=self.map_size, durability=self.durability,
                     last_write_time=w.last_write_time, **q, **r, **w.write_counters(), **w.health())
