@@ -1,6 +1,7 @@
 """Disk tier throughput against raw py-lmdb and dd, measured side by side.
 
-    python -m hicache.bench.disk_bench [--total-mib 512] [--repeats 3] [--workdir DIR]
+    python -m hicache.bench.disk_bench [--total-mib 512] [--repeats 5] [--sizes-kib 16,64,256,1024,4096]
+        [--durabilities none,batch,sync] [--rebuild-records 1000000] [--workdir DIR]
 
 Rows are {"name", "value", "unit", "baseline", "ratio"}; ratio = value / baseline
 (higher is better for GB/s, lower for seconds). Raw py-lmdb runs under the
@@ -11,21 +12,33 @@ machine hits both; the median of `repeats` runs is reported.
 What raw does, exactly: one named database ``pages`` (``meminit=False``);
 puts are ``txn.put(key, page)`` of the same keys in the same order, from the
 same 8 source pages, ``min(batch_pages, batch_bytes // size)`` per write
-transaction; gets are one read transaction per page, ``txn.get`` with
-``buffers=True`` and ``np.copyto`` into the same destination ring, in the same
-shuffled order. Raw does NOT write a meta record, a totals record or a dedup
-lookup, and computes no checksum: the ratio charges the tier for all of its
-own work (the checksum pass is most of it: a meta record per put costs raw
-about 0-10%). Puts are timed
-from the first put to the commit of the last one: "put_fresh" into a new
-environment (dominated by first-touch page faults), "put" after deleting
-those pages, so LMDB reuses them, as in a full cache that evicts as it goes. Gets read every page once
-in a shuffled order and copy it into one of 64 MiB of distinct, pre-touched
-numpy pages (as reads land in host-arena slots): "warm" right after the
-writes (page cache), "cold" after the file was evicted from the page cache
-with posix_fadvise; "noverify" is the tier with ``verify_reads=False``, to
-attribute the cost of the checksum pass. The rebuild case writes
-`rebuild_records` tiny-page records and times ``iter_meta`` after a reopen.
+transaction, in one thread; gets are one read transaction per page,
+``txn.get`` with ``buffers=True`` and ``np.copyto`` into the same destination
+ring, in the same shuffled order. Raw does NOT write a meta record, a totals
+record or a dedup lookup, computes no checksum and has no queue or writer
+thread: the ratio charges the tier for all of its own work, including the
+``put_async`` call on the producer's thread and the GIL hand-offs between it
+and the writer. The tier's producer refills the queue from half empty and
+takes results through a C-level callback (see ``_tier_put``), so the harness
+itself costs next to nothing per page.
+
+Puts are timed from the first put to the commit of the last one: "put_fresh"
+into a new environment (first-touch page faults: raw's sparse file pays for
+block allocation there, the tier's map is reserved at open), "put" after
+deleting those pages, so LMDB reuses them, as in a full cache that evicts as
+it goes. Gets read every page once in a shuffled order and copy it into one of
+64 MiB of distinct, pre-touched numpy pages (as reads land in host-arena
+slots): "warm" right after the writes (page cache), "noverify" the tier with
+``verify_reads=False``, to attribute the cost of the checksum. "cold": no root
+here, so no drop_caches; once the environment is open the file is fsynced
+and evicted with posix_fadvise(POSIX_FADV_DONTNEED), and the fraction still
+resident (mincore) is reported with the row. That is this kernel's page
+cache only: a virtual disk's host may still cache the blocks. The dd row
+reads the same number of bytes from the same file, sequentially, after the
+same eviction (``dd bs=PAGE``): the device's streaming read rate, against the
+tier's shuffled page reads through the map (two B-tree lookups each, the
+meta one cold as well). The rebuild case writes `rebuild_records` tiny-page
+records and times ``iter_meta`` after a reopen.
 """
 
 from __future__ import annotations

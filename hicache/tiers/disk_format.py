@@ -125,8 +125,9 @@ def copy_verified(algo: int, src: object, dst: memoryview, want: tuple[int, int]
     copied have checksum `want`. Up to HASH_DST_BYTES the copy goes first and
     XXH3 reads the destination from L2 right after; above, XXH3 reads `src`
     first and the copy finds it in L3 (measured with the disk tier's gets,
-    16 KiB-4 MiB). `src` must not change meanwhile (an LMDB view inside a read
-    transaction)."""
+    16 KiB-4 MiB; copying 256 KiB chunks and hashing each one right after, with
+    a streaming XXH3, did no better for 2-4 MiB). `src` must not change
+    meanwhile (an LMDB view inside a read transaction)."""
     if algo == CHECKSUM_XXH3:
         if dst.nbytes > HASH_DST_BYTES:
             ok = _xxh3(src) == want[0] and want[1] == 0
