@@ -73,11 +73,13 @@ thread), durability "none", 512 MiB per case, median of 5, this shared 2-vCPU
 VM at load ~4 (2026-11-25; README "hicache bench disk" has the table):
 warm verified gets 0.68 / 1.19 / 0.84 / 0.84 / 0.77 of raw for 16 KiB / 64 KiB
 / 256 KiB / 1 MiB / 4 MiB pages, puts into freed pages 0.23 / 0.53 / 0.59 /
-0.74 / 0.73. What is left is work raw does not do: per page, a meta lookup
-and put, the queue hand-off and ~8 us of Python and GIL hand-offs between the
-producer and the writer (raw puts a 16 KiB page in ~5 us); per byte, the XXH3
-pass (~60 GB/s, against raw puts at 12-16 GB/s from cache-hot sources: 20-25%
-more CPU for 1-4 MiB pages on its own).
+0.74 / 0.73 (a second run: gets 0.73-1.14, puts 0.25-0.59). What is left is
+work raw does not do: per page, a meta lookup and put, ~3 us of put_async on
+the producer's thread, and GIL hand-offs (py-lmdb drops the GIL in every
+call; the writer's txn.put of a 64 KiB page averaged ~13 us, waiting for the
+producer, against ~6 us for raw's whole put); per byte, the XXH3 pass (~60
+GB/s, against raw puts at 12-16 GB/s from cache-hot sources: 20-25% more CPU
+for 1-4 MiB pages on its own).
 
 The environment is meant for one owner process: ``open`` takes an exclusive
 ``flock`` on ``hicache-disk.lock`` and a second opener gets ``DiskTierError``.

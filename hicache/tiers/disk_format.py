@@ -22,7 +22,7 @@ closed cleanly or not, durability mode, boot id; see DiskTier's docstring and
 disk_env.py).
 
 Checksums. Every new record carries XXH3-64 (the ``xxhash`` library) of the
-page: ~60 GB/s for 16 KiB-4 MiB here, a tenth of a copy's cost, and, unlike
+page: ~60 GB/s for 16 KiB-4 MiB here, a quarter of a copy's cost, and, unlike
 a plain sum, it notices swapped, shifted or duplicated words. The meta record
 keeps its algorithm id (``algo``) and two u64 slots (XXH3 uses the first; the
 second is 0), so records written by older builds stay readable: ``sum64``
@@ -64,7 +64,6 @@ CHECKSUM_SUM64 = 1  # read only: records of older builds
 CHECKSUM_CRC32 = 2  # read only
 CHECKSUM_XXH3 = 3  # XXH3-64; every new record
 _ALGO_IDS = frozenset((CHECKSUM_SUM64, CHECKSUM_CRC32, CHECKSUM_XXH3))
-ALGO_NAMES = {CHECKSUM_SUM64: "sum64", CHECKSUM_CRC32: "crc32", CHECKSUM_XXH3: "xxh3"}
 
 _INFO = struct.Struct("<16sIId")  # magic, version, reserved, created (unix s)
 _TOTALS = struct.Struct("<QQ")  # used_bytes, num_pages
