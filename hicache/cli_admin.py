@@ -421,7 +421,7 @@ async def _chunks(reader: _Reader, header: ExportHeader, max_bytes: int) -> Asyn
         head = tag + await reader.read_exact(head_size(tag) - 1, f"the header of {where}")
         if tag == TAG_PAGE:
             page_head(head, header, where)
-        body = await reader.read_exact(record_rest(head), where)
+        body = await reader.read_exact(record_rest(head, header.version), where)
         parts.append(head + body)
         size += len(head) + len(body)
         number += 1

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,8 @@ import pytest
 from hicache.cli_admin import daemon_checks
 from hicache.client.connection import RpcConnection
 from hicache.portable_format import (
-    FILE_HEAD, ExportHeader, decode_header, encode_end, encode_page, head_size, header_length, record_rest,
+    CRC, FILE_HEAD, XXH3, ExportHeader, decode_header, encode_end, encode_page, head_size, header_length,
+    record_rest,
 )
 from hicache.errors import ClientError
 from hicache.index.keys import Namespace, page_keys
@@ -242,6 +244,37 @@ def test_export_then_import_warms_a_fresh_daemon(tmp_path, start, exported):
     assert again["loaded"] == 12 and again["bad_pages"] == 0
 
 
+def as_version_1(data: bytes) -> bytes:
+    """An export file as an older hicache wrote it: version 1, crc32 at the end of each record."""
+    header, records = split_file(data)
+    head = bytearray(header[:-CRC.size])
+    FILE_HEAD.pack_into(head, 0, *(FILE_HEAD.unpack_from(head)[:1] + (1,) + FILE_HEAD.unpack_from(head)[2:]))
+    parts = [bytes(head) + CRC.pack(zlib.crc32(head))]
+    for rec in records:
+        body = rec[:-XXH3.size]
+        parts.append(body + CRC.pack(zlib.crc32(body)))
+    return b"".join(parts)
+
+
+def test_a_version_1_file_still_imports(tmp_path, start, exported):
+    _, path, salt = exported
+    old = tmp_path / "old.hicache"
+    old.write_bytes(as_version_1(path.read_bytes()))
+    n_head = header_length(old.read_bytes()[:FILE_HEAD.size])
+    assert decode_header(old.read_bytes()[:n_head]).version == 1
+    b = start("b", "--host-capacity", "64MiB", "--disk-capacity", "256MiB")
+    out = cli_json("import", "--socket", b.socket, "--chunk-bytes", "1500", str(old))
+    assert out["pages"] == DISK_PAGES and out["imported_pages"] == DISK_PAGES and out["namespace"] == salt
+    loads = run_worker(b.socket, "load:5:48:24")
+    assert loads[0]["loaded"] == 12 and loads[0]["bad_pages"] == 0
+    damaged = bytearray(old.read_bytes())
+    damaged[n_head + 200] ^= 1  # in the first page: its crc32 still guards it
+    old.write_bytes(bytes(damaged))
+    c = start("c", "--host-capacity", "64MiB", "--disk-capacity", "256MiB")
+    bad = cli("import", "--socket", c.socket, str(old))
+    assert bad.returncode == 1 and "record 1: checksum mismatch" in bad.stderr
+
+
 def test_import_twice_changes_nothing_more(tmp_path, start, exported):
     _, path, _ = exported
     b = start("b", "--host-capacity", "64MiB", "--disk-capacity", "256MiB")
@@ -256,7 +289,7 @@ def _damaged(data: bytes) -> dict[str, bytes]:
     flipped = bytearray(data)
     flipped[len(header) + len(records[0]) + 200] ^= 0x01  # inside the second page's bytes
     future = bytearray(header)
-    future[8] = 2  # format version 2
+    future[8] = 3  # format version 3
     big = ExportHeader.for_namespace(Namespace("huge", KVLayout("mha", num_layers=64, page_size=64, num_kv_heads=8,
                                                                  head_dim=128)))
     return {
@@ -284,7 +317,7 @@ def test_a_bad_file_is_refused_and_changes_nothing(tmp_path, start, exported, da
     assert len(message.splitlines()) == 1 and message.startswith("hicache: ")
     expected = {"flipped byte": "record 2: checksum mismatch", "truncated": "truncated",
                 "no end record": "no end record", "wrong magic": "not a hicache export file",
-                "future version": "format version 2", "foreign file": "not a hicache export file",
+                "future version": "format version 3", "foreign file": "not a hicache export file",
                 "pages bigger than the host slab": "need host slabs of twice that"}[damage]
     assert expected in message
     st = call(b, "stats")

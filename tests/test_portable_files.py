@@ -15,16 +15,16 @@ import subprocess
 import sys
 import tempfile
 import time
-import zlib
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from hicache.client.connection import RpcConnection
 from hicache.errors import ClientError
 from hicache.index.keys import Namespace, page_keys
 from hicache.layout import KVLayout
-from hicache.portable_format import CRC, PAGE_HEAD, TAG_PAGE, ExportHeader, decode_header, encode_page
+from hicache.portable_format import PAGE_HEAD, TAG_PAGE, XXH3, ExportHeader, decode_header, encode_page
 from tests.conftest import DaemonProcess
 from tests.daemon.engine_worker import LAYOUTS, tokens_for
 from tests.daemon.test_cycle import run_worker
@@ -222,11 +222,11 @@ def test_the_daemon_refuses_a_chunk_with_a_damaged_record_size(daemons):
 
     def resized(n_tokens: int, page_len: int, body: bytes) -> bytes:
         head = PAGE_HEAD.pack(TAG_PAGE, key, bytes(16), 0, n_tokens, page_len)
-        return head + body + CRC.pack(zlib.crc32(body, zlib.crc32(head)))
+        return head + body + XXH3.pack(xxhash.xxh3_64_intdigest(head + body))
 
     bad_chunks = {
         "declares 4 GiB": good[:PAGE_HEAD.size - 4] + (2**32 - 1).to_bytes(4, "little") + good[PAGE_HEAD.size:],
-        "declares 4G tokens": resized(2**32 - 1, 768, good[PAGE_HEAD.size:-CRC.size]),
+        "declares 4G tokens": resized(2**32 - 1, 768, good[PAGE_HEAD.size:-XXH3.size]),
         "a self-consistent record of twice the page": resized(4, 1536, tokens.tobytes() + bytes(1536)),
         "a self-consistent record of no tokens": resized(0, 768, bytes(768)),
     }

@@ -1,6 +1,7 @@
 """Disk tier throughput against raw py-lmdb and dd, measured side by side.
 
-    python -m hicache.bench.disk_bench [--total-mib 512] [--repeats 3] [--workdir DIR]
+    python -m hicache.bench.disk_bench [--total-mib 512] [--repeats 5] [--sizes-kib 16,64,256,1024,4096]
+        [--durabilities none,batch,sync] [--rebuild-records 1000000] [--workdir DIR]
 
 Rows are {"name", "value", "unit", "baseline", "ratio"}; ratio = value / baseline
 (higher is better for GB/s, lower for seconds). Raw py-lmdb runs under the
@@ -11,29 +12,43 @@ machine hits both; the median of `repeats` runs is reported.
 What raw does, exactly: one named database ``pages`` (``meminit=False``);
 puts are ``txn.put(key, page)`` of the same keys in the same order, from the
 same 8 source pages, ``min(batch_pages, batch_bytes // size)`` per write
-transaction; gets are one read transaction per page, ``txn.get`` with
-``buffers=True`` and ``np.copyto`` into the same destination ring, in the same
-shuffled order. Raw does NOT write a meta record, a totals record or a dedup
-lookup, and computes no checksum: the ratio charges the tier for all of its
-own work (the checksum pass is most of it: a meta record per put costs raw
-about 0-10%). Puts are timed
-from the first put to the commit of the last one: "put_fresh" into a new
-environment (dominated by first-touch page faults), "put" after deleting
-those pages, so LMDB reuses them, as in a full cache that evicts as it goes. Gets read every page once
-in a shuffled order and copy it into one of 64 MiB of distinct, pre-touched
-numpy pages (as reads land in host-arena slots): "warm" right after the
-writes (page cache), "cold" after the file was evicted from the page cache
-with posix_fadvise; "noverify" is the tier with ``verify_reads=False``, to
-attribute the cost of the checksum pass. The rebuild case writes
-`rebuild_records` tiny-page records and times ``iter_meta`` after a reopen.
+transaction, in one thread; gets are one read transaction per page,
+``txn.get`` with ``buffers=True`` and ``np.copyto`` into the same destination
+ring, in the same shuffled order. Raw does NOT write a meta record, a totals
+record or a dedup lookup, computes no checksum and has no queue or writer
+thread: the ratio charges the tier for all of its own work, including the
+``put_async`` call on the producer's thread and the GIL hand-offs between it
+and the writer. The tier's producer refills the queue from half empty and
+takes results through a C-level callback (see ``_tier_put``), so the harness
+itself costs next to nothing per page.
+
+Puts are timed from the first put to the commit of the last one: "put_fresh"
+into a new environment (first-touch page faults: raw's sparse file pays for
+block allocation there, the tier's map is reserved at open), "put" after
+deleting those pages, so LMDB reuses them, as in a full cache that evicts as
+it goes. Gets read every page once in a shuffled order and copy it into one of
+64 MiB of distinct, pre-touched numpy pages (as reads land in host-arena
+slots): "warm" right after the writes (page cache), "noverify" the tier with
+``verify_reads=False``, to attribute the cost of the checksum. "cold": no root
+here, so no drop_caches; once the environment is open the file is fsynced
+and evicted with posix_fadvise(POSIX_FADV_DONTNEED), and the fraction still
+resident (mincore) is reported with the row. That is this kernel's page
+cache only: a virtual disk's host may still cache the blocks. The dd row
+reads the same number of bytes from the same file, sequentially, after the
+same eviction (``dd bs=PAGE``): the device's streaming read rate, against the
+tier's shuffled page reads through the map (two B-tree lookups each, the
+meta one cold as well). The rebuild case writes `rebuild_records` tiny-page
+records and times ``iter_meta`` after a reopen.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import ctypes
 import dataclasses
+import gc
 import json
+import mmap
 import os
 import re
 import shutil
@@ -129,37 +144,44 @@ def _raw_put_get(path: str, size: int, keys: list[bytes], shuffled: list[bytes],
     return fresh.rates(n), steady.rates(n), get.rates(n)
 
 
-def _raw_cold_get(path: str, size: int, keys: list[bytes]) -> float:
+def _raw_cold_get(path: str, size: int, keys: list[bytes]) -> tuple[float, float]:
+    """GB/s of one pass after evicting the file (once the environment is open),
+    and the fraction of the file still cached when the pass began."""
     env = lmdb.open(path, readonly=True, max_dbs=4, lock=False)
     db = env.open_db(b"pages", create=False)
     outs = _ring(size)
+    resident = _drop_cache(path)
     with _Clock() as get:
         for i, k in enumerate(keys):
             with env.begin(db=db, buffers=True) as txn:
                 np.copyto(outs[i % len(outs)], np.frombuffer(txn.get(k), dtype=np.uint8))
     env.close()
-    return get.rates(len(keys) * size)[0]
+    return get.rates(len(keys) * size)[0], resident
 
 
 def _tier_put(tier: DiskTier, salt: bytes, size: int, keys: list[bytes],
               pages: list[np.ndarray]) -> tuple[float, float]:
-    room = threading.Semaphore(tier.config.max_queue_pages)  # never overfill: no rejected puts
-    failed = []
-
-    def done(key: bytes, ok: bool) -> None:
-        if not ok:
-            failed.append(key)
-        room.release()
-
+    """Puts as fast as the queue takes them. When the queue is full (put_async
+    answers False) the producer sleeps in 100 us steps until half of the queue
+    has been written, then refills it: the writer never runs dry, and the
+    harness adds next to nothing per page (on_done is a C-level
+    dict.__setitem__; every result is checked after the flush)."""
+    results: dict[bytes, bool] = {}
+    done = results.__setitem__
     tokens = np.zeros(16, dtype=np.int32)
+    low_water = tier.config.max_queue_pages // 2
     with _Clock() as put:
         for i, k in enumerate(keys):
-            room.acquire()
-            if not tier.put_async(salt, k, None, tokens, pages[i % len(pages)], done):
-                raise RuntimeError("put_async refused with room in the queue")
+            while not tier.put_async(salt, k, None, tokens, pages[i % len(pages)], done):
+                deadline = time.monotonic() + 60
+                while i - len(results) > low_water:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"the tier wrote nothing for 60 s: {tier.stats()}")
+                    time.sleep(100e-6)
         tier.flush()
-    if failed:
-        raise RuntimeError(f"{len(failed)} puts rejected in the benchmark")
+    failed = sum(not ok for ok in results.values())
+    if failed or len(results) != len(keys):
+        raise RuntimeError(f"{failed} puts rejected, {len(keys) - len(results)} unanswered in the benchmark")
     return put.rates(len(keys) * size)
 
 
@@ -195,14 +217,58 @@ def _tier_get_many(tier: DiskTier, salt: bytes, size: int, keys: list[bytes], gr
     return get.rates(len(keys) * size)[0]
 
 
-def _drop_cache(path: str) -> None:
-    """Evict the environment's file from the page cache (it is closed: nothing maps it)."""
-    fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY)
+def _drop_cache(path: str) -> float:
+    """Evict the environment's file from the page cache without root: fsync, then
+    POSIX_FADV_DONTNEED (the file is closed: nothing maps it). The kernel may keep
+    some pages; the fraction still resident is returned and reported. A virtual
+    disk may still be cached by its host: "cold" is this kernel's view."""
+    data = os.path.join(path, "data.mdb")
+    fd = os.open(data, os.O_RDONLY)
     try:
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+    return _resident_fraction(data)
+
+
+def _resident_fraction(path: str, nbytes: int | None = None) -> float:
+    """Fraction of the first `nbytes` of `path` in the page cache (mincore(2))."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    size = os.path.getsize(path) if nbytes is None else nbytes
+    if size == 0:
+        return 0.0
+    page = os.sysconf("SC_PAGE_SIZE")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            return float("nan")
+        try:
+            vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
+            if libc.mincore(addr, size, vec) != 0:
+                return float("nan")
+            return sum(b & 1 for b in vec) / len(vec)
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def _dd_read(path: str, size: int, count: int) -> float:
+    """GB/s of dd reading `count` blocks of `size` from `path` through the page cache,
+    sequentially, right after the same eviction as the cold gets."""
+    _drop_cache(os.path.dirname(path))
+    res = subprocess.run(["dd", f"if={path}", "of=/dev/null", f"bs={size}", f"count={count}"],
+                         capture_output=True, text=True, check=True)
+    m = re.search(r"copied, ([0-9.eE+-]+) s", res.stderr)
+    if not m:
+        raise RuntimeError(f"cannot read dd's timing: {res.stderr.strip()}")
+    return size * count / float(m.group(1)) / GB
 
 
 def _dd(path: str, size: int, count: int) -> float:
@@ -224,7 +290,10 @@ def _median(fn: Callable[[], float], prepare: Callable[[], None], repeats: int) 
     return statistics.median(vals)
 
 
-def run(sizes: tuple[int, ...] = (256 << 10, 1 << 20, 2 << 20), total_bytes: int = 512 << 20,
+SIZES = tuple(k << 10 for k in (16, 64, 256, 1024, 4096))
+
+
+def run(sizes: tuple[int, ...] = SIZES, total_bytes: int = 512 << 20,
         workdir: str | None = None, repeats: int = 3, durability: str = DEFAULT_DURABILITY,
         durabilities: tuple[str, ...] = ("none", "batch", "sync"), rebuild_records: int = 1_000_000,
         config: DiskTierConfig | None = None) -> list[dict]:
@@ -256,8 +325,8 @@ def run(sizes: tuple[int, ...] = (256 << 10, 1 << 20, 2 << 20), total_bytes: int
                                                                     map_size, durability, batch)
                 add("raw_fresh", fresh[0]), add("raw_put", put_w), add("raw_put_cpu", put_c)
                 add("raw_get", get_w), add("raw_get_cpu", get_c)
-                _drop_cache(raw_dir)
-                add("raw_cold", _raw_cold_get(raw_dir, size, shuffled))
+                cold, resident = _raw_cold_get(raw_dir, size, shuffled)
+                add("raw_cold", cold), add("raw_resident", resident)
                 shutil.rmtree(raw_dir)
                 _fresh(tier_dir)
                 with DiskTier.open(tier_dir, capacity, durability=durability, config=config) as tier:
@@ -270,9 +339,12 @@ def run(sizes: tuple[int, ...] = (256 << 10, 1 << 20, 2 << 20), total_bytes: int
                 noverify = dataclasses.replace(config, verify_reads=False)
                 with DiskTier.open(tier_dir, capacity, durability=durability, config=noverify) as tier:
                     add("tier_get_noverify", _tier_get(tier, salt, size, shuffled)[0])
-                _drop_cache(tier_dir)
                 with DiskTier.open(tier_dir, capacity, durability=durability, config=config) as tier:
+                    # evicted after the open: its verification child reads every page key, and
+                    # LMDB's readahead around them would warm much of the file
+                    add("tier_resident", _drop_cache(tier_dir))
                     add("tier_cold", _tier_get(tier, salt, size, shuffled, passes=1)[0])
+                add("dd_read", _dd_read(os.path.join(tier_dir, "data.mdb"), size, n))
                 shutil.rmtree(tier_dir)
             med = {k: statistics.median(v) for k, v in m.items()}
             rows.append(_row(f"put_fresh_{label}_{durability}_tier_vs_raw_lmdb", med["tier_fresh"], "GB/s",
@@ -287,11 +359,14 @@ def run(sizes: tuple[int, ...] = (256 << 10, 1 << 20, 2 << 20), total_bytes: int
                              med["raw_get"]))
             rows.append(_row(f"get_warm_{label}_many_{config.readers}readers_vs_raw_lmdb", med["tier_many"],
                              "GB/s", med["raw_get"]))
-            rows.append(_row(f"get_cold_{label}_tier_vs_raw_lmdb", med["tier_cold"], "GB/s", med["raw_cold"]))
+            rows.append(_row(f"get_cold_{label}_tier_vs_raw_lmdb", med["tier_cold"], "GB/s", med["raw_cold"])
+                        | {"resident_after_drop": [round(med["tier_resident"], 3), round(med["raw_resident"], 3)]})
+            rows.append(_row(f"get_cold_{label}_tier_vs_dd_read", med["tier_cold"], "GB/s", med["dd_read"]))
             dd_path = os.path.join(workdir, "dd.bin")
             dd = _median(lambda: _dd(dd_path, size, n), lambda: None, repeats)
             rows.append(_row(f"put_{label}_{durability}_tier_vs_dd_fdatasync", med["tier_put"], "GB/s", dd))
-        rows += _durability_rows(workdir, salt, durabilities, total_bytes, repeats, config)
+        if durabilities:
+            rows += _durability_rows(workdir, salt, durabilities, total_bytes, repeats, config)
         if rebuild_records:
             rows.append(_rebuild_row(os.path.join(workdir, "rebuild"), salt, rebuild_records, config))
             rows.append(index_rebuild_row(os.path.join(workdir, "index-rebuild"), rebuild_records, config))
@@ -402,11 +477,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--durability", default=DEFAULT_DURABILITY, choices=sorted(_SYNC))
     ap.add_argument("--rebuild-records", type=int, default=1_000_000)
-    ap.add_argument("--checksum", default="auto", choices=["auto", "sum64", "crc32"])
+    ap.add_argument("--sizes-kib", default="16,64,256,1024,4096",
+                    help="page sizes in KiB, comma-separated")
+    ap.add_argument("--durabilities", default="none,batch,sync",
+                    help="modes for the 1 MiB durability rows (empty: none of those rows)")
     args = ap.parse_args(argv)
-    rows = run(total_bytes=args.total_mib << 20, workdir=args.workdir, repeats=args.repeats,
-               durability=args.durability, rebuild_records=args.rebuild_records,
-               config=DiskTierConfig(checksum=args.checksum))
+    sizes = tuple(int(s) << 10 for s in args.sizes_kib.split(",") if s)
+    modes = tuple(m for m in args.durabilities.split(",") if m)
+    rows = run(sizes=sizes, total_bytes=args.total_mib << 20, workdir=args.workdir, repeats=args.repeats,
+               durability=args.durability, durabilities=modes, rebuild_records=args.rebuild_records)
     for r in rows:
         print(json.dumps(r))
 

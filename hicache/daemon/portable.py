@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hicache.portable_format import (
-    CRC, DEFAULT_CHUNK_BYTES, MAX_EXPORT_CHUNK_BYTES, PAGE_HEAD, ExportHeader, PageRecord, PathEntry, PathStack,
-    PortableFormatError, decode_header, encode_end, encode_page, parse_records,
+    DEFAULT_CHUNK_BYTES, MAX_EXPORT_CHUNK_BYTES, ExportHeader, PageRecord, PathEntry, PathStack,
+    PortableFormatError, decode_header, encode_end, encode_page, page_record_bytes, parse_records,
 )
 from hicache.rpc.protocol import Code, RpcError
 
@@ -241,7 +241,7 @@ class Portable:
         if header.page_bytes > host.max_page_bytes:
             raise RpcError(Code.BAD_PARAMS, f"pages of {header.page_bytes} bytes need host slabs of twice that, "
                                             f"and this daemon's are {host.slab_bytes} bytes; raise --host-capacity")
-        record_bytes = PAGE_HEAD.size + header.page_size * 4 + header.page_bytes + CRC.size
+        record_bytes = page_record_bytes(header)
         if record_bytes + 4096 > cfg.max_frame_bytes:
             raise RpcError(Code.BAD_PARAMS, f"pages of {header.page_bytes} bytes exceed this daemon's frame cap "
                                             f"of {cfg.max_frame_bytes} bytes; raise max_frame_bytes")

@@ -11,11 +11,12 @@ Threads and ownership
 - A put does not copy the page: the writer hands the caller's buffer straight
   to LMDB, so the caller keeps it unchanged until ``on_done`` fires (host-arena
   slots stay pinned until then) or passes ``bytes``.
-- Reads are short read transactions (``buffers=True``) that copy the page into
-  the caller's buffer before the transaction ends and checksum the copy in
-  the same pass (chunk by chunk, while each chunk is in L2; see
-  ``disk_format.copy_checksum``). ``get_many_async`` runs them on a pool of
-  ``readers`` threads; the copies and checksums release the GIL.
+- Reads are short read transactions (``buffers=True``): one lookup in
+  ``meta`` (salt, size, checksum), one in ``pages``, then one copy from the
+  map into the caller's buffer before the transaction ends, and XXH3 over
+  whichever side is in the cache (the copy up to 1 MiB, the map above; see
+  ``disk_format.copy_verified``). ``get_many_async`` runs them on a pool of
+  ``readers`` threads; copies of 128 KiB and more release the GIL.
 
 Keys and namespaces
 - Keys are the 16-byte chained page keys of hicache/index/keys.py. The chain
@@ -67,15 +68,18 @@ Durability (``durability=``; the environment always uses ``writemap=True``)
   later, and LMDB itself never needs more space at run time.
 
 Throughput against raw py-lmdb (disk_bench: same flags, batches, keys and
-order; raw writes no meta record and computes no checksum), durability
-"none", 512 MiB per case, median of 5, this shared 2-core VM at load ~1.5:
-tier/raw puts into freed pages 0.58 / 0.95 / 0.97 for 256 KiB / 1 MiB /
-2 MiB pages, warm verified gets 0.66 / 0.69 / 0.68 (0.84-0.96 unverified),
-cold gets 0.87-0.99. Per CPU-second the tier does 0.42-0.58 of raw on puts
-and ~0.68 on gets: the checksum pass is most of the difference (numpy's
-uint64 reduction runs at about the speed of the copy it checks), so puts reach
-raw's wall time only while the hasher thread finds a free core (at load 3-4:
-0.5-0.6), and gets stay near 0.7 even with the copy and the sums fused.
+order; raw writes no meta record, computes no checksum and has no writer
+thread), durability "none", 512 MiB per case, median of 5, this shared 2-vCPU
+VM at load ~4 (2026-11-25; README "hicache bench disk" has the table):
+warm verified gets 0.68 / 1.19 / 0.84 / 0.84 / 0.77 of raw for 16 KiB / 64 KiB
+/ 256 KiB / 1 MiB / 4 MiB pages, puts into freed pages 0.23 / 0.53 / 0.59 /
+0.74 / 0.73 (a second run: gets 0.73-1.14, puts 0.25-0.59). What is left is
+work raw does not do: per page, a meta lookup and put, ~3 us of put_async on
+the producer's thread, and GIL hand-offs (py-lmdb drops the GIL in every
+call; the writer's txn.put of a 64 KiB page averaged ~13 us, waiting for the
+producer, against ~6 us for raw's whole put); per byte, the XXH3 pass (~60
+GB/s, against raw puts at 12-16 GB/s from cache-hot sources: 20-25% more CPU
+for 1-4 MiB pages on its own).
 
 The environment is meant for one owner process: ``open`` takes an exclusive
 ``flock`` on ``hicache-disk.lock`` and a second opener gets ``DiskTierError``.
@@ -104,6 +108,10 @@ from hicache.tiers.disk_writer import DiskWriter, EvictHook, OnDone
 
 log = logging.getLogger(__name__)
 
+_xxh3 = fmt.xxh3_64
+_XXH3 = fmt.CHECKSUM_XXH3
+_HASH_DST_BYTES = fmt.HASH_DST_BYTES
+
 __all__ = ["DiskTier", "DiskTierConfig", "DiskRecord", "Durability", "DEFAULT_DURABILITY"]
 
 Durability = Literal["none", "batch", "sync"]
@@ -130,18 +138,16 @@ def _readable_bytes(page: object) -> memoryview:
     return mv
 
 
-def _writable_u8(out: object) -> np.ndarray:
-    if isinstance(out, np.ndarray):
-        if not out.flags.c_contiguous or not out.flags.writeable:
-            raise ValueError("out must be a writable C-contiguous array")
-        return out.reshape(-1).view(np.uint8)
+def _writable_bytes(out: object) -> memoryview:
+    """A flat writable byte view of `out` (a memoryview copy is cheaper per call
+    than numpy's for small pages and the same memcpy for big ones)."""
     try:
         mv = memoryview(out)  # type: ignore[arg-type]
     except TypeError as e:
         raise ValueError(f"out must be a writable buffer, got {type(out).__name__}") from e
     if mv.readonly or not mv.c_contiguous:
         raise ValueError("out must be a writable C-contiguous buffer")
-    return np.frombuffer(mv.cast("B"), dtype=np.uint8)
+    return mv if mv.ndim == 1 and mv.format == "B" else mv.cast("B")
 
 
 class DiskTier:
@@ -162,7 +168,7 @@ class DiskTier:
         self._closed = False
         # Reader counters, guarded by _rlock.
         self._rlock = threading.Lock()
-        self._r = dict(gets=0, hits=0, misses=0, corrupt_pages=0, bytes_read=0)
+        self._r = dict(hits=0, misses=0, corrupt_pages=0, bytes_read=0)  # gets = hits + misses
         self._readers = ThreadPoolExecutor(config.readers, thread_name_prefix="hicache-disk-read")
         self._writer = DiskWriter(env, self.path, pages=self._pages, meta=self._meta, info=info,
                                   capacity_bytes=capacity_bytes, config=config, evict_hook=evict_hook,
@@ -279,53 +285,58 @@ class DiskTier:
         the content of `out` is unspecified. Raises ValueError if `out` does
         not have the stored page's size (a caller error; nothing changes).
         """
-        _check_key("salt", salt)
-        _check_key("key", key)
-        dst = _writable_u8(out)
+        if type(salt) is not bytes or type(key) is not bytes or len(salt) != 16 or len(key) != 16:
+            _check_key("salt", salt)  # the message (this path is hot: one test when all is well)
+            _check_key("key", key)
+        dst = _writable_bytes(out)
         if self._closed:
             raise DiskTierError(f"{self.path}: disk tier is closed")
-        hdr = None
+        n = dst.nbytes
+        fields = None
         status = "miss"
         try:
             with self._env.begin(buffers=True) as txn:
                 raw = txn.get(key, db=self._meta)
                 if raw is not None:
-                    hdr = fmt.unpack_meta_header(raw)
-                    if hdr is None:
+                    fields = fmt.read_fields(raw)
+                    if fields is None:
                         status = "corrupt"
-                    elif hdr.salt != salt:
+                    elif fields[0] != salt:
                         status = "miss"  # another namespace's page
-                    elif hdr.size != dst.size:
+                    elif fields[1] != n:
                         status = "size"
                     else:
                         page = txn.get(key, db=self._pages)
-                        if page is None or len(page) != hdr.size:
+                        if page is None or len(page) != n:
                             status = "corrupt"
                         elif not self.config.verify_reads:  # copy before the view dies with the transaction
-                            np.copyto(dst, np.frombuffer(page, dtype=np.uint8))
+                            fmt.copy_into(dst, page)
                             status = "hit"
-                        else:  # the checksum of what landed in `dst`, fused with the copy
-                            digest = fmt.copy_checksum(hdr.algo, np.frombuffer(page, dtype=np.uint8), dst)
-                            status = "hit" if digest == hdr.checksum else "corrupt"
+                        elif fields[3] == _XXH3 and n <= _HASH_DST_BYTES:  # the common case, inlined:
+                            fmt.copy_into(dst, page)  # copy, then hash the copy while it is in L2
+                            status = "hit" if (_xxh3(dst), 0) == fields[2] else "corrupt"
+                        else:
+                            status = "hit" if fmt.copy_verified(fields[3], page, dst, fields[2]) else "corrupt"
         except lmdb.Error as e:  # MDB_CORRUPTED / MDB_PAGE_NOTFOUND: the B-tree under this key is damaged
             self._writer.warn("reading page %s failed: %s", key.hex(), e)
             status = "corrupt"
+        if status == "hit":
+            with self._rlock:
+                r = self._r
+                r["hits"] += 1
+                r["bytes_read"] += n
+            return True
         if status == "size":
-            raise ValueError(f"out has {dst.size} bytes, page {key.hex()} has {hdr.size}")
+            raise ValueError(f"out has {n} bytes, page {key.hex()} has {fields[1]}")
         with self._rlock:
             r = self._r
-            r["gets"] += 1
-            if status == "hit":
-                r["hits"] += 1
-                r["bytes_read"] += dst.size
-            else:
-                r["misses"] += 1
-                if status == "corrupt":
-                    r["corrupt_pages"] += 1
+            r["misses"] += 1
+            if status == "corrupt":
+                r["corrupt_pages"] += 1
         if status == "corrupt":
             self._writer.warn("corrupt page %s dropped", key.hex())
-            self._writer.drop(key, None if hdr is None else hdr.checksum)
-        return status == "hit"
+            self._writer.drop(key, None if fields is None else fields[2])
+        return False
 
     def get_many_async(self, salt: bytes, keys: Sequence[bytes], outs: Sequence[object]) -> Future[list[bool]]:
         """``get_into`` for each (key, out) on the reader pool; the future's
@@ -391,6 +402,7 @@ class DiskTier:
         q = w.queue_stats()
         with self._rlock:
             r = dict(self._r)
+        r["gets"] = r["hits"] + r["misses"]
         return dict(used_bytes=w.used_bytes, capacity_bytes=self.capacity_bytes,
                     num_pages=w.num_pages, map_size=self.map_size, durability=self.durability,
                     last_write_time=w.last_write_time, **q, **r, **w.write_counters(), **w.health())

@@ -21,29 +21,25 @@ Beside LMDB's ``data.mdb``/``lock.mdb`` the directory holds ``hicache-disk.lock`
 closed cleanly or not, durability mode, boot id; see DiskTier's docstring and
 disk_env.py).
 
-Checksums. ``zlib.crc32`` runs at ~2.7 GB/s on this machine (LIMITS.md class),
-less than half of LMDB's put rate and a fifteenth of a warm read, so it would
-dominate both paths. The default ``sum64`` is a Fletcher-style sum over 4 KiB
-blocks computed with numpy (~30 GB/s, GIL released): ``a`` = sum of all 64-bit
-words, ``b`` = sum of (block index + 1) * block sum, both mod 2**64. Any change
-confined to one 64-bit word (bit flips), any garbage, zeroed or stale sector
-(probability of a miss ~2**-64) and any swap or misplacement of 4 KiB blocks
-is caught; a swap of two words inside one block is not — not a failure mode of
-disks or of LMDB. ``crc32`` stays selectable, and the default ``auto`` uses it
-for pages under 16 KiB, where sum64's fixed ~5 us of numpy calls dominate. The
-algorithm id is stored per record, so every kind reads back whatever is
-configured.
+Checksums. Every new record carries XXH3-64 (the ``xxhash`` library) of the
+page: ~60 GB/s for 16 KiB-4 MiB here, a quarter of a copy's cost, and, unlike
+a plain sum, it notices swapped, shifted or duplicated words. The meta record
+keeps its algorithm id (``algo``) and two u64 slots (XXH3 uses the first; the
+second is 0), so records written by older builds stay readable: ``sum64``
+(id 1, a Fletcher-style numpy sum over 4 KiB blocks that misses a swap of two
+words inside a block) and ``crc32`` (id 2) are still verified on read, never
+written. Any other id makes the record malformed (a miss, the entry dropped).
 """
 
 from __future__ import annotations
 
 import struct
-import threading
 import time
 import zlib
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
 from hicache.errors import DiskTierDamaged
 
@@ -64,31 +60,25 @@ ENV_FILES = ("data.mdb", "lock.mdb", STATE_FILE)  # what reset=True deletes
 # durability mode -> (sync, metasync); writemap is always on (see DiskTier)
 SYNC_FLAGS = {"none": (False, False), "batch": (True, False), "sync": (True, True)}
 
-CHECKSUM_SUM64 = 1
-CHECKSUM_CRC32 = 2
-CHECKSUM_IDS = {"sum64": CHECKSUM_SUM64, "crc32": CHECKSUM_CRC32}
-CHECKSUM_NAMES = ("auto", *CHECKSUM_IDS)
-_ALGO_IDS = frozenset(CHECKSUM_IDS.values())
-# "auto": below this size crc32 is cheaper than sum64's ~5 us of numpy call overhead
-AUTO_CRC32_BELOW = 16 << 10
+CHECKSUM_SUM64 = 1  # read only: records of older builds
+CHECKSUM_CRC32 = 2  # read only
+CHECKSUM_XXH3 = 3  # XXH3-64; every new record
+_ALGO_IDS = frozenset((CHECKSUM_SUM64, CHECKSUM_CRC32, CHECKSUM_XXH3))
 
 _INFO = struct.Struct("<16sIId")  # magic, version, reserved, created (unix s)
 _TOTALS = struct.Struct("<QQ")  # used_bytes, num_pages
 # parent, salt, size, checksum a, checksum b, last_access, n_tokens, algo, flags
 META_HEADER = struct.Struct("<16s16sQQQdIHH")
 META_HEADER_BYTES = META_HEADER.size  # 72; the int32 tokens follow, 4-byte aligned
+_READ_FIELDS = struct.Struct("<16x16sQQQ8xIH")  # salt, size, checksum a, b, n_tokens, algo
 _FLAG_HAS_PARENT = 1
 _OFF_LAST_ACCESS = 16 + 16 + 8 + 8 + 8
 _NO_PARENT = bytes(KEY_BYTES)
+_xxh3 = xxh3_64 = xxhash.xxh3_64_intdigest  # over any C-contiguous buffer, no copy
 
-_BLOCK_WORDS = 512  # 4 KiB blocks
-# copy_checksum's chunk: small enough that a chunk of source and destination
-# stays in L2 (2 MiB per core here), large enough that the two numpy calls per
-# chunk stay cheap (1 MiB pages, vs copy then checksum: 32 and 64 KiB chunks
-# lose, 128 KiB ties, 256 and 512 KiB win).
-FUSE_CHUNK_BYTES = 256 << 10
-# rows: 1 (plain sum), i + 1 (position weight); 4096 blocks = pages up to 16 MiB
-_weights = np.stack([np.ones(4096, dtype=np.uint64), np.arange(1, 1 + 4096, dtype=np.uint64)])
+_BLOCK_WORDS = 512  # sum64's 4 KiB blocks
+GIL_FREE_COPY_BYTES = 128 << 10  # see copy_into
+HASH_DST_BYTES = 1 << 20  # see copy_verified: half of L2 here
 
 
 @dataclass(slots=True)
@@ -113,98 +103,65 @@ class MetaHeader:
     algo: int
 
 
-def pick_algo(name: str, nbytes: int) -> int:
-    """The algorithm id for a new record of `nbytes` under configuration `name`."""
-    if name == "auto":
-        return CHECKSUM_CRC32 if nbytes < AUTO_CRC32_BELOW else CHECKSUM_SUM64
-    return CHECKSUM_IDS[name]
+def checksum(data: object) -> tuple[int, int]:
+    """The checksum of a new record: XXH3-64 of any C-contiguous buffer (no copy)."""
+    return _xxh3(data), 0
 
 
-def checksum(algo: int, data: np.ndarray) -> tuple[int, int]:
-    """Checksum of a flat uint8 array with the algorithm id `algo`."""
-    if algo == CHECKSUM_SUM64:
-        return _sum64(data)
+def verify(algo: int, data: object, want: tuple[int, int]) -> bool:
+    """Whether `data` (a C-contiguous buffer) has checksum `want` under algorithm `algo`."""
+    if algo == CHECKSUM_XXH3:
+        return (_xxh3(data), 0) == want
     if algo == CHECKSUM_CRC32:
-        return zlib.crc32(data), 0
-    raise ValueError(f"unknown checksum algorithm id {algo}")
+        return (zlib.crc32(data), 0) == want
+    if algo == CHECKSUM_SUM64:
+        return _sum64(np.frombuffer(data, dtype=np.uint8)) == want
+    return False
+
+
+def copy_verified(algo: int, src: object, dst: memoryview, want: tuple[int, int]) -> bool:
+    """Copy `src` into `dst` (flat bytes of the same size) and say whether the bytes
+    copied have checksum `want`. Up to HASH_DST_BYTES the copy goes first and
+    XXH3 reads the destination from L2 right after; above, XXH3 reads `src`
+    first and the copy finds it in L3 (measured with the disk tier's gets,
+    16 KiB-4 MiB; copying 256 KiB chunks and hashing each one right after, with
+    a streaming XXH3, did no better for 2-4 MiB). `src` must not change
+    meanwhile (an LMDB view inside a read transaction)."""
+    if algo == CHECKSUM_XXH3:
+        if dst.nbytes > HASH_DST_BYTES:
+            ok = _xxh3(src) == want[0] and want[1] == 0
+            copy_into(dst, src)
+            return ok
+        copy_into(dst, src)
+        return _xxh3(dst) == want[0] and want[1] == 0
+    copy_into(dst, src)
+    return verify(algo, dst, want)
+
+
+def copy_into(dst: memoryview, src: object) -> None:
+    """dst[:] = src. Big pages go through numpy, which drops the GIL for the
+    memcpy (the event loop runs meanwhile); small ones through the memoryview,
+    ~1.5 us cheaper per call."""
+    if dst.nbytes >= GIL_FREE_COPY_BYTES:
+        np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+    else:
+        dst[:] = src
 
 
 def _sum64(data: np.ndarray) -> tuple[int, int]:
+    """The old default: ``a`` = sum of all 64-bit words, ``b`` = sum of (block
+    index + 1) * block sum over 4 KiB blocks, both mod 2**64; the tail block is
+    zero-padded."""
     n = data.size
     n_full = n >> 12
-    if n & 4095 == 0:  # the common case: whole 4 KiB blocks, four numpy calls
-        blocks = np.add.reduce(data.view("<u8").reshape(n_full, _BLOCK_WORDS), axis=1)
-    else:
-        tail = data[n_full << 12:]
+    head = np.add.reduce(data[:n_full << 12].view("<u8").reshape(n_full, _BLOCK_WORDS), axis=1)
+    tail = data[n_full << 12:]
+    if tail.size:
         pad = np.zeros(-tail.size % 8, dtype=np.uint8)
-        last = np.add.reduce(np.concatenate([tail, pad]).view("<u8"), keepdims=True)
-        if n_full:
-            head = np.add.reduce(data[:n_full << 12].view("<u8").reshape(n_full, _BLOCK_WORDS), axis=1)
-            blocks = np.concatenate([head, last])
-        else:
-            blocks = last
-    return _combine(blocks)
-
-
-def _combine(blocks: np.ndarray) -> tuple[int, int]:
-    k = blocks.size
-    w = _weights[:, :k] if k <= _weights.shape[1] else \
-        np.stack([np.ones(k, dtype=np.uint64), np.arange(1, 1 + k, dtype=np.uint64)])
-    a, b = (w @ blocks).tolist()  # uint64 arithmetic wraps modulo 2**64, no warnings
+        head = np.concatenate([head, np.add.reduce(np.concatenate([tail, pad]).view("<u8"), keepdims=True)])
+    weights = np.stack([np.ones(head.size, dtype=np.uint64), np.arange(1, 1 + head.size, dtype=np.uint64)])
+    a, b = (weights @ head).tolist()  # uint64 arithmetic wraps modulo 2**64, no warnings
     return a, b
-
-
-def copy_checksum(algo: int, src: np.ndarray, dst: np.ndarray) -> tuple[int, int]:
-    """Copy flat uint8 `src` into `dst` (same size) and return the checksum of `dst`.
-
-    For sum64 pages above FUSE_CHUNK_BYTES the copy and the block sums go
-    chunk by chunk, so the sums read each chunk of `dst` from L2 right after
-    it was written instead of from memory in a second pass (1-2 MiB pages
-    outgrow L2 with source and destination both passing through it). Same
-    result as ``checksum(algo, dst)`` after the copy."""
-    n = dst.size
-    if algo != CHECKSUM_SUM64 or n <= FUSE_CHUNK_BYTES or n & 4095:
-        np.copyto(dst, src)
-        return checksum(algo, dst)
-    k = n >> 12
-    words = dst.view("<u8").reshape(k, _BLOCK_WORDS)
-    blocks = np.empty(k, dtype=np.uint64)
-    step = FUSE_CHUNK_BYTES >> 12  # 4 KiB blocks per chunk
-    for lo in range(0, k, step):
-        hi = min(k, lo + step)
-        np.copyto(dst[lo << 12:hi << 12], src[lo << 12:hi << 12])
-        np.add.reduce(words[lo:hi], axis=1, out=blocks[lo:hi])
-    return _combine(blocks)
-
-
-class ChecksumJob:
-    """Checksums of one batch's big pages, computed in order on the hasher
-    thread while the writer copies earlier pages into the map (one task per
-    batch: a Future per page costs more than a small page's checksum)."""
-
-    def __init__(self, ops: list) -> None:  # objects with .page, .algo and .digest
-        self.ops = ops
-        self.cond = threading.Condition(threading.Lock())
-        self.finished = False
-
-    def run(self) -> None:
-        try:
-            for op in self.ops:
-                op.digest = checksum(op.algo, np.frombuffer(op.page, dtype=np.uint8))
-                with self.cond:
-                    self.cond.notify()
-        finally:
-            with self.cond:
-                self.finished = True
-                self.cond.notify()
-
-    def digest(self, op) -> tuple[int, int]:
-        if op.digest is None:
-            with self.cond:
-                self.cond.wait_for(lambda: op.digest is not None or self.finished)
-        if op.digest is None:  # the job failed: compute it here
-            op.digest = checksum(op.algo, np.frombuffer(op.page, dtype=np.uint8))
-        return op.digest
 
 
 def pack_meta(parent_key: bytes | None, salt: bytes, size: int, digest: tuple[int, int],
@@ -223,6 +180,17 @@ def unpack_meta_header(buf: bytes | memoryview) -> MetaHeader | None:
     if len(buf) != META_HEADER_BYTES + 4 * n_tokens or algo not in _ALGO_IDS:
         return None
     return MetaHeader(parent if flags & _FLAG_HAS_PARENT else None, salt, size, (a, b), last, algo)
+
+
+def read_fields(buf: memoryview, _unpack=_READ_FIELDS.unpack_from) -> tuple | None:
+    """What a read needs from a meta record, in one unpack: (salt, size,
+    checksum, algo), or None if the record is malformed."""
+    if len(buf) < META_HEADER_BYTES:
+        return None
+    salt, size, a, b, n_tokens, algo = _unpack(buf)
+    if len(buf) != META_HEADER_BYTES + 4 * n_tokens or algo not in _ALGO_IDS:
+        return None
+    return salt, size, (a, b), algo
 
 
 def unpack_record(key: bytes, value: bytes, _unpack=META_HEADER.unpack_from,

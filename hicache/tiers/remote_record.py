@@ -10,10 +10,15 @@ Layout (little-endian), then the page's tokens as int32, then the page bytes:
     parent key 16 (zeros: first page) | layout fingerprint 16 | flags u32 | n_tokens u32 |
     page bytes u64 | checksum a u64 | checksum b u64 | header crc32 u32 | reserved u32
 
-- The page checksum is the disk tier's (`disk_format.checksum`: sum64, ~30 GB/s, or
-  crc32 for small pages), computed while the page is copied into the record and
-  verified while it is copied out into the arena (`copy_checksum`: one pass).
-- The header crc32 covers the header before it and the tokens.
+- The page checksum is the disk tier's (`disk_format.checksum`: XXH3-64 in
+  checksum a, 0 in b, algo 3), computed over the page right before it is
+  copied into the record and verified back to back with the copy out into
+  the arena (`disk_format.copy_verified`), while the bytes are in the cache. Records of older daemons (algo 1, sum64; algo 2,
+  crc32) are still verified and served: a store shared across a rolling
+  upgrade keeps its pages. An older daemon refuses algo 3 as a "format" error
+  (a miss), never serves it.
+- The header crc32 covers the header before it and the tokens (a few hundred
+  bytes: crc32 is cheap there and catches every burst up to 32 bits).
 - The page key must equal BLAKE2b(parent or salt || tokens): the same chain the
   engines compute (hicache.index.keys), so a record can only be served as the page
   whose tokens it carries, under the parent the reader already holds.
@@ -35,7 +40,7 @@ import zlib
 import numpy as np
 
 from hicache.index.keys import KEY_BYTES
-from hicache.tiers.disk_format import CHECKSUM_IDS, copy_checksum, pick_algo
+from hicache.tiers import disk_format as fmt
 
 MAGIC = b"HCR1"
 VERSION = 1
@@ -44,7 +49,7 @@ _CRC = struct.Struct("<II")  # header crc32, reserved
 HEADER_BYTES = _HEAD.size + _CRC.size  # 112: the tokens after it stay 8-byte aligned
 _FLAG_HAS_PARENT = 1
 _NO_PARENT = bytes(KEY_BYTES)
-_ALGOS = frozenset(CHECKSUM_IDS.values())
+_ALGOS = frozenset((fmt.CHECKSUM_SUM64, fmt.CHECKSUM_CRC32, fmt.CHECKSUM_XXH3))
 
 
 class RecordError(ValueError):
@@ -91,9 +96,9 @@ class BufferPool:
 
 
 def encode(salt: bytes, key: bytes, parent: bytes | None, fingerprint: bytes, tokens: np.ndarray,
-           page: memoryview | np.ndarray, checksum: str = "auto", pool: BufferPool | None = None) -> memoryview:
+           page: memoryview | np.ndarray, pool: BufferPool | None = None) -> memoryview:
     """One record (in a buffer of `pool`, given back by the caller once sent); the page is
-    copied into it once, its checksum computed on the way."""
+    checksummed, then copied into it once."""
     toks = np.ascontiguousarray(tokens, dtype="<i4")
     src = np.frombuffer(page, dtype=np.uint8)
     size = HEADER_BYTES + toks.nbytes + src.size
@@ -101,10 +106,10 @@ def encode(salt: bytes, key: bytes, parent: bytes | None, fingerprint: bytes, to
     arr = np.frombuffer(buf, dtype=np.uint8)
     tok_end = HEADER_BYTES + toks.nbytes
     arr[HEADER_BYTES:tok_end] = toks.view(np.uint8)
-    algo = pick_algo(checksum, src.size)
-    a, b = copy_checksum(algo, src, arr[tok_end:])
+    a, b = fmt.checksum(src)
+    fmt.copy_into(memoryview(buf)[tok_end:], src)
     flags = _FLAG_HAS_PARENT if parent is not None else 0
-    _HEAD.pack_into(buf, 0, MAGIC, VERSION, algo, salt, key, parent or _NO_PARENT, fingerprint, flags,
+    _HEAD.pack_into(buf, 0, MAGIC, VERSION, fmt.CHECKSUM_XXH3, salt, key, parent or _NO_PARENT, fingerprint, flags,
                     len(toks), src.size, a, b)
     crc = zlib.crc32(memoryview(buf)[tok_end - toks.nbytes:tok_end], zlib.crc32(memoryview(buf)[:_HEAD.size]))
     _CRC.pack_into(buf, _HEAD.size, crc, 0)
@@ -144,7 +149,6 @@ def decode_into(blob: bytes | memoryview, *, salt: bytes, key: bytes, parent: by
     chained.update(tok_bytes)
     if chained.digest() != key:
         raise RecordError("key", "the page key is not the hash of its parent and tokens")
-    got = copy_checksum(algo, np.frombuffer(view, dtype=np.uint8, count=n_bytes, offset=tok_end), out)
-    if got != (a, b):
+    if not fmt.copy_verified(algo, view[tok_end:], memoryview(out).cast("B"), (a, b)):
         raise RecordError("checksum", "page bytes damaged")
     return np.frombuffer(tok_bytes, dtype="<i4")

@@ -3,12 +3,15 @@ it must, and a password never shows in an error, a URL shown, or the config's re
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 
 from hicache.config import Config, load_config
 from hicache.errors import ConfigError
 from hicache.index.keys import page_keys
+from hicache.tiers import disk_format as fmt
 from hicache.tiers import remote_record as rr
 from hicache.tiers.redis_store import record_key
 from hicache.tiers.remote_store import redact_url
@@ -28,7 +31,7 @@ def _chain(n: int = 3) -> tuple[np.ndarray, list[bytes]]:
     return toks, page_keys(SALT, toks, PAGE_SIZE)
 
 
-@pytest.mark.parametrize("nbytes", [768, 64 << 10, (64 << 10) + 100])  # crc32, sum64, sum64 with a tail
+@pytest.mark.parametrize("nbytes", [768, 64 << 10, (64 << 10) + 100])  # copied by memoryview, by numpy
 def test_a_record_round_trips_bit_exact(nbytes):
     toks, keys = _chain()
     page = _page(nbytes)
@@ -74,6 +77,42 @@ def test_every_kind_of_damage_is_refused():
     assert _damaged(lambda r: r[:-1]) == "truncated"
     assert _damaged(lambda r: r + b"x") == "truncated"
     assert _damaged(lambda r: r[:10]) == "truncated"
+
+
+def _with_page_checksum(rec: bytearray, algo: int, digest: tuple[int, int]) -> bytearray:
+    """`rec` as a daemon using checksum `algo` would have written it (header crc redone)."""
+    head = list(rr._HEAD.unpack_from(rec))
+    head[2], head[10], head[11] = algo, *digest
+    rr._HEAD.pack_into(rec, 0, *head)
+    tok_end = rr.HEADER_BYTES + 4 * head[8]
+    rr._CRC.pack_into(rec, rr._HEAD.size, zlib.crc32(rec[rr.HEADER_BYTES:tok_end], zlib.crc32(rec[:rr._HEAD.size])), 0)
+    return rec
+
+
+def test_records_of_older_daemons_stay_readable():
+    toks, keys = _chain()
+    page = _page(8192 + 8)
+    old = {fmt.CHECKSUM_CRC32: (zlib.crc32(page), 0), fmt.CHECKSUM_SUM64: fmt._sum64(page)}
+    for algo, digest in old.items():
+        rec = _with_page_checksum(bytearray(rr.encode(SALT, keys[1], keys[0], FP, toks[4:8], page)), algo, digest)
+        out = np.zeros(page.size, dtype=np.uint8)
+        rr.decode_into(bytes(rec), salt=SALT, key=keys[1], parent=keys[0], fingerprint=FP, page_size=PAGE_SIZE,
+                       out=out)
+        assert np.array_equal(out, page)
+        rec[-1] ^= 1  # and their checksums still guard them
+        with pytest.raises(rr.RecordError, match="checksum"):
+            rr.decode_into(bytes(rec), salt=SALT, key=keys[1], parent=keys[0], fingerprint=FP, page_size=PAGE_SIZE,
+                           out=out)
+
+
+def test_swapped_words_in_a_record_are_refused():
+    toks, keys = _chain()
+    rec = bytearray(rr.encode(SALT, keys[1], keys[0], FP, toks[4:8], _page(4096)))
+    at = rr.HEADER_BYTES + 4 * PAGE_SIZE + 64  # two neighbouring 8-byte words of the page
+    rec[at:at + 8], rec[at + 8:at + 16] = rec[at + 8:at + 16], rec[at:at + 8]
+    with pytest.raises(rr.RecordError, match="checksum"):
+        rr.decode_into(bytes(rec), salt=SALT, key=keys[1], parent=keys[0], fingerprint=FP, page_size=PAGE_SIZE,
+                       out=np.zeros(4096, dtype=np.uint8))
 
 
 def test_a_record_is_only_served_as_the_page_its_tokens_hash_to():

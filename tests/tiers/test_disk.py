@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+import zlib
 
 import lmdb
 import numpy as np
@@ -206,7 +207,7 @@ def test_sigkill_mid_write_leaves_a_consistent_environment(tmp_path, durability)
         assert tier.num_pages == len(found) and tier.used_bytes == len(found) * size
 
 
-# sum64 in one pass, sum64 fused with the copy chunk by chunk, (auto) crc32 records
+# pages copied through numpy and through the memoryview (disk_format.copy_into)
 @pytest.mark.parametrize("size,where", [(256 << 10, 0.5), (MiB + 4096, 0.5), (MiB + 4096, 0.9999), (4096, 0.5)])
 def test_flipped_byte_on_disk_is_a_counted_miss_and_deleted(open_tier, tmp_path, size, where):
     tier = open_tier()
@@ -493,31 +494,127 @@ def test_close_drains_the_queue(open_tier):
     assert not tier.put_async(SALT_A, key(99), None, toks(0), np.zeros(64, np.uint8))
 
 
-@pytest.mark.parametrize("algo", ["sum64", "crc32"])
-def test_checksums_detect_a_flipped_bit(algo):
+def test_xxh3_detects_a_flipped_bit():
     data = np.random.default_rng(0).integers(0, 256, (1 << 20) + 5, dtype=np.uint8)
-    a = fmt.checksum(fmt.CHECKSUM_IDS[algo], data)
+    good = fmt.checksum(data)
     for pos in (0, 4097, len(data) - 1):
         bad = data.copy()
         bad[pos] ^= 1
-        assert fmt.checksum(fmt.CHECKSUM_IDS[algo], bad) != a
+        assert fmt.checksum(bad) != good
 
 
-def test_sum64_detects_swapped_blocks():
-    data = np.random.default_rng(1).integers(0, 256, 16 * 4096, dtype=np.uint8)
-    swapped = data.copy()
-    swapped[:4096], swapped[4096:8192] = data[4096:8192], data[:4096]
-    assert fmt.checksum(fmt.CHECKSUM_SUM64, swapped) != fmt.checksum(fmt.CHECKSUM_SUM64, data)
+def _sum64_reference(data: bytes) -> tuple[int, int]:
+    """The old sum64, written out with Python ints (independent of disk_format)."""
+    data = data + bytes(-len(data) % 8)
+    words = np.frombuffer(data, dtype="<u8").tolist()
+    blocks = [sum(words[i:i + 512]) for i in range(0, len(words), 512)]
+    return sum(blocks) % (1 << 64), sum((i + 1) * s for i, s in enumerate(blocks)) % (1 << 64)
 
 
-def test_crc32_pages_stay_readable_under_sum64_config(open_tier, tmp_path):
-    tier = open_tier(config=DiskTierConfig(checksum="crc32"))
+def _swap_words(data: np.ndarray, i: int, j: int) -> np.ndarray:
+    out = data.copy()
+    w = out.view("<u8")
+    w[i], w[j] = w[j], w[i]
+    return out
+
+
+def _shift_words(data: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Words lo..hi-1 moved up by one word, the last of them wrapping to lo."""
+    out = data.copy()
+    w = out.view("<u8")
+    w[lo:hi] = np.roll(w[lo:hi], 1)
+    return out
+
+
+def test_swapped_and_shifted_words_are_detected_where_sum64_was_blind():
+    data = np.random.default_rng(3).integers(0, 256, 64 << 10, dtype=np.uint8)
+    for bad in (_swap_words(data, 3, 200), _shift_words(data, 10, 500)):  # both inside one 4 KiB block
+        assert _sum64_reference(bad.tobytes()) == _sum64_reference(data.tobytes())  # the old checksum missed it
+        assert fmt.checksum(bad) != fmt.checksum(data)
+        assert not fmt.verify(fmt.CHECKSUM_XXH3, bad, fmt.checksum(data))
+
+
+def test_swapped_words_on_disk_are_a_counted_miss(open_tier, tmp_path):
+    size = 64 << 10
+    tier = open_tier()
+    items = [(key(i), page_for(key(i), size)) for i in range(2)]
+    put_all(tier, items)
+    tier.close()
+    victim = items[1][1]
+    data_file = tmp_path / "disk" / "data.mdb"
+    blob = data_file.read_bytes()
+    start = blob.find(victim.tobytes()[:64])
+    assert start >= 0 and blob[start:start + size] == victim.tobytes()
+    swapped = _swap_words(victim, 1000, 1001)  # two neighbouring words of one block: sum64 missed this
+    with open(data_file, "r+b") as f:
+        f.seek(start)
+        f.write(swapped.tobytes())
+    tier = open_tier()
+    out = np.empty(size, dtype=np.uint8)
+    assert not tier.get_into(SALT_A, items[1][0], out)
+    assert tier.stats()["corrupt_pages"] == 1
+    assert tier.get_into(SALT_A, items[0][0], out) and np.array_equal(out, items[0][1])
+
+
+def _rewrite_as_old_record(path, k: bytes, algo: int, digest: tuple[int, int]) -> None:
+    """Give page `k`'s meta record the checksum of an older build (same layout, another algo id)."""
+    env = lmdb.open(str(path), max_dbs=4, subdir=True)
+    try:
+        meta = env.open_db(fmt.DB_META, create=False)
+        with env.begin(write=True) as txn:
+            rec = bytearray(txn.get(k, db=meta))
+            parent, salt, size, _a, _b, last, n_tokens, _algo, flags = fmt.META_HEADER.unpack_from(rec)
+            fmt.META_HEADER.pack_into(rec, 0, parent, salt, size, digest[0], digest[1], last, n_tokens, algo, flags)
+            txn.put(k, bytes(rec), db=meta)
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("algo", [fmt.CHECKSUM_SUM64, fmt.CHECKSUM_CRC32])
+@pytest.mark.parametrize("size", [8192, (64 << 10) + 100])
+def test_records_of_older_builds_stay_readable(open_tier, tmp_path, algo, size):
+    tier = open_tier()
+    items = [(key(i), page_for(key(i), size)) for i in range(2)]
+    put_all(tier, items)
+    tier.close()
+    for i, (k, pg) in enumerate(items):
+        digest = _sum64_reference(pg.tobytes()) if algo == fmt.CHECKSUM_SUM64 else (zlib.crc32(pg), 0)
+        if i == 1:  # a wrong old checksum: the page is refused, not served
+            digest = (digest[0] ^ 1, digest[1])
+        _rewrite_as_old_record(tmp_path / "disk", k, algo, digest)
+    tier = open_tier()
+    out = np.empty(size, dtype=np.uint8)
+    assert tier.get_into(SALT_A, items[0][0], out) and np.array_equal(out, items[0][1])
+    assert not tier.get_into(SALT_A, items[1][0], out)
+    assert tier.stats()["corrupt_pages"] == 1
+
+
+def test_unknown_checksum_id_is_a_malformed_record(open_tier, tmp_path):
+    tier = open_tier()
+    put_all(tier, [(key(1), page_for(key(1), 4096))])
+    tier.close()
+    _rewrite_as_old_record(tmp_path / "disk", key(1), 9, (0, 0))
+    tier = open_tier()
+    assert not tier.get_into(SALT_A, key(1), np.empty(4096, dtype=np.uint8))
+    assert tier.stats()["corrupt_pages"] == 1
+
+
+@pytest.mark.parametrize("name", ["xxh3", "auto", "sum64", "crc32"])
+def test_checksum_config_names_old_and_new_write_xxh3(open_tier, tmp_path, name):
+    tier = open_tier(config=DiskTierConfig(checksum=name))
     pg = page_for(key(1), 8192)
     put_all(tier, [(key(1), pg)])
     tier.close()
-    tier = open_tier()  # default sum64: the algorithm is read from each record
-    out = np.empty(8192, dtype=np.uint8)
-    assert tier.get_into(SALT_A, key(1), out) and np.array_equal(out, pg)
+    env = lmdb.open(str(tmp_path / "disk"), max_dbs=4, readonly=True, lock=False)
+    with env.begin() as txn:
+        rec = txn.get(key(1), db=env.open_db(fmt.DB_META, txn=txn, create=False))
+    env.close()
+    assert fmt.read_fields(memoryview(rec))[2:] == (fmt.checksum(pg), fmt.CHECKSUM_XXH3)
+
+
+def test_unknown_checksum_config_is_refused():
+    with pytest.raises(ConfigError, match="xxh3"):
+        DiskTierConfig(checksum="md5")
 
 
 def test_failing_callbacks_and_hook_do_not_kill_the_writer(open_tier):
@@ -537,12 +634,14 @@ def test_failing_callbacks_and_hook_do_not_kill_the_writer(open_tier):
     assert done.results == {key(2): True}
 
 
-@pytest.mark.parametrize("size", [4096, 256 << 10, (256 << 10) + 4096, MiB, 2 * MiB + 4096, MiB + 5])
-@pytest.mark.parametrize("algo", ["sum64", "crc32"])
-def test_copy_checksum_copies_and_matches_checksum(size, algo):
+@pytest.mark.parametrize("size", [4096, 256 << 10, MiB + 5])
+@pytest.mark.parametrize("algo", [fmt.CHECKSUM_XXH3, fmt.CHECKSUM_SUM64, fmt.CHECKSUM_CRC32])
+def test_copy_verified_copies_and_checks(size, algo):
     src = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    want = {fmt.CHECKSUM_XXH3: fmt.checksum(src), fmt.CHECKSUM_SUM64: _sum64_reference(src.tobytes()),
+            fmt.CHECKSUM_CRC32: (zlib.crc32(src), 0)}[algo]
     dst = np.zeros(size, dtype=np.uint8)
-    got = fmt.copy_checksum(fmt.CHECKSUM_IDS[algo], src, dst)
+    assert fmt.copy_verified(algo, memoryview(src), memoryview(dst), want)
     assert np.array_equal(dst, src)
-    assert got == fmt.checksum(fmt.CHECKSUM_IDS[algo], src)
+    assert not fmt.copy_verified(algo, memoryview(src), memoryview(dst), (want[0] ^ 1, want[1]))
 
