@@ -34,12 +34,14 @@ from __future__ import annotations
 import ctypes
 import itertools
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from hicache.kernels import native_copy
 from hicache.layout import KVLayout
 
 # Widest integer view first: scatter through byte views runs ~7x slower.
@@ -50,11 +52,13 @@ _WIDE_DTYPES: tuple[tuple[int, torch.dtype], ...] = (
 MIN_SPLIT_BYTES = 4 << 20
 # Work unit handed to copy threads.
 BATCH_BYTES = 1 << 20
-# Threads only pay off for chunks at least this large on average. Every memmove
-# call re-takes the GIL; with two threads and 32 KiB chunks they queue on it and
-# the VM's thread wake-ups ate all the gain (measured: 2 threads = 1 thread at
-# 32 KiB, 1.5x at 128 KiB).
+# Without the native library, threads only pay off for chunks at least this large
+# on average: every ctypes memmove re-takes the GIL, and with two threads and
+# 32 KiB chunks they queue on it (measured: 2 threads = 1 thread at 32 KiB).
 MIN_SPLIT_CHUNK_BYTES = 64 << 10
+# Copies moving at least this much use streaming stores (see native_copy): far
+# beyond the caches, the destination would be evicted before use anyway.
+STREAM_MIN_BYTES = 4 << 20
 
 
 def wide_dtype(*sizes: int) -> tuple[torch.dtype, int]:
@@ -226,54 +230,102 @@ def memmove_all(src: list[int], dst: list[int], nbytes: list[int]) -> None:
 
 
 class ChunkCopier:
-    """memmove of many (src, dst, nbytes) chunks, coalesced, spread over threads.
+    """Copies many (src, dst, nbytes) chunks, coalesced, spread over threads.
 
-    The calling thread copies too, so `num_threads=1` starts no thread. With more,
-    threads pull ~`BATCH_BYTES` batches from a shared counter: a thread the OS
-    deschedules (other work on the cores) holds up one batch, not a fixed share.
-    Thread-safe: concurrent `copy` calls share the helper pool.
+    Each batch of chunks is one call into `native_copy` (the GIL released for
+    the whole batch), streaming stores when the call moves at least
+    `STREAM_MIN_BYTES`; without the native library, one ctypes memmove per chunk.
+    The calling thread copies too, so `num_threads=1` starts no thread. With
+    more, threads pull ~`BATCH_BYTES` batches from a shared counter: a thread the
+    OS deschedules (other work on the cores) holds up one batch, not a fixed
+    share. Thread-safe: concurrent `copy` calls share the helper pool.
     """
 
     def __init__(self, num_threads: int = 1, min_split_bytes: int = MIN_SPLIT_BYTES,
-                 min_chunk_bytes: int = MIN_SPLIT_CHUNK_BYTES) -> None:
+                 min_chunk_bytes: int = MIN_SPLIT_CHUNK_BYTES, native: bool = True) -> None:
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         self.num_threads = num_threads
         self.min_split_bytes = min_split_bytes
         self.min_chunk_bytes = min_chunk_bytes
+        self._native = native_copy.chunk_copy() if native else None
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+
+    @property
+    def is_native(self) -> bool:
+        return self._native is not None
 
     def copy(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
         src, dst, nbytes = coalesce(src, dst, nbytes)
         total = int(nbytes.sum())
         workers = min(self.num_threads, len(src), max(1, total // max(1, self.min_split_bytes)))
-        if total < self.min_chunk_bytes * len(src):
-            workers = 1
-        s, d, n = src.tolist(), dst.tolist(), nbytes.tolist()
+        if self._native is None and total < self.min_chunk_bytes * len(src):
+            workers = 1  # per-chunk ctypes calls: small chunks queue on the GIL
+        run = self._batch_runner(src, dst, nbytes, stream=total >= STREAM_MIN_BYTES)
         if workers <= 1:
-            memmove_all(s, d, n)
+            run(0, len(src))
             return
-        batches = max(workers, min(len(s), total // BATCH_BYTES))
+        batches = max(workers, min(len(src), total // BATCH_BYTES))
         cuts = np.searchsorted(np.cumsum(nbytes), total * np.arange(1, batches) / batches, side="right")
-        bounds = np.unique(np.concatenate(([0], cuts, [len(s)]))).tolist()
-        counter = itertools.count()  # next() on it is atomic under the GIL
-
-        def work() -> None:
-            while (i := next(counter)) < len(bounds) - 1:
-                a, b = bounds[i], bounds[i + 1]
-                memmove_all(s[a:b], d[a:b], n[a:b])
-
+        job = _SharedJob(np.unique(np.concatenate(([0], cuts, [len(src)]))).tolist(), run)
         with self._pool_lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.num_threads - 1, thread_name_prefix="hicache-copy")
-            futures = [self._pool.submit(work) for _ in range(workers - 1)]
-        work()
-        for f in futures:
-            f.result()
+            for _ in range(workers - 1):
+                self._pool.submit(job.work)
+        job.work()
+        job.wait()
+
+    def _batch_runner(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
+                      stream: bool) -> Callable[[int, int], None]:
+        """`run(a, b)` copies chunks `a:b`."""
+        native = self._native
+        if native is not None:
+            src, dst, nbytes = (np.ascontiguousarray(x, dtype=np.int64) for x in (src, dst, nbytes))
+            return lambda a, b: native(src[a:b], dst[a:b], nbytes[a:b], stream)
+        s, d, n = src.tolist(), dst.tolist(), nbytes.tolist()
+        return lambda a, b: memmove_all(s[a:b], d[a:b], n[a:b])
 
     def close(self) -> None:
         with self._pool_lock:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+
+
+class _SharedJob:
+    """Batches `bounds[i]:bounds[i + 1]` pulled by whichever thread comes first.
+
+    The caller waits for the batches, not for the helpers: a helper whose core
+    wakes late (a VM wakes a halted vCPU in milliseconds) finds the work gone
+    and costs nothing, where waiting on its future would add that wake-up to
+    every call.
+    """
+
+    __slots__ = ("_bounds", "_run", "_next", "_left", "_lock", "_done", "_error")
+
+    def __init__(self, bounds: list[int], run: Callable[[int, int], None]) -> None:
+        self._bounds = bounds
+        self._run = run
+        self._next = itertools.count()  # next() on it is atomic under the GIL
+        self._left = len(bounds) - 1
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def work(self) -> None:
+        while (i := next(self._next)) < len(self._bounds) - 1:
+            try:
+                self._run(self._bounds[i], self._bounds[i + 1])
+            except BaseException as e:  # noqa: BLE001 - raised by wait() in the caller
+                self._error = e
+            with self._lock:
+                self._left -= 1
+                if self._left == 0:
+                    self._done.set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error

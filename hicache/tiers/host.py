@@ -115,6 +115,12 @@ class HostKVCache:
         if device is not None:
             self._bind(torch.device(device))
 
+    @property
+    def is_native(self) -> bool:
+        """Whether the memcpy backend copies through the native batch copy (see
+        kernels/native_copy.py) rather than one ctypes memmove per chunk."""
+        return self._copier.is_native
+
     def _bind(self, device: torch.device) -> None:
         """Fix the device type and backend (once)."""
         backend = self._forced_backend or self._pick_backend(device)
