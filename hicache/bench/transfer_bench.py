@@ -134,14 +134,16 @@ def _bench_page_size(page_size: int, *, num_layers: int, num_kv_heads: int, head
                      "ratio": round(_median(list(base / cand)), 3),
                      "ratio_min": round(float((base / cand).min()), 3),
                      "ratio_same_threads": round(_median(list(same / cand)), 3),
-                     "repeats": repeats, "native": native})
+                     "repeats": repeats, "native": native,
+                     "note": f"worst repetition {(base / cand).min():.3f}"})
     return rows
 
 
 def worst_row(rows: list[dict]) -> dict:
     """A summary row: the lowest median ratio, and which row has it."""
     worst = min(rows, key=lambda r: r["ratio"])
-    return {"name": "worst_ratio", "value": worst["ratio"], "unit": "x", "worst_row": worst["name"]}
+    return {"name": "worst_ratio", "value": worst["ratio"], "unit": "x", "worst_row": worst["name"],
+            "note": f"lowest median ratio: {worst['name']}"}
 
 
 def run(page_sizes: tuple[int, ...] = (16, 64), *, num_layers: int = 32, num_kv_heads: int = 8,

@@ -37,6 +37,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -56,9 +57,26 @@ BATCH_BYTES = 1 << 20
 # on average: every ctypes memmove re-takes the GIL, and with two threads and
 # 32 KiB chunks they queue on it (measured: 2 threads = 1 thread at 32 KiB).
 MIN_SPLIT_CHUNK_BYTES = 64 << 10
-# Copies moving at least this much use streaming stores (see native_copy): far
-# beyond the caches, the destination would be evicted before use anyway.
-STREAM_MIN_BYTES = 4 << 20
+
+
+def _last_level_cache_bytes(default: int = 32 << 20) -> int:
+    """Size of cpu0's largest cache (sysfs), or `default` where that is not readable."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = f.read_text().strip()
+        except OSError:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        if (digits := text.rstrip("KMG")).isdigit():
+            sizes.append(int(digits) * mult)
+    return max(sizes, default=default)
+
+
+# Copies moving at least this much use streaming stores (see native_copy), glibc's
+# rule for one memcpy (3/4 of the last-level cache) applied to the whole batch:
+# smaller copies stay in cache for the attention that reads the layer next.
+STREAM_MIN_BYTES = _last_level_cache_bytes() * 3 // 4
 
 
 def wide_dtype(*sizes: int) -> tuple[torch.dtype, int]:
