@@ -83,40 +83,48 @@ void hicache_copy_chunks(const int64_t *src, const int64_t *dst, const int64_t *
 }
 """
 
-ChunkCopyFn = Callable[[np.ndarray, np.ndarray, np.ndarray, bool], None]
+class NativeChunkCopy:
+    """The loaded library. `copy(src, dst, nbytes, stream)` takes int64 arrays;
+    `copy_at(src_addr, dst_addr, nbytes_addr, count, stream)` the addresses of
+    such arrays, for callers that copy slices of one table from several threads
+    and want no per-call array work under the GIL."""
+
+    __slots__ = ("copy_at",)
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.hicache_copy_chunks  # CDLL (not PyDLL): the GIL is released during calls
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+        fn.restype = None
+        self.copy_at: Callable[[int, int, int, int, int], None] = fn
+
+    def copy(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, stream: bool) -> None:
+        s, d, n = (np.ascontiguousarray(a, dtype=np.int64) for a in (src, dst, nbytes))
+        if not len(s) == len(d) == len(n):
+            raise ValueError("src, dst and nbytes differ in length")
+        self.copy_at(s.ctypes.data, d.ctypes.data, n.ctypes.data, len(s), int(stream))
+
 
 _lock = threading.Lock()
-_loaded: list[ChunkCopyFn | None] = []  # [] = not tried yet
+_loaded: list[NativeChunkCopy | None] = []  # [] = not tried yet
 
 
-def chunk_copy() -> ChunkCopyFn | None:
-    """`fn(src, dst, nbytes, stream)` over contiguous int64 arrays of addresses and
-    sizes, or None where the library cannot be built here (logged once)."""
+def chunk_copy() -> NativeChunkCopy | None:
+    """The native batch copy, or None where the library cannot be built here (logged once)."""
     with _lock:
         if not _loaded:
             _loaded.append(_load())
         return _loaded[0]
 
 
-def _load() -> ChunkCopyFn | None:
+def _load() -> NativeChunkCopy | None:
     if os.environ.get("HICACHE_NATIVE_COPY", "1") == "0":
         log.info("native chunk copy disabled by HICACHE_NATIVE_COPY=0")
         return None
     try:
-        lib = ctypes.CDLL(str(_build()))  # CDLL (not PyDLL): the GIL is released during calls
+        return NativeChunkCopy(ctypes.CDLL(str(_build())))
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("native chunk copy unavailable, copying chunk by chunk from Python: %s", e)
         return None
-    fn = lib.hicache_copy_chunks
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-    fn.restype = None
-
-    def copy(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, stream: bool) -> None:
-        s, d, n = (np.ascontiguousarray(a, dtype=np.int64) for a in (src, dst, nbytes))
-        if not len(s) == len(d) == len(n):
-            raise ValueError("src, dst and nbytes differ in length")
-        fn(s.ctypes.data, d.ctypes.data, n.ctypes.data, len(s), int(stream))
-    return copy
 
 
 def _cache_dir() -> Path:

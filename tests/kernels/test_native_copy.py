@@ -40,7 +40,7 @@ def _random_chunks(seed: int, n: int, max_bytes: int, buf_bytes: int = 1 << 20):
 @pytest.mark.parametrize("max_bytes", [300, 5000])
 def test_native_copy_matches_numpy(stream, max_bytes):
     src_buf, dst_buf, want, s, d, n = _random_chunks(max_bytes, 100, max_bytes)
-    native(s, d, n, stream)
+    native.copy(s, d, n, stream)
     assert np.array_equal(dst_buf, want)
     assert dst_buf.any()
 
