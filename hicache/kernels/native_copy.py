@@ -13,8 +13,9 @@ bytes would be evicted before use anyway); `ChunkCopier` picks it by total size.
 
 The library is compiled on first use with the system C compiler (`$CC`, else
 `cc`) into a per-user cache directory (`$HICACHE_NATIVE_DIR`, else
-`$XDG_CACHE_HOME/hicache` or `~/.cache/hicache`, mode 0700) and loaded with
-ctypes; no build step at install. Without a compiler, or with
+`$XDG_CACHE_HOME/hicache` or `~/.cache/hicache`, mode 0700; one that another
+user owns or could write is passed over for a fresh temporary directory) and
+loaded with ctypes; no build step at install. Without a compiler, or with
 `HICACHE_NATIVE_COPY=0`, `chunk_copy()` returns None and callers fall back to
 one `ctypes.memmove` per chunk: same bytes, slower.
 
@@ -143,11 +144,13 @@ def _build() -> Path:
     out_dir = _cache_dir()
     try:
         out_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except OSError:
-        out_dir = Path(tempfile.gettempdir()) / f"hicache-native-{os.getuid()}"
-        out_dir.mkdir(mode=0o700, exist_ok=True)
+        _check_private(out_dir)
+    except OSError as e:
+        log.debug("native copy cache %s not usable (%s): building in a private temporary directory", out_dir, e)
+        out_dir = Path(tempfile.mkdtemp(prefix="hicache-native-"))
     lib = out_dir / f"copy_chunks-{key}.so"
     if lib.exists():
+        _check_private(lib)
         return lib
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         src = Path(tmp) / "copy_chunks.c"
@@ -158,3 +161,11 @@ def _build() -> Path:
         os.replace(built, lib)  # atomic: a concurrent builder's result is the same file
     log.debug("built %s", lib)
     return lib
+
+
+def _check_private(path: Path) -> None:
+    """Refuse (OSError) a cache entry another user could have written: the library
+    is loaded into engine processes."""
+    st = path.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise OSError(f"{path} is not private to this user (owner {st.st_uid}, mode {st.st_mode & 0o777:o})")

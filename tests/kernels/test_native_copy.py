@@ -5,6 +5,7 @@ build falls back to the per-chunk path."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 
 import numpy as np
@@ -118,3 +119,15 @@ def test_streaming_page_copies_equal_the_twin(monkeypatch, name):
     from tests.kernels.test_copy_kernels import LAYOUTS, _compare_backends
     monkeypatch.setattr(kcopy, "STREAM_MIN_BYTES", 0)
     _compare_backends(LAYOUTS[name], 13, ("memcpy", "torch"))
+
+
+@needs_native
+def test_a_cache_others_can_write_is_not_used(monkeypatch, tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("HICACHE_NATIVE_DIR", str(shared))
+    lib = native_copy._build()
+    assert lib.parent != shared and lib.exists()  # built in a private temporary directory instead
+    assert not list(shared.glob("*.so"))
+    shutil.rmtree(lib.parent)
