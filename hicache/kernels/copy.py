@@ -269,19 +269,23 @@ class ChunkCopier:
         self.num_threads = num_threads
         self.min_split_bytes = min_split_bytes
         self.min_chunk_bytes = min_chunk_bytes
-        self._native = native_copy.chunk_copy() if native else None
+        self._native: native_copy.NativeChunkCopy | None = None
+        self._native_tried = not native  # built on first use: CUDA engines never need it
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
     @property
     def is_native(self) -> bool:
+        if not self._native_tried:  # benign race: chunk_copy() is locked and cached
+            self._native = native_copy.chunk_copy()
+            self._native_tried = True
         return self._native is not None
 
     def copy(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
         src, dst, nbytes = coalesce(src, dst, nbytes)
         total = int(nbytes.sum())
         workers = min(self.num_threads, len(src), max(1, total // max(1, self.min_split_bytes)))
-        if self._native is None and total < self.min_chunk_bytes * len(src):
+        if not self.is_native and total < self.min_chunk_bytes * len(src):
             workers = 1  # per-chunk ctypes calls: small chunks queue on the GIL
         run = self._batch_runner(src, dst, nbytes, stream=total >= STREAM_MIN_BYTES)
         if workers <= 1:
