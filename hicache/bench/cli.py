@@ -37,7 +37,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="cpu: the memcpy path by thread count; cuda: every copy method on the GPU, "
                         "also vs a per-page cudaMemcpyAsync loop")
     b.add_argument("--page-sizes", type=int, nargs="+", default=[16, 64])
-    b.add_argument("--repeats", type=int, default=9)
+    b.add_argument("--repeats", type=int, default=9,
+                   help="cpu: each row and its baseline timed back to back this many times; medians reported")
+    b.add_argument("--threads", type=int, nargs="+", default=None,
+                   help="cpu: copy thread counts (default: 1 and torch's intra-op count)")
     b.add_argument("--target-mib", type=int, default=1024)
     b.add_argument("--run-pages", type=int, default=64, help="cuda: pages per run in the 'runs' pattern")
 
@@ -104,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
                   target_bytes=args.target_mib << 20, run_pages=args.run_pages)
     elif args.bench == "transfer":
         from hicache.bench.transfer_bench import run as go
-        rows = go(tuple(args.page_sizes), repeats=args.repeats, target_bytes=args.target_mib << 20)
+        rows = go(tuple(args.page_sizes), repeats=args.repeats, target_bytes=args.target_mib << 20,
+                  threads=tuple(args.threads) if args.threads else None)
     elif args.bench == "disk":
         from hicache.bench.disk_bench import run as go
         rows = go(total_bytes=args.total_mib << 20, workdir=args.workdir, repeats=args.repeats,

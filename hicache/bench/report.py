@@ -1,7 +1,8 @@
 """Result rows and how `hicache bench` prints them.
 
 A row is `{"name", "value", "unit"}` plus, where a baseline was measured in the
-same run, `"baseline"` and `"ratio"` (value / baseline).
+same run, `"baseline"` and `"ratio"` (value / baseline), and optionally a
+`"note"` the table prints after the ratio.
 """
 
 from __future__ import annotations
@@ -45,5 +46,6 @@ def print_rows(bench: str, rows: list[dict], as_json: bool, meta: dict | None = 
         base = _fmt(r.get("baseline"))
         if r.get("baseline_name"):
             base = f"{base} ({r['baseline_name']})"
-        print(f"{r['name']:<{width}}  {_fmt(r['value']):>12} {r['unit']:<8} {base:>12} {_fmt(r.get('ratio')):>7}",
-              file=out)
+        note = f"  {r['note']}" if r.get("note") else ""
+        print(f"{r['name']:<{width}}  {_fmt(r['value']):>12} {r['unit']:<8} {base:>12} {_fmt(r.get('ratio')):>7}"
+              f"{note}", file=out)

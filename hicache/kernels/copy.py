@@ -18,11 +18,14 @@ fp16, 1 GiB of random pages, `python -m hicache.bench.transfer_bench`). The
 twin moves rows through `index_select` + `index_copy_` on wide (int64) views:
 correct on any device, but two passes over the bytes (gather into a
 temporary, scatter out of it), ~0.45-0.55x a contiguous `copy_`; blocking it
-into cache-sized batches did not help. The memcpy path calls libc `memmove`
-once per chunk through ctypes (releasing the GIL, ~1 us per call here), a
-single pass at glibc speed: 0.85-0.93x at 32 KiB chunks (page 16), >= 1x at
-128 KiB (page 64). Per-chunk torch `copy_` costs several microseconds of
-dispatch per call; numpy take/put on void rows ran at ~2 GB/s;
+into cache-sized batches did not help. The memcpy path is a single pass: each
+batch of chunks is one call into a small C loop (`native_copy`, GIL released),
+with streaming stores for copies beyond the last-level cache: ~1x a contiguous
+`copy_` at 32 KiB chunks (page 16), ~1.2x at 128 KiB (page 64). Before it, one
+ctypes `memmove` per chunk (still the fallback without a C compiler) paid
+~1.4 us per call and an ordinary-store read of every destination line:
+0.6-0.85x at 32 KiB chunks. Per-chunk torch `copy_` (or `_foreach_copy_`) costs
+microseconds of dispatch per chunk; numpy take/put on void rows ran at ~2 GB/s;
 process_vm_readv and preadv/pwritev on the memfd were slower than memmove.
 Page-first host pages make every per-layer chunk a separate run (layer `l` of
 page `h+1` is a whole page away from that of page `h`), so coalescing merges
@@ -34,12 +37,15 @@ from __future__ import annotations
 import ctypes
 import itertools
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from hicache.kernels import native_copy
 from hicache.layout import KVLayout
 
 # Widest integer view first: scatter through byte views runs ~7x slower.
@@ -50,11 +56,30 @@ _WIDE_DTYPES: tuple[tuple[int, torch.dtype], ...] = (
 MIN_SPLIT_BYTES = 4 << 20
 # Work unit handed to copy threads.
 BATCH_BYTES = 1 << 20
-# Threads only pay off for chunks at least this large on average. Every memmove
-# call re-takes the GIL; with two threads and 32 KiB chunks they queue on it and
-# the VM's thread wake-ups ate all the gain (measured: 2 threads = 1 thread at
-# 32 KiB, 1.5x at 128 KiB).
+# Without the native library, threads only pay off for chunks at least this large
+# on average: every ctypes memmove re-takes the GIL, and with two threads and
+# 32 KiB chunks they queue on it (measured: 2 threads = 1 thread at 32 KiB).
 MIN_SPLIT_CHUNK_BYTES = 64 << 10
+
+
+def _last_level_cache_bytes(default: int = 32 << 20) -> int:
+    """Size of cpu0's largest cache (sysfs), or `default` where that is not readable."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = f.read_text().strip()
+        except OSError:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        if (digits := text.rstrip("KMG")).isdigit():
+            sizes.append(int(digits) * mult)
+    return max(sizes, default=default)
+
+
+# Copies moving at least this much use streaming stores (see native_copy), glibc's
+# rule for one memcpy (3/4 of the last-level cache) applied to the whole batch:
+# smaller copies stay in cache for the attention that reads the layer next.
+STREAM_MIN_BYTES = _last_level_cache_bytes() * 3 // 4
 
 
 def wide_dtype(*sizes: int) -> tuple[torch.dtype, int]:
@@ -226,54 +251,112 @@ def memmove_all(src: list[int], dst: list[int], nbytes: list[int]) -> None:
 
 
 class ChunkCopier:
-    """memmove of many (src, dst, nbytes) chunks, coalesced, spread over threads.
+    """Copies many (src, dst, nbytes) chunks, coalesced, spread over threads.
 
-    The calling thread copies too, so `num_threads=1` starts no thread. With more,
-    threads pull ~`BATCH_BYTES` batches from a shared counter: a thread the OS
-    deschedules (other work on the cores) holds up one batch, not a fixed share.
-    Thread-safe: concurrent `copy` calls share the helper pool.
+    Each batch of chunks is one call into `native_copy` (the GIL released for
+    the whole batch), streaming stores when the call moves at least
+    `STREAM_MIN_BYTES`; without the native library, one ctypes memmove per chunk.
+    The calling thread copies too, so `num_threads=1` starts no thread. With
+    more, threads pull ~`BATCH_BYTES` batches from a shared counter: a thread the
+    OS deschedules (other work on the cores) holds up one batch, not a fixed
+    share. Thread-safe: concurrent `copy` calls share the helper pool.
     """
 
     def __init__(self, num_threads: int = 1, min_split_bytes: int = MIN_SPLIT_BYTES,
-                 min_chunk_bytes: int = MIN_SPLIT_CHUNK_BYTES) -> None:
+                 min_chunk_bytes: int = MIN_SPLIT_CHUNK_BYTES, native: bool = True) -> None:
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         self.num_threads = num_threads
         self.min_split_bytes = min_split_bytes
         self.min_chunk_bytes = min_chunk_bytes
+        self._native: native_copy.NativeChunkCopy | None = None
+        self._native_tried = not native  # built on first use: CUDA engines never need it
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+
+    @property
+    def is_native(self) -> bool:
+        if not self._native_tried:  # benign race: chunk_copy() is locked and cached
+            self._native = native_copy.chunk_copy()
+            self._native_tried = True
+        return self._native is not None
 
     def copy(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
         src, dst, nbytes = coalesce(src, dst, nbytes)
         total = int(nbytes.sum())
         workers = min(self.num_threads, len(src), max(1, total // max(1, self.min_split_bytes)))
-        if total < self.min_chunk_bytes * len(src):
-            workers = 1
-        s, d, n = src.tolist(), dst.tolist(), nbytes.tolist()
+        if not self.is_native and total < self.min_chunk_bytes * len(src):
+            workers = 1  # per-chunk ctypes calls: small chunks queue on the GIL
+        run = self._batch_runner(src, dst, nbytes, stream=total >= STREAM_MIN_BYTES)
         if workers <= 1:
-            memmove_all(s, d, n)
+            run(0, len(src))
             return
-        batches = max(workers, min(len(s), total // BATCH_BYTES))
+        batches = max(workers, min(len(src), total // BATCH_BYTES))
         cuts = np.searchsorted(np.cumsum(nbytes), total * np.arange(1, batches) / batches, side="right")
-        bounds = np.unique(np.concatenate(([0], cuts, [len(s)]))).tolist()
-        counter = itertools.count()  # next() on it is atomic under the GIL
-
-        def work() -> None:
-            while (i := next(counter)) < len(bounds) - 1:
-                a, b = bounds[i], bounds[i + 1]
-                memmove_all(s[a:b], d[a:b], n[a:b])
-
+        job = _SharedJob(np.unique(np.concatenate(([0], cuts, [len(src)]))).tolist(), run)
         with self._pool_lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.num_threads - 1, thread_name_prefix="hicache-copy")
-            futures = [self._pool.submit(work) for _ in range(workers - 1)]
-        work()
-        for f in futures:
-            f.result()
+            for _ in range(workers - 1):
+                self._pool.submit(job.work)
+        job.work()
+        job.wait()
+
+    def _batch_runner(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
+                      stream: bool) -> Callable[[int, int], None]:
+        """`run(a, b)` copies chunks `a:b`."""
+        if self._native is not None:
+            copy_at = self._native.copy_at
+            tables = [np.ascontiguousarray(x, dtype=np.int64) for x in (src, dst, nbytes)]
+            sp, dp, npp = (t.ctypes.data for t in tables)
+            flag = int(stream)
+
+            def run(a: int, b: int, _keep: list[np.ndarray] = tables) -> None:
+                # Addresses, not slices: the GIL is held only for the call itself.
+                copy_at(sp + 8 * a, dp + 8 * a, npp + 8 * a, b - a, flag)
+            return run
+        s, d, n = src.tolist(), dst.tolist(), nbytes.tolist()
+        return lambda a, b: memmove_all(s[a:b], d[a:b], n[a:b])
 
     def close(self) -> None:
         with self._pool_lock:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+
+
+class _SharedJob:
+    """Batches `bounds[i]:bounds[i + 1]` pulled by whichever thread comes first.
+
+    The caller waits for the batches, not for the helpers: a helper whose core
+    wakes late (a VM wakes a halted vCPU in milliseconds) finds the work gone
+    and costs nothing, where waiting on its future would add that wake-up to
+    every call.
+    """
+
+    __slots__ = ("_bounds", "_run", "_next", "_left", "_lock", "_done", "_error")
+
+    def __init__(self, bounds: list[int], run: Callable[[int, int], None]) -> None:
+        self._bounds = bounds
+        self._run = run
+        self._next = itertools.count()  # next() on it is atomic under the GIL
+        self._left = len(bounds) - 1
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def work(self) -> None:
+        while (i := next(self._next)) < len(self._bounds) - 1:
+            try:
+                self._run(self._bounds[i], self._bounds[i + 1])
+            except BaseException as e:  # noqa: BLE001 - raised by wait() in the caller
+                self._error = e
+            with self._lock:
+                self._left -= 1
+                if self._left == 0:
+                    self._done.set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error

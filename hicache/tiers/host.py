@@ -10,7 +10,8 @@ engine maps them into its reservation of the arena (`HostArena.reserve`,
 `hicache.layout`).
 
 Copy backends, chosen once per `HostKVCache`:
-- "memcpy": CPU pools; one libc memmove per contiguous chunk (see kernels/copy.py).
+- "memcpy": CPU pools; one copy per contiguous chunk, each batch of chunks one
+  call into a small C loop built on first use (kernels/copy.py, native_copy.py).
 - "triton": CUDA pools when Triton imports (or CPU under TRITON_INTERPRET).
 - "torch": the twin, any device; the reference the others are tested against.
 
@@ -114,6 +115,12 @@ class HostKVCache:
         self.backend: str | None = None
         if device is not None:
             self._bind(torch.device(device))
+
+    @property
+    def is_native(self) -> bool:
+        """Whether the memcpy backend copies through the native batch copy (see
+        kernels/native_copy.py) rather than one ctypes memmove per chunk."""
+        return self._copier.is_native
 
     def _bind(self, device: torch.device) -> None:
         """Fix the device type and backend (once)."""

@@ -1,0 +1,133 @@
+"""The native batched chunk copy and the copier's threading: bytes equal a
+numpy reference with and without streaming stores, odd sizes and alignments
+included; a helper thread that never runs does not hold up a copy; a failed
+build falls back to the per-chunk path."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import numpy as np
+import pytest
+
+from hicache.kernels import copy as kcopy
+from hicache.kernels import native_copy
+from tests.wait import wait_until
+
+native = native_copy.chunk_copy()
+needs_native = pytest.mark.skipif(native is None, reason="no C compiler: the native copy is not built here")
+
+
+def _random_chunks(seed: int, n: int, max_bytes: int, buf_bytes: int = 1 << 20):
+    """Non-overlapping chunks of random sizes at random (unaligned) offsets."""
+    rng = np.random.default_rng(seed)
+    src_buf = rng.integers(0, 256, buf_bytes, dtype=np.uint8)
+    dst_buf = np.zeros(buf_bytes, dtype=np.uint8)
+    slot = buf_bytes // n
+    assert max_bytes < slot
+    sizes = rng.integers(0, max_bytes, n)
+    s_off = rng.permutation(n) * slot + rng.integers(0, slot - max_bytes, n)
+    d_off = rng.permutation(n) * slot + rng.integers(0, slot - max_bytes, n)
+    want = np.zeros_like(dst_buf)
+    for s, d, k in zip(s_off, d_off, sizes):
+        want[d:d + k] = src_buf[s:s + k]
+    return (src_buf, dst_buf, want, (src_buf.ctypes.data + s_off).astype(np.int64),
+            (dst_buf.ctypes.data + d_off).astype(np.int64), sizes.astype(np.int64))
+
+
+@needs_native
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("max_bytes", [300, 5000])
+def test_native_copy_matches_numpy(stream, max_bytes):
+    src_buf, dst_buf, want, s, d, n = _random_chunks(max_bytes, 100, max_bytes)
+    native.copy(s, d, n, stream)
+    assert np.array_equal(dst_buf, want)
+    assert dst_buf.any()
+
+
+@pytest.mark.parametrize("use_native", [True, False])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_copier_paths_match_numpy(use_native, threads):
+    if use_native and native is None:
+        pytest.skip("no native copy here")
+    src_buf, dst_buf, want, s, d, n = _random_chunks(threads, 200, 4000)
+    copier = kcopy.ChunkCopier(threads, min_split_bytes=1, min_chunk_bytes=1, native=use_native)
+    assert copier.is_native == use_native
+    copier.copy(s, d, n)
+    copier.close()
+    assert np.array_equal(dst_buf, want)
+
+
+def test_copy_does_not_wait_for_a_helper_that_never_comes():
+    """The helper is stuck elsewhere; the caller copies every batch itself and returns."""
+    src_buf, dst_buf, want, s, d, n = _random_chunks(7, 64, 4000)
+    copier = kcopy.ChunkCopier(2, min_split_bytes=1, min_chunk_bytes=1)
+    copier.copy(s[:1], d[:1], n[:1])  # starts nothing yet: one chunk is one batch
+    release = threading.Event()
+    copier.copy(s[:2], d[:2], n[:2])  # starts the helper pool
+    assert copier._pool is not None
+    copier._pool.submit(release.wait)  # the only helper is now busy until released
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (copier.copy(s, d, n), done.set()), daemon=True)
+    t.start()
+    try:
+        wait_until(done.is_set, what="a copy whose helper is busy")
+    finally:
+        release.set()
+    copier.close()
+    assert np.array_equal(dst_buf, want)
+
+
+def test_a_failing_batch_raises_in_the_caller():
+    copier = kcopy.ChunkCopier(2, min_split_bytes=1, min_chunk_bytes=1)
+
+    def boom(a: int, b: int) -> None:
+        raise RuntimeError("copy failed")
+
+    copier._batch_runner = lambda *args, **kw: boom
+    with pytest.raises(RuntimeError, match="copy failed"):
+        copier.copy(np.arange(4, dtype=np.int64) * 100, np.arange(4, dtype=np.int64) * 100 + 1000,
+                    np.full(4, 10, dtype=np.int64))
+    copier.close()
+
+
+def test_disabled_or_unbuildable_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("HICACHE_NATIVE_COPY", "0")
+    assert native_copy._load() is None
+    monkeypatch.delenv("HICACHE_NATIVE_COPY")
+    monkeypatch.setenv("HICACHE_NATIVE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert native_copy._load() is None
+    assert not list(tmp_path.glob("*.so"))
+
+
+@needs_native
+def test_build_is_cached_per_directory(monkeypatch, tmp_path):
+    monkeypatch.setenv("HICACHE_NATIVE_DIR", str(tmp_path / "cache"))
+    first = native_copy._build()
+    assert first.parent == tmp_path / "cache" and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert native_copy._build() == first and first.stat().st_mtime_ns == mtime
+    assert native_copy._load() is not None
+
+
+@needs_native
+@pytest.mark.parametrize("name", ["mha-fp16", "mha-fp8-odd", "mla-fp16"])
+def test_streaming_page_copies_equal_the_twin(monkeypatch, name):
+    """Every copy streams (the threshold is a size, so force it): pages still match."""
+    from tests.kernels.test_copy_kernels import LAYOUTS, _compare_backends
+    monkeypatch.setattr(kcopy, "STREAM_MIN_BYTES", 0)
+    _compare_backends(LAYOUTS[name], 13, ("memcpy", "torch"))
+
+
+@needs_native
+def test_a_cache_others_can_write_is_not_used(monkeypatch, tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("HICACHE_NATIVE_DIR", str(shared))
+    lib = native_copy._build()
+    assert lib.parent != shared and lib.exists()  # built in a private temporary directory instead
+    assert not list(shared.glob("*.so"))
+    shutil.rmtree(lib.parent)
