@@ -224,21 +224,7 @@ class RpcConnection:
             n = self._end - self._start
             self._buf[:n] = bytes(self._view[self._start:self._end])  # no overlapping copy
             self._start, self._end = 0, n
-        while True:
-            self._wait(deadline)
-            try:
-                if fds is None:
-                    k = self.sock.recv_into(self._view[self._end:])
-                else:
-                    k, got = self._recvmsg_into(self._view[self._end:])
-                    fds.extend(got)
-            except BlockingIOError:
-                self._rearm(deadline)
-                continue
-            if k == 0:
-                raise ConnectionResetError("the daemon closed the connection")
-            self._end += k
-            return
+        self._end += self._recv_into(self._view[self._end:], deadline, fds)
 
     def _read_big(self, n: int, deadline: float, fds: list[int] | None) -> bytes:
         """A frame larger than the buffer: its own bytearray."""
@@ -248,20 +234,26 @@ class RpcConnection:
         self._start = self._end = 0
         view = memoryview(body)
         while have < n:
+            have += self._recv_into(view[have:], deadline, fds)
+        return bytes(body)
+
+    def _recv_into(self, view: memoryview, deadline: float, fds: list[int] | None) -> int:
+        """One receive into `view` (at least a byte) within the deadline; with `fds`,
+        descriptors that come along are appended there."""
+        while True:
             self._wait(deadline)
             try:
                 if fds is None:
-                    k = self.sock.recv_into(view[have:])
+                    k = self.sock.recv_into(view)
                 else:
-                    k, got = self._recvmsg_into(view[have:])
+                    k, got = self._recvmsg_into(view)
                     fds.extend(got)
             except BlockingIOError:
                 self._rearm(deadline)
                 continue
             if k == 0:
                 raise ConnectionResetError("the daemon closed the connection")
-            have += k
-        return bytes(body)
+            return k
 
     def _recvmsg_into(self, view: memoryview) -> tuple[int, list[int]]:
         fds = array.array("i")
@@ -310,15 +302,7 @@ class RpcConnection:
         view = memoryview(buf)
         got = 0
         while got < n:
-            self._wait(deadline)
-            try:
-                k = self.sock.recv_into(view[got:], n - got)
-            except BlockingIOError:
-                self._rearm(deadline)
-                continue
-            if k == 0:
-                raise ConnectionResetError("the daemon closed the connection")
-            got += k
+            got += self._recv_into(view[got:n], deadline, None)
         return bytes(buf)
 
     def _recv_with_fds(self, n: int, deadline: float) -> tuple[bytes, list[int]]:
