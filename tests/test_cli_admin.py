@@ -381,3 +381,16 @@ def test_export_needs_an_unambiguous_namespace_on_disk(tmp_path, start, exported
     assert out.returncode == 1 and "without a disk tier" in out.stderr
     out = cli("import", "--socket", nodisk.socket, str(exported[1]))
     assert out.returncode == 1 and "without a disk tier" in out.stderr
+
+
+def test_settle_waits_for_the_disk_and_refuses_bad_timeouts(exported):
+    """`settle` (replays call it between requests) answers settled once the disk writes are
+    committed; a bad timeout is refused and changes nothing."""
+    a, _, _ = exported
+    before = call(a, "stats")["tiers"]["disk"]["pages"]
+    assert call(a, "settle", {"timeout_s": 30}) == {"settled": True}
+    for bad in (-1, 61, "soon", None):
+        with pytest.raises(ClientError) as e:
+            call(a, "settle", {"timeout_s": bad})
+        assert e.value.code == "BAD_PARAMS"
+    assert call(a, "stats")["tiers"]["disk"]["pages"] == before > 0
