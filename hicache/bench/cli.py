@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 from hicache.bench.report import print_rows
-from hicache.config import EVICTION_POLICIES
 from hicache.bench.soak_bench import add_arguments as soak_arguments
 from hicache.bench.vllm_bench import add_arguments as vllm_arguments
+from hicache.config import EVICTION_POLICIES
 
 DEFAULT_TRACE = str(Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mooncake_conversation_trace.jsonl")
 

@@ -23,12 +23,13 @@ Every policy is deterministic: the same trace and capacity give the same hits.
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from heapq import heappop, heappush
+
+from hicache.index.policy import frecency
 
 INF = 1 << 62
 
@@ -429,8 +430,7 @@ class FrecencySim(CachePolicy):
         super().request(ids, pos)
 
     def _touch(self, block: int) -> None:
-        h = self._hits[block]
-        prio = self._now + self._lifetime * math.log2(1 + h) if h else float(self._now)
+        prio = frecency(float(self._now), self._hits[block], self._lifetime)
         self._last[block] = self._now
         self._prio[block] = prio
         heappush(self._heap, (prio, -self._now, block))

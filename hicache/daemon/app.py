@@ -16,9 +16,9 @@ import signal
 import socket
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 from hicache import __version__
@@ -92,7 +92,6 @@ def check_socket_dir(parent: Path, private: bool) -> None:
                            f"replace the socket: chmod go-w {parent}")
 
 
-
 def index_clock(kind: str) -> Callable[[], float]:
     """The index's access times (Config.index_clock): wall seconds, which disk records keep
     across restarts, or one tick per call, which makes a replay evict deterministically."""
@@ -100,6 +99,7 @@ def index_clock(kind: str) -> Callable[[], float]:
         return time.time
     ticks = itertools.count(1)
     return lambda: float(next(ticks))
+
 
 class Daemon:
     def __init__(self, config: Config) -> None:

@@ -171,8 +171,8 @@ class CacheService:
         ns = self.namespaces.get(salt)
         if ns is None:
             cls = self.host.page_class(salt, namespace.layout.page_bytes)
-            ns = NamespaceState(namespace, salt, RadixIndex(namespace.layout.page_size, salt, self.eviction_policy, self.clock),
-                                cls)
+            index = RadixIndex(namespace.layout.page_size, salt, self.eviction_policy, self.clock)
+            ns = NamespaceState(namespace, salt, index, cls)
             self.namespaces[salt] = ns
         return ns
 

@@ -26,7 +26,8 @@ Policies (`make_policy(name)`, the daemon's `eviction_policy`):
   W follows the capacity and the request rate without a tuning knob. Chosen on
   the simulated traces (hicache/bench/policy_sim.py, `FrecencySim`): on the
   Mooncake trace it matches or beats the best of LRU, SLRU, S3-FIFO, ARC and
-  LFU-aging at 10-40% capacity; see the README's trace bench for the figures.
+  LFU-aging at 10-15% capacity and is within 0.003 of it at 5-60%; on generated
+  workloads the specialists lead it by up to 0.036. See the README's trace bench.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ class FrecencyPolicy(EvictionPolicy):
         memo = node.policy_memo
         if memo is not None and memo[0] == la and memo[1] == hits:
             return memo[2]
-        prio = la + self.bonus_unit * math.log2(1 + hits) if hits else la
+        prio = frecency(la, hits, self.bonus_unit)
         node.policy_memo = (la, hits, prio)
         return prio
 
@@ -113,6 +114,11 @@ class FrecencyPolicy(EvictionPolicy):
         age = max(0.0, now - node.last_access)
         cur = self.lifetimes.get(lane)
         self.lifetimes[lane] = age if cur is None else cur + (age - cur) * self._alpha
+
+
+def frecency(last_access: float, hits: int, unit: float) -> float:
+    """The frecency priority (also simulated by hicache/bench/policy_sim.py)."""
+    return last_access + unit * math.log2(1 + hits) if hits else last_access
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {p.name: p for p in (LruPolicy, LfuPolicy, FrecencyPolicy)}
