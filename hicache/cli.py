@@ -151,6 +151,11 @@ def _print_stats(st: dict) -> None:
     r = st["requests"]
     print(f"matches {r['matches']}  inserts {r['inserts']}  loaded pages {r['loaded_pages']}  "
           f"backups {r['backups']} ({r['backup_pages']} pages)  pins {st['pins']}")
+    g = st.get("gc")
+    if g and g["managed"]:
+        print(f"gc managed: {g['passes']} passes (longest {g['max_pass_ms']:.1f} ms), "
+              f"{g['frozen_objects']} objects frozen, idle full passes {g['full_passes']} "
+              f"(longest {g['max_full_pass_ms']:.1f} ms, found {g['full_pass_found']})")
     p = st.get("puts")
     if p and p["puts"]:  # engines with their own device cache (vLLM) store through puts
         print(f"puts {p['puts']} ({p['committed_pages']} pages stored)  pending {p['pending']}  "

@@ -158,6 +158,9 @@ class Config:
     max_device_pages: int = 1 << 24  # per engine; page ids travel as int32
     max_request_pages: int = 1 << 20  # keys in one match / insert
     drain_timeout_s: float = 10.0
+    # The daemon runs the cyclic garbage collector itself so that no pass walks the whole
+    # index while a request waits (hicache/daemon/gc_steward.py); false: CPython's defaults
+    managed_gc: bool = True
     metrics_port: int = 0  # 0 = no metrics endpoint
     # Remote tier (L4, hicache/daemon/remote_mover.py): off without a URL. The URL may
     # carry a password: never in repr() (so never in a log of the config).

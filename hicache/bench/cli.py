@@ -91,6 +91,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--target-mib", type=int, default=256)
     b.add_argument("--repeats", type=int, default=9, help="the first ~4 fill the host tier, the rest evict")
 
+    b = bench("pauses", "match p99.9 / max with a large index under write load, managed gc vs CPython's")
+    b.add_argument("--nodes", type=int, default=100_000, help="index nodes before the timed part")
+    b.add_argument("--seconds", type=float, default=60.0,
+                   help="the timed part, per configuration (long enough for CPython to start a full collection)")
+    b.add_argument("--workdir")
+
     b = bench("multiturn", "the reference engine serving multi-turn conversations")
     b.add_argument("--conversations", type=int, default=12)
     b.add_argument("--turns", type=int, default=4)
@@ -132,6 +138,9 @@ def run(args: argparse.Namespace) -> int:
         from hicache.bench.sglang_bench import run as go
         rows = go(args.socket_path, tuple(args.layouts), tuple(args.page_sizes), target_bytes=args.target_mib << 20,
                   repeats=args.repeats)
+    elif args.bench == "pauses":
+        from hicache.bench.pause_bench import run as go
+        rows = go(args.nodes, args.seconds, args.workdir)
     elif args.bench == "multiturn":
         from hicache.bench.multiturn_bench import run as go
         rows = go(args)

@@ -23,6 +23,7 @@ from typing import Any
 
 from hicache import __version__
 from hicache.config import Config, format_size, private_socket_dir
+from hicache.daemon.gc_steward import GcSteward
 from hicache.daemon.handlers import ADMIN_METHODS, build_handlers
 from hicache.daemon.host_tier import HostTier
 from hicache.daemon.hybrid import HybridStates
@@ -119,6 +120,7 @@ class Daemon:
         self.metrics: Any = None
         self._metrics_http: Any = None
         self._background: set[asyncio.Task] = set()
+        self.gc: GcSteward | None = None
 
     # -- lifecycle -----------------------------------------------------------
     async def run(self) -> int:
@@ -202,6 +204,11 @@ class Daemon:
             loop.add_signal_handler(sig, self.request_stop)
         if self.notifier.watchdog_interval_s:
             self._spawn(watchdog_loop(self.notifier, self.notifier.watchdog_interval_s))
+        if cfg.managed_gc:  # last: the start-up heap (a rebuilt index) is frozen at once
+            server = self.server
+            self.gc = GcSteward(lambda: server.counters.requests)
+            self.gc.start()
+            self._spawn(self.gc.run())
         self.notifier.ready(f"serving; host {format_size(self.host.capacity_bytes)}")
 
     def _spawn(self, coro: Any) -> None:
@@ -296,6 +303,8 @@ class Daemon:
                 pass
         if self.host is not None:
             self.host.close()
+        if self.gc is not None:
+            self.gc.stop()
         log.info("stopped")
 
     # -- callbacks ---------------------------------------------------------
@@ -343,6 +352,7 @@ class Daemon:
                 "puts": asdict(self.puts.counters) | {"pending": len(self.puts.puts)} if self.puts else None,
                 "connections": len(self.server.connections) if self.server else 0,
                 "states": self.hybrid.stats() if self.hybrid is not None else None,
+                "gc": self.gc.stats() if self.gc is not None else {"managed": False},
                 **self._rpc_stats()}
 
     def _rpc_stats(self) -> dict:

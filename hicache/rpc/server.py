@@ -61,6 +61,7 @@ class PeerCred:
 
 @dataclass(slots=True)
 class ServerCounters:
+    requests: int = 0  # frames handled
     dropped_subscribers: int = 0  # subscribers that fell behind, closed
     output_overflows: int = 0  # connections aborted over max_output_bytes
     input_overflows: int = 0  # connections closed over max_buffer_bytes / max_total_buffer_bytes
@@ -257,6 +258,7 @@ class Connection(asyncio.Protocol):
             self.send_error(req_id, Code.BAD_REQUEST, "method must be a string and params a map")
             return
         server = self.server
+        server.counters.requests += 1
         if not self.greeted and method != server.hello_method:
             self.send_error(req_id, Code.HELLO_REQUIRED, f"send {server.hello_method!r} first")
             return
