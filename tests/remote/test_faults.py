@@ -215,7 +215,9 @@ def test_a_daemon_started_before_its_store_joins_it_later(tmp_path, daemon_facto
         e = engine(d.socket, "t")
         assert _misses(e, [81])  # served while the store is away
         st = wait_until(lambda: (s := remote_stats(d.socket))["last_error"] and s, 30, "a failed first connection")
-        assert st["state"] == "connecting" and not st["available"] and "Error" in st["last_error"], st
+        # refused, or on a crawling host the connect's own deadline: either way shown
+        assert st["state"] == "connecting" and not st["available"], st
+        assert "Error" in st["last_error"] or st["last_error"] == "timed out", st
         node.start(redis_server_binary())
         assert wait_remote_up(d.socket)["mode"] == "standalone"
         e.close()
