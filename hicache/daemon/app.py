@@ -170,7 +170,8 @@ class Daemon:
         if remote_store is not None:
             from hicache.daemon.remote_mover import RemoteMover  # the remote tier is optional
 
-            self.remote = RemoteMover.start(cfg, self.service, remote_store, remote_auth)  # after the disk tier: chains behind it
+            # after the disk tier: chains behind it
+            self.remote = RemoteMover.start(cfg, self.service, remote_store, remote_auth)
         allowed_uids = set(cfg.allowed_uids) or {os.getuid(), 0}
         self.server = RpcServer(build_handlers(self), max_frame_bytes=cfg.max_frame_bytes,
                                 max_buffer_bytes=cfg.max_buffer_bytes, max_inflight=cfg.max_inflight,
