@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--remote-url", help="remote tier on Redis/Valkey (standalone or any node of a Cluster): "
                                         "redis://[user:password@]host:port, rediss://..., unix:///path")
     s.add_argument("--remote-password-file", help="the remote store's password, from a file (wins over the URL's)")
+    s.add_argument("--remote-secret-file", help="cluster secret(s) that sign remote records, one per line: the "
+                                                "first signs, all verify (without it records are unauthenticated)")
     s.add_argument("--config", dest="config_file", help="TOML file ([hicache] table or top-level keys)")
 
     for name, helptext in (("stats", "tier and engine statistics"), ("ls", "the prefix tree per namespace")):
@@ -145,6 +147,7 @@ def _print_stats(st: dict) -> None:
     if rt is not None:
         print(f"remote  {rt['url']} ({rt['mode']}, {rt['state']})  written {rt['written_pages']}  "
               f"hits {rt['hit_pages']}  misses {rt['miss_pages']}  corrupt {rt['corrupt_records']}  "
+              f"auth {rt.get('auth', '-')}  "
               f"errors {rt['errors']}  dropped {rt['dropped_pages']}  "
               f"read {format_size(rt['bytes_read'])}  written {format_size(rt['bytes_written'])}"
               + (f"  last error: {rt['last_error']}" if rt["last_error"] else ""))
@@ -173,7 +176,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     overrides = {k: getattr(args, k) for k in ("socket_path", "state_dir", "host_capacity", "disk_capacity",
                                                "disk_enabled", "reset_disk", "write_policy", "load_policy",
                                                "eviction_policy",
-                                               "metrics_port", "remote_url", "remote_password_file")}
+                                               "metrics_port", "remote_url", "remote_password_file",
+                                               "remote_secret_file")}
     config = load_config(args.config_file, overrides)
     return serve(config)
 

@@ -9,7 +9,9 @@ an integration without the tier would do: redis-py asyncio on the caller's loop,
 pipelined SET / GET of the same page bytes under plain keys (no header, no
 checksum, no copy into a destination), the same batch size. Lookup latency: the
 daemon's galloping probe of a 512-page continuation (10 EXISTS) through the
-worker, vs the same EXISTS pipelined by redis-py on the caller's loop.
+worker, vs the same EXISTS pipelined by redis-py on the caller's loop. Signed
+put / get: the tier's path with records signed and verified under a cluster
+secret (remote_auth: HMAC-SHA256 over each record), against the unsigned tier.
 
 By default a 3-master Redis Cluster is started on loopback ports (redis-server
 must be installed); `--url` measures an existing store instead (its keys under
@@ -30,6 +32,7 @@ import numpy as np
 from hicache.bench.report import row
 from hicache.index.keys import page_keys
 from hicache.tiers import remote_record as rr
+from hicache.tiers.remote_auth import RecordAuth
 from hicache.tiers.redis_store import RedisStore
 from hicache.tiers.remote_store import addresses
 from hicache.tiers.remote_worker import RemoteWorker
@@ -74,25 +77,26 @@ async def _bench_size(url: str, page_bytes: int, total_bytes: int, repeats: int,
     gb = n * page_bytes / 1e9
 
     buffers = rr.BufferPool()  # as RemoteMover keeps one
+    signer = RecordAuth([b"hicache-bench-secret-0123456789abcdef"])
 
-    async def tier_put() -> None:
+    async def tier_put(auth: RecordAuth | None = None) -> None:
         async def job(lo: int) -> None:
             recs = await worker.run_cpu(lambda: [(addrs[i], rr.encode(SALT, keys[i], keys[i - 1] if i else None,
                                                                       FINGERPRINT, toks[i * PAGE_SIZE:(i + 1) * PAGE_SIZE],
-                                                                      pages[i], pool=buffers))
+                                                                      pages[i], pool=buffers, auth=auth))
                                                  for i in range(lo, lo + BATCH)])
             assert await store.put(recs, 3600) == BATCH
             buffers.give([r for _, r in recs])
         await asyncio.gather(*(asyncio.wrap_future(worker.submit(job(lo))) for lo in range(0, n, BATCH)))
 
-    async def tier_get() -> None:
+    async def tier_get(auth: RecordAuth | None = None) -> None:
         async def job(lo: int) -> int:
             blobs = await store.get(addrs[lo:lo + BATCH])
 
             def verify() -> int:
                 for i in range(lo, lo + BATCH):
                     rr.decode_into(blobs[i - lo], salt=SALT, key=keys[i], parent=keys[i - 1] if i else None,
-                                   fingerprint=FINGERPRINT, page_size=PAGE_SIZE, out=outs[i])
+                                   fingerprint=FINGERPRINT, page_size=PAGE_SIZE, out=outs[i], auth=auth)
                 return BATCH
             return await worker.run_cpu(verify)
         done = await asyncio.gather(*(asyncio.wrap_future(worker.submit(job(lo))) for lo in range(0, n, BATCH)))
@@ -115,9 +119,17 @@ async def _bench_size(url: str, page_bytes: int, total_bytes: int, repeats: int,
             assert len(got[0]) == page_bytes
         await asyncio.gather(*(job(lo) for lo in range(0, n, BATCH)))
 
-    times: dict[str, list[float]] = {k: [] for k in ("tier_put", "raw_put", "tier_get", "raw_get")}
+    async def signed_put() -> None:
+        await tier_put(signer)
+
+    async def signed_get() -> None:
+        await tier_get(signer)
+
+    steps = (("raw_put", raw_put), ("tier_put", tier_put), ("raw_get", raw_get), ("tier_get", tier_get),
+             ("signed_put", signed_put), ("signed_get", signed_get))  # signed_get reads signed_put's records
+    times: dict[str, list[float]] = {name: [] for name, _ in steps}
     for _ in range(repeats):  # interleaved, so drift in the machine's load hits both sides alike
-        for name, fn in (("raw_put", raw_put), ("tier_put", tier_put), ("raw_get", raw_get), ("tier_get", tier_get)):
+        for name, fn in steps:
             t0 = time.perf_counter()
             await fn()
             times[name].append(time.perf_counter() - t0)
@@ -127,6 +139,10 @@ async def _bench_size(url: str, page_bytes: int, total_bytes: int, repeats: int,
                     gb / _median(times["raw_put"]), "redis-py SET"))
     rows.append(row(f"get {kib} KiB pages (verified)", gb / _median(times["tier_get"]), "GB/s",
                     gb / _median(times["raw_get"]), "redis-py GET"))
+    rows.append(row(f"put {kib} KiB pages, signed", gb / _median(times["signed_put"]), "GB/s",
+                    gb / _median(times["tier_put"]), "unsigned tier put"))
+    rows.append(row(f"get {kib} KiB pages, MAC verified", gb / _median(times["signed_get"]), "GB/s",
+                    gb / _median(times["tier_get"]), "unsigned tier get"))
 
     # lookup: the galloping probe of a 512-page continuation
     probe_n = min(512, n)

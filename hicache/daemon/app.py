@@ -145,12 +145,14 @@ class Daemon:
         inherited = listen_fds_with_names()
         if not inherited:
             prepare_socket_path(cfg.socket_path)
-        remote_store = None
-        if cfg.remote_url:  # a bad password file is refused before anything is allocated or opened
+        remote_store, remote_auth = None, None
+        if cfg.remote_url:  # a bad password or secret file is refused before anything is allocated or opened
+            from hicache.tiers.remote_auth import RecordAuth
             from hicache.tiers.remote_store import open_store
 
             remote_store = open_store(cfg.remote_url, password_file=cfg.remote_password_file,
                                       timeout_s=cfg.remote_timeout_s)
+            remote_auth = RecordAuth.from_file(cfg.remote_secret_file) if cfg.remote_secret_file else None
         self.host = HostTier(cfg.host_capacity, mlock=cfg.mlock)
         log.info("host tier: %s arena (%s slabs of %s), mlock=%s", format_size(self.host.capacity_bytes),
                  self.host.num_slabs, format_size(self.host.slab_bytes), self.host.arena.locked)
@@ -170,7 +172,8 @@ class Daemon:
         if remote_store is not None:
             from hicache.daemon.remote_mover import RemoteMover  # the remote tier is optional
 
-            self.remote = RemoteMover.start(cfg, self.service, remote_store)  # after the disk tier: chains behind it
+            # after the disk tier: chains behind it
+            self.remote = RemoteMover.start(cfg, self.service, remote_store, remote_auth)
         allowed_uids = set(cfg.allowed_uids) or {os.getuid(), 0}
         self.server = RpcServer(build_handlers(self), max_frame_bytes=cfg.max_frame_bytes,
                                 max_buffer_bytes=cfg.max_buffer_bytes, max_inflight=cfg.max_inflight,

@@ -23,11 +23,20 @@ there at any moment — so the store is asked, not remembered:
   through asynchronously: their host nodes are locked only until their records
   are built (a copy with the checksum, on the worker's CPU pool), then sent as
   one pipeline per batch with `remote_ttl_s`. At most `remote_queue_pages` pages
-  are in flight; beyond that, or while the store is down, writes are dropped and
-  counted.
-- Faults cost each lookup at most its deadline, then nothing: the first failure
-  opens the worker's circuit breaker (hicache/tiers/remote_worker.py) and
-  lookups and writes skip the store until a background PING succeeds.
+  are in flight; beyond that writes are dropped and counted. A write that meets
+  an open breaker, or fails, waits for the store and tries again for up to
+  `remote_write_hold_s`, then is dropped (counted): a store that was out for a
+  moment loses nothing.
+- Faults cost each lookup at most its deadline, then nothing. A probe that
+  overruns the lookup's deadline is left to finish (bounded by the op timeout):
+  until it does, lookups skip the store, so a hung store costs one lookup its
+  deadline; a probe that answers late is a slow store, not a failure. Failures
+  (an error, or the op timeout) feed the worker's circuit breaker
+  (hicache/tiers/remote_worker.py, rule in remote_breaker.py); while it is open
+  lookups skip the store until a background PING succeeds.
+- Authentication. With `remote_secret_file`, records are signed and every record
+  read must carry a MAC under one of its secrets (hicache/tiers/remote_auth.py);
+  without it records are unsigned and the store is trusted, said once at start.
 """
 
 from __future__ import annotations
@@ -46,8 +55,9 @@ from hicache.config import Config
 from hicache.daemon.service import CacheService, NamespaceState, Pin, path_with_offsets
 from hicache.index.radix import Tier, TreeNode
 from hicache.tiers import remote_record
+from hicache.tiers.remote_auth import RecordAuth
 from hicache.tiers.remote_store import PageAddress, PartialWrite, RemoteStore, address, addresses
-from hicache.tiers.remote_worker import RemoteWorker
+from hicache.tiers.remote_worker import BACKOFF_S, RemoteWorker, is_full_store
 
 log = logging.getLogger(__name__)
 
@@ -85,15 +95,18 @@ class _PutJob:
 @dataclass(slots=True)
 class RemoteCounters:
     probes: int = 0
+    probes_late: int = 0  # overran the lookup's deadline (a miss for that lookup, not a failure)
     probe_skipped_down: int = 0
+    probe_skipped_slow: int = 0  # a late probe was still out: the lookup did not wait on the store
     negative_hits: int = 0
     hit_pages: int = 0  # verified pages brought to host
     miss_pages: int = 0  # continuation pages the store did not have
     fetch_missing: int = 0  # pages a probe promised that the fetch did not find
     corrupt_records: int = 0
     written_pages: int = 0
-    dropped_pages: int = 0  # write-through skipped: queue full or store down
-    failed_writes: int = 0  # pages of writes that failed
+    dropped_pages: int = 0  # write-through skipped: queue full, or the store down past the hold
+    failed_writes: int = 0  # pages of writes that failed past the hold
+    write_retries: int = 0  # sends of a write after a failure or an open breaker
     bytes_read: int = 0
     bytes_written: int = 0
     corrupt_reasons: dict[str, int] = field(default_factory=dict)
@@ -101,11 +114,13 @@ class RemoteCounters:
 
 class RemoteMover:
     def __init__(self, config: Config, service: CacheService, store: RemoteStore,
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, auth: RecordAuth | None = None) -> None:
         self.config = config
         self.service = service
         self.store = store
         self.loop = loop
+        self.auth = auth
+        self._late_probe: concurrent.futures.Future | None = None  # a probe past its lookup's deadline
         self.worker = RemoteWorker(store, timeout_s=config.remote_timeout_s)
         self.counters = RemoteCounters()
         self.queued_pages = 0
@@ -118,13 +133,19 @@ class RemoteMover:
         service.on_host_stored = self._host_stored
 
     @classmethod
-    def start(cls, config: Config, service: CacheService, store: RemoteStore) -> RemoteMover:
+    def start(cls, config: Config, service: CacheService, store: RemoteStore,
+              auth: RecordAuth | None = None) -> RemoteMover:
         """A store that is down is not an error: the breaker starts open and closes when it
         answers."""
-        mover = cls(config, service, store, asyncio.get_running_loop())
+        mover = cls(config, service, store, asyncio.get_running_loop(), auth)
         log.info("remote tier: %s, lookups bounded by %.0f ms, ttl %s", store.describe()["url"],
                  config.remote_lookup_timeout_s * 1000,
                  f"{config.remote_ttl_s:g}s" if config.remote_ttl_s > 0 else "none")
+        if auth is None:
+            log.warning("remote tier: records are NOT authenticated (no remote_secret_file): anyone who can "
+                        "write to %s can make this daemon serve KV of their choosing", store.describe()["url"])
+        else:
+            log.info("remote tier: records signed and verified (%s)", auth.describe())
         return mover
 
     def _latency(self, op: str, started: float) -> None:
@@ -167,6 +188,11 @@ class RemoteMover:
         if not self.worker.available:
             self.counters.probe_skipped_down += 1
             return
+        if self._late_probe is not None:
+            if not self._late_probe.done():  # the store has not answered the last probe yet
+                self.counters.probe_skipped_slow += 1
+                return
+            self._late_probe = None
         if self._negative_hit(keys[start]):
             self.counters.negative_hits += 1
             return
@@ -175,13 +201,17 @@ class RemoteMover:
         probe = [address(ns.salt, all_keys, start + o) for o in offsets]
         self.counters.probes += 1
         t0 = time.monotonic()
-        fut = self.worker.submit(self.store.exists(probe))
-        try:
-            found = await asyncio.wait_for(asyncio.wrap_future(fut), self.config.remote_lookup_timeout_s)
-        except Exception as e:  # the deadline, or the store's error: a miss, and the breaker opens
-            fut.cancel()
-            self.worker.failure(e if not isinstance(e, asyncio.TimeoutError) else "lookup timed out")
+        fut = self.worker.submit(self._probe(probe))
+        answer = asyncio.wrap_future(fut, loop=self.loop)
+        answer.add_done_callback(_retrieve)
+        await asyncio.wait([answer], timeout=self.config.remote_lookup_timeout_s)
+        if not answer.done():  # a miss for this lookup; not cancelled: a late answer is no failure
+            self._late_probe = fut
+            self.counters.probes_late += 1
             return
+        if answer.cancelled() or answer.exception() is not None:  # the worker counted the failure
+            return
+        found = answer.result()
         self._latency("probe", t0)
         remote_len = 0
         for o, there in zip(offsets, found):
@@ -207,6 +237,16 @@ class RemoteMover:
         rf.future = asyncio.wrap_future(job, loop=self.loop)
         rf.future.add_done_callback(lambda f: self._fetched(pin, rf, f))
 
+    async def _probe(self, pages: list[PageAddress]) -> list[bool]:
+        """On the worker: EXISTS, bounded by the op timeout (not the lookup's deadline)."""
+        try:
+            found = await asyncio.wait_for(self.store.exists(pages), self.config.remote_timeout_s)
+        except Exception as e:
+            self.worker.failure(e)
+            raise
+        self.worker.success()
+        return found
+
     async def _fetch(self, ns: NamespaceState, pages: list[PageAddress], parent: bytes | None,
                      outs: list[np.ndarray]) -> tuple[int, np.ndarray, int, dict[str, int]]:
         """On the worker: the records, verified into their slots. Returns (pages verified
@@ -216,9 +256,10 @@ class RemoteMover:
         except Exception as e:
             self.worker.failure(e)
             raise
+        self.worker.success()
         layout = ns.namespace.layout
         return await self.worker.run_cpu(_verify, ns.salt, layout.fingerprint(), layout.page_size,
-                                         pages, parent, blobs, outs)
+                                         pages, parent, blobs, outs, self.auth)
 
     def _fetched(self, pin: Pin, rf: RemoteFetch, fut: asyncio.Future) -> None:
         rf.done = True
@@ -296,7 +337,10 @@ class RemoteMover:
         n_pages = sum(n.n_pages for n in todo)
         if not n_pages:
             return
-        if not self.worker.available or self.queued_pages + n_pages > self.config.remote_queue_pages:
+        # A short outage is waited out (_put); a store down for longer than the hold is
+        # not worth building records for.
+        if (self.queued_pages + n_pages > self.config.remote_queue_pages
+                or self.worker.down_for() > self.config.remote_write_hold_s):
             self.counters.dropped_pages += n_pages
             return
         arena, page_bytes, ps = self.service.host.arena.array, ns.page_class.page_bytes, ns.index.page_size
@@ -316,27 +360,47 @@ class RemoteMover:
         self.queued_pages += n_pages
         self._post(self.worker.submit(self._put(job)), self._put_done, job)
 
-    async def _put(self, job: _PutJob) -> tuple[int, int]:
-        """On the worker: build the records (the host locks go as soon as they are), send them."""
+    async def _put(self, job: _PutJob) -> tuple[int, int, int]:
+        """On the worker: build the records (the host locks go as soon as they are), send them,
+        waiting out an open breaker and retrying a failed send for up to remote_write_hold_s
+        (SET is idempotent). Returns (pages stored, bytes sent, pages dropped)."""
         try:
             fp = job.ns.namespace.layout.fingerprint()
-            records = await self.worker.run_cpu(_encode, job.ns.salt, fp, job.pages, self._buffers)
+            records = await self.worker.run_cpu(_encode, job.ns.salt, fp, job.pages, self._buffers, self.auth)
         finally:
             self.loop.call_soon_threadsafe(self._unlock, job)
         nbytes = sum(len(r) for _, r in records)
-        try:
-            stored = await asyncio.wait_for(self.store.put(records, self.config.remote_ttl_s),
-                                            self.config.remote_timeout_s)
-        except PartialWrite as e:
-            self.worker.failure(e.cause)
-            return e.stored, nbytes * e.stored // max(1, len(records))
-        except Exception as e:
-            self.worker.failure(e)
-            raise
-        else:
-            # only after a clean send: a cancelled pipeline may still hold views of them
-            self._buffers.give([r for _, r in records])
-        return stored, nbytes
+        hold_until = time.monotonic() + self.config.remote_write_hold_s
+        tries = 0
+        while True:
+            if not await self.worker.wait_up(hold_until - time.monotonic()):
+                return 0, 0, len(records)  # the store stayed away past the hold
+            tries += 1
+            try:
+                stored = await asyncio.wait_for(self.store.put(records, self.config.remote_ttl_s),
+                                                self.config.remote_timeout_s)
+            except PartialWrite as e:
+                self.worker.failure(e.cause)
+                error: BaseException = e
+            except Exception as e:
+                self.worker.failure(e)
+                error = e
+            else:
+                self.worker.success()
+                self.loop.call_soon_threadsafe(self._count_retries, tries - 1)
+                # only after a clean send: a cancelled pipeline may still hold views of them
+                self._buffers.give([r for _, r in records])
+                return stored, nbytes, 0
+            cause = error.cause if isinstance(error, PartialWrite) else error
+            if is_full_store(cause) or time.monotonic() >= hold_until:
+                self.loop.call_soon_threadsafe(self._count_retries, tries - 1)
+                if isinstance(error, PartialWrite):
+                    return error.stored, nbytes * error.stored // max(1, len(records)), 0
+                raise error
+            await asyncio.sleep(BACKOFF_S[0])
+
+    def _count_retries(self, n: int) -> None:
+        self.counters.write_retries += n
 
     def _unlock(self, job: _PutJob) -> None:
         if not job.locked:
@@ -351,12 +415,13 @@ class RemoteMover:
         self.queued_pages -= len(job.pages)
         self._latency("put", job.started)
         try:
-            stored, nbytes = fut.result()
+            stored, nbytes, dropped = fut.result()
         except BaseException:
             self.counters.failed_writes += len(job.pages)
             return
         self.counters.written_pages += stored
-        self.counters.failed_writes += len(job.pages) - stored
+        self.counters.dropped_pages += dropped
+        self.counters.failed_writes += len(job.pages) - stored - dropped
         self.counters.bytes_written += nbytes
 
     # -- admin and lifecycle ------------------------------------------------------------------
@@ -371,9 +436,12 @@ class RemoteMover:
     def stats(self) -> dict[str, Any]:
         c, w = self.counters, self.worker
         return {**self.store.describe(), "state": w.state, "available": w.available, "last_error": w.last_error,
-                "errors": w.errors, "breaker_opens": w.breaker_opens, "queue_pages": self.queued_pages,
-                "max_queue_pages": self.config.remote_queue_pages, "probes": c.probes,
-                "probe_skipped_down": c.probe_skipped_down, "negative_hits": c.negative_hits,
+                "auth": self.auth.describe() if self.auth is not None else "none (unauthenticated records)",
+                "errors": w.errors, "breaker_opens": w.breaker_opens,
+                "consecutive_failures": w.breaker.consecutive, "queue_pages": self.queued_pages,
+                "max_queue_pages": self.config.remote_queue_pages, "write_retries": c.write_retries,
+                "probes": c.probes, "probes_late": c.probes_late, "probe_skipped_down": c.probe_skipped_down,
+                "probe_skipped_slow": c.probe_skipped_slow, "negative_hits": c.negative_hits,
                 "hit_pages": c.hit_pages, "miss_pages": c.miss_pages, "fetch_missing": c.fetch_missing,
                 "corrupt_records": c.corrupt_records, "corrupt_reasons": dict(c.corrupt_reasons),
                 "written_pages": c.written_pages, "dropped_pages": c.dropped_pages,
@@ -384,14 +452,21 @@ class RemoteMover:
         self.worker.close()
 
 
-def _encode(salt: bytes, fingerprint: bytes, pages: list, pool: remote_record.BufferPool
-            ) -> list[tuple[PageAddress, memoryview]]:
-    return [(addr, remote_record.encode(salt, addr.key, parent, fingerprint, tokens, view, pool=pool))
+def _retrieve(fut: asyncio.Future) -> None:
+    """Mark a late probe's outcome as seen (the worker counted any failure)."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+def _encode(salt: bytes, fingerprint: bytes, pages: list, pool: remote_record.BufferPool,
+            auth: RecordAuth | None) -> list[tuple[PageAddress, memoryview]]:
+    return [(addr, remote_record.encode(salt, addr.key, parent, fingerprint, tokens, view, pool=pool, auth=auth))
             for addr, parent, tokens, view in pages]
 
 
 def _verify(salt: bytes, fingerprint: bytes, page_size: int, pages: list[PageAddress], parent: bytes | None,
-            blobs: list[bytes | None], outs: list[np.ndarray]) -> tuple[int, np.ndarray, int, dict[str, int]]:
+            blobs: list[bytes | None], outs: list[np.ndarray], auth: RecordAuth | None
+            ) -> tuple[int, np.ndarray, int, dict[str, int]]:
     """Verify records in order into their slots, up to the first missing or bad one."""
     tokens: list[np.ndarray] = []
     nbytes = 0
@@ -402,7 +477,8 @@ def _verify(salt: bytes, fingerprint: bytes, page_size: int, pages: list[PageAdd
         nbytes += len(blob)
         try:
             tokens.append(remote_record.decode_into(blob, salt=salt, key=page.key, parent=parent,
-                                                    fingerprint=fingerprint, page_size=page_size, out=out))
+                                                    fingerprint=fingerprint, page_size=page_size, out=out,
+                                                    auth=auth))
         except remote_record.RecordError as e:
             corrupt[e.reason] = corrupt.get(e.reason, 0) + 1
             break

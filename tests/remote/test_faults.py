@@ -97,19 +97,26 @@ def test_a_stopped_store_costs_a_lookup_its_deadline_then_nothing(redis_standalo
     try:
         down = _misses(eb, range(200, 220))
         st = remote_stats(b.socket)
-        assert st["state"] == "down" and not st["available"]
-        assert st["probes"] - probes <= 2, st  # the first lookup (or two, racing the breaker) paid...
-        assert st["probe_skipped_down"] >= 18, st  # ...the rest skipped the store
+        # The first lookup paid its deadline; its probe, left to run out the op timeout
+        # (1 s), keeps the others off the store. A second (or, on a crawling host, a
+        # third) pays again only once that one has failed.
+        assert st["probes"] - probes <= 3, st
+        assert st["probe_skipped_slow"] + st["probe_skipped_down"] >= 17, st
         # bounded: no lookup waited on the store for more than the deadline plus the daemon's own work
         assert max(down) < 0.2, down
         assert sum(down) < sum(baseline) * 2 + 0.2, (down, baseline)
-        store(ea, tokens(22, PAGES))  # writes while down: dropped or failed, counted, never waited for
+        store(ea, tokens(22, PAGES))  # writes while down: held, then dropped or failed, never waited for
+        # the worker's own PINGs of the suspect store add up to an open breaker, no traffic needed
+        st = wait_until(lambda: (s := remote_stats(b.socket))["state"] == "down" and s, 30, "B to see it down")
+        assert not st["available"] and st["breaker_opens"] == 1, st
+        assert _misses(eb, [230]) and remote_stats(b.socket)["probes"] == st["probes"]  # skipped at no cost
         assert a.running and b.running
     finally:
         redis_standalone.nodes[0].resume()
     wait_remote_up(b.socket)
     wait_remote_up(a.socket)
-    assert load_exact(eb, before) == PAGES  # hits again
+    # hits again; on a busy host a probe may overrun its 5 ms (a miss), and the next lookup asks again
+    wait_until(lambda: load_exact(eb, before) == PAGES, 30, "B to hit again")
     st = remote_stats(b.socket)
     assert st["hit_pages"] == PAGES and st["breaker_opens"] >= 1
     ea.close()
@@ -208,7 +215,9 @@ def test_a_daemon_started_before_its_store_joins_it_later(tmp_path, daemon_facto
         e = engine(d.socket, "t")
         assert _misses(e, [81])  # served while the store is away
         st = wait_until(lambda: (s := remote_stats(d.socket))["last_error"] and s, 30, "a failed first connection")
-        assert st["state"] == "connecting" and not st["available"] and "Error" in st["last_error"], st
+        # refused, or on a crawling host the connect's own deadline: either way shown
+        assert st["state"] == "connecting" and not st["available"], st
+        assert "Error" in st["last_error"] or st["last_error"] == "timed out", st
         node.start(redis_server_binary())
         assert wait_remote_up(d.socket)["mode"] == "standalone"
         e.close()

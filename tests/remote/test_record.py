@@ -73,7 +73,7 @@ def test_every_kind_of_damage_is_refused():
     assert _damaged(_flip(24)) == "key"
     assert _damaged(_flip(40)) == "parent"
     assert _damaged(_flip(56)) == "namespace"  # layout fingerprint
-    assert _damaged(_flip(rr.HEADER_BYTES - 9)) == "checksum"  # the checksum itself
+    assert _damaged(_flip(rr._HEAD.size - 1)) == "checksum"  # the checksum itself
     assert _damaged(lambda r: r[:-1]) == "truncated"
     assert _damaged(lambda r: r + b"x") == "truncated"
     assert _damaged(lambda r: r[:10]) == "truncated"
@@ -83,7 +83,7 @@ def _with_page_checksum(rec: bytearray, algo: int, digest: tuple[int, int]) -> b
     """`rec` as a daemon using checksum `algo` would have written it (header crc redone)."""
     head = list(rr._HEAD.unpack_from(rec))
     head[2], head[10], head[11] = algo, *digest
-    rr._HEAD.pack_into(rec, 0, *head)
+    rr._HEAD.pack_into(rec, 0, *head)  # an unsigned record: its MAC field is not read
     tok_end = rr.HEADER_BYTES + 4 * head[8]
     rr._CRC.pack_into(rec, rr._HEAD.size, zlib.crc32(rec[rr.HEADER_BYTES:tok_end], zlib.crc32(rec[:rr._HEAD.size])), 0)
     return rec
@@ -176,3 +176,108 @@ def test_a_missing_or_empty_password_file_is_a_clear_error(tmp_path):
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ConfigError, match="empty"):
         RedisStore("redis://h:1", password_file=str(tmp_path / "empty"))
+
+
+# -- authenticated records ----------------------------------------------------------------
+OLD_SECRET = b"old-secret-0123456789abcdef"
+NEW_SECRET = b"new-secret-fedcba9876543210"
+
+
+def _decode(rec, auth, nbytes: int = 4096) -> np.ndarray:
+    toks, keys = _chain()
+    out = np.zeros(nbytes, dtype=np.uint8)
+    rr.decode_into(bytes(rec), salt=SALT, key=keys[1], parent=keys[0], fingerprint=FP, page_size=PAGE_SIZE,
+                   out=out, auth=auth)
+    return out
+
+
+def _refused(rec, auth) -> str:
+    with pytest.raises(rr.RecordError) as e:
+        _decode(rec, auth)
+    return e.value.reason
+
+
+def _as_version_1(rec: memoryview) -> bytearray:
+    """`rec` as a daemon before authentication wrote it: a 112-byte header, no MAC."""
+    old = bytearray(rec[:rr._SIGNED]) + bytearray(rec[rr.HEADER_BYTES:])
+    head = list(rr._HEAD.unpack_from(old))
+    head[1], head[7] = 1, head[7] & ~rr._FLAG_MAC
+    rr._HEAD.pack_into(old, 0, *head)
+    tok_end = rr._SIGNED + 4 * PAGE_SIZE
+    rr._CRC.pack_into(old, rr._HEAD.size, zlib.crc32(old[rr._SIGNED:tok_end], zlib.crc32(old[:rr._HEAD.size])), 0)
+    return old
+
+
+def test_a_signed_record_round_trips_and_a_forged_one_is_refused():
+    from hicache.tiers.remote_auth import RecordAuth
+
+    toks, keys = _chain()
+    page = _page(4096)
+    auth = RecordAuth([NEW_SECRET])
+    signed = rr.encode(SALT, keys[1], keys[0], FP, toks[4:8], page, auth=auth)
+    assert np.array_equal(_decode(signed, auth), page)
+    # valid checksums and key chain, arbitrary KV, no MAC: what anyone with write access can build
+    forged = rr.encode(SALT, keys[1], keys[0], FP, toks[4:8], _page(4096, seed=9))
+    assert np.array_equal(_decode(forged, None), _page(4096, seed=9))  # unauthenticated: trusted...
+    assert _refused(forged, auth) == "unsigned"  # ...with a secret: refused
+    # signed, but under a secret this daemon does not hold
+    assert _refused(rr.encode(SALT, keys[1], keys[0], FP, toks[4:8], page, auth=RecordAuth([OLD_SECRET])),
+                    auth) == "mac"
+    # a record of a version-1 daemon (no MAC): readable without a secret, refused with one
+    old = _as_version_1(rr.encode(SALT, keys[1], keys[0], FP, toks[4:8], page))
+    assert np.array_equal(_decode(old, None), page)
+    assert _refused(old, auth) == "unsigned"
+
+
+def test_a_signed_record_refuses_any_edit_its_checksums_would_miss():
+    from hicache.tiers.remote_auth import RecordAuth
+
+    toks, keys = _chain()
+    auth = RecordAuth([NEW_SECRET])
+    rec = bytearray(rr.encode(SALT, keys[1], keys[0], FP, toks[4:8], _page(4096), auth=auth))
+    # the page swapped and its checksums recomputed: every check but the MAC holds
+    other = _page(4096, seed=5)
+    rec[rr.HEADER_BYTES + 4 * PAGE_SIZE:] = other.tobytes()
+    rec = _with_page_checksum(rec, fmt.CHECKSUM_XXH3, fmt.checksum(other))
+    assert _refused(rec, auth) == "mac"
+    assert _refused(_flip(rr._SIGNED + 3)(bytearray(rr.encode(SALT, keys[1], keys[0], FP, toks[4:8], _page(4096),
+                                                               auth=auth))), auth) == "mac"  # the MAC itself
+    # the key id pointed at another secret the reader holds: still the wrong MAC
+    both = RecordAuth([NEW_SECRET, OLD_SECRET])
+    rec = bytearray(rr.encode(SALT, keys[1], keys[0], FP, toks[4:8], _page(4096), auth=auth))
+    rr._CRC.pack_into(rec, rr._HEAD.size, rr._CRC.unpack_from(rec, rr._HEAD.size)[0], RecordAuth([OLD_SECRET]).write_id)
+    assert _refused(rec, both) == "mac"
+
+
+def test_after_rotation_records_under_the_old_secret_still_read():
+    from hicache.tiers.remote_auth import RecordAuth
+
+    toks, keys = _chain()
+    page = _page(4096)
+    before = rr.encode(SALT, keys[1], keys[0], FP, toks[4:8], page, auth=RecordAuth([OLD_SECRET]))
+    rotated = RecordAuth([NEW_SECRET, OLD_SECRET])  # the new secret signs, both verify
+    assert np.array_equal(_decode(before, rotated), page)
+    after = rr.encode(SALT, keys[1], keys[0], FP, toks[4:8], page, auth=rotated)
+    assert np.array_equal(_decode(after, RecordAuth([NEW_SECRET])), page)
+    assert _refused(after, RecordAuth([OLD_SECRET])) == "mac"  # a node not yet rotated cannot read it
+
+
+def test_secret_files_are_read_line_by_line_and_bad_ones_refused(tmp_path):
+    from hicache.tiers.remote_auth import RecordAuth
+
+    f = tmp_path / "secret"
+    f.write_bytes(b"# rotated 2026-11\n" + NEW_SECRET + b"\n\n  " + OLD_SECRET + b"  \n")
+    auth = RecordAuth.from_file(str(f))
+    assert auth.write_secret == NEW_SECRET and NEW_SECRET.decode() not in repr(auth) + auth.describe()
+    assert "2 secret(s)" in auth.describe()
+    for body, why in ((b"", "no secret"), (b"# only a comment\n", "no secret"), (b"short\n", "shorter"),
+                      (NEW_SECRET + b"\n" + NEW_SECRET + b"\n", "repeats")):
+        f.write_bytes(body)
+        with pytest.raises(ConfigError, match=why):
+            RecordAuth.from_file(str(f))
+    with pytest.raises(ConfigError, match="remote_secret_file"):
+        RecordAuth.from_file(str(tmp_path / "missing"))
+    cfg = load_config(None, {"remote_secret_file": str(f)}, environ={"HICACHE_REMOTE_WRITE_HOLD_S": "2"})
+    assert cfg.remote_secret_file == str(f) and cfg.remote_write_hold_s == 2.0
+    with pytest.raises(ConfigError, match="remote_write_hold_s"):
+        load_config(None, environ={"HICACHE_REMOTE_WRITE_HOLD_S": "-1"})
