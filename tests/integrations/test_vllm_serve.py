@@ -58,11 +58,15 @@ CONVERSATIONS, TURNS, MAX_TOKENS = 4, 3, 16
 SYSTEM_WORDS, USER_WORDS = 300, 40
 # "<|system|> S <|user|>": the tokens every conversation's prompt starts with
 SHARED_TOKENS = 1 + SYSTEM_WORDS + 1
-# the same budget for both servers (vLLM's CPU platform reserves a core when a connector is set)
-ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "HF_HUB_OFFLINE": "1",
-       "TRANSFORMERS_OFFLINE": "1"}
+# The same budget for both servers (vLLM's CPU platform reserves a core when a connector is
+# set). The worker runs inside the engine-core process, as vLLM runs one GPU by default: the
+# CPU platform otherwise spawns it as a third process, a third import of vLLM that costs
+# minutes on a loaded 2-core machine (tests/integrations/test_vllm.py covers that layout).
+ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+       "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 ARGS = ["--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "2048", "--enforce-eager",
-        "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0", "--enable-prompt-tokens-details"]
+        "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0", "--enable-prompt-tokens-details",
+        "--distributed-executor-backend", "uni"]
 
 
 def readme_kv_transfer_config(socket: str) -> str:

@@ -40,15 +40,16 @@ class VllmServer:
         self.log_path = workdir / f"{name}.log"
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
+        # `vllm serve MODEL` (vLLM's CLI under this interpreter; see vllm_cli.py for the CPU build)
+        self.entry = [sys.executable, str(CLI), "serve", str(model)]
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 480.0) -> VllmServer:
-        # `vllm serve` (vLLM's CLI under this interpreter; see vllm_cli.py for the CPU build)
-        cmd = [sys.executable, str(CLI), "serve", str(self.model),
-               "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", SERVED_NAME, *self.args]
+        cmd = [*self.entry, "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", SERVED_NAME,
+               *self.args]
         log.info("starting %s: %s", self.name, " ".join(cmd))
         with open(self.log_path, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
