@@ -20,6 +20,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from tests.wait import wait_until
+
 log = logging.getLogger(__name__)
 
 SERVED_NAME = "tiny"
@@ -33,7 +35,8 @@ def free_port() -> int:
 
 
 class VllmServer:
-    """`vllm serve MODEL ARGS...` on 127.0.0.1; `env` is added to this process's environment."""
+    """`vllm serve MODEL ARGS...` on 127.0.0.1; `env` is added to this process's environment.
+    `entry` is the command before the listen flags and ARGS (vLLM's CLI, `serve MODEL`)."""
 
     def __init__(self, model: Path, workdir: Path, name: str, args: list[str], env: dict[str, str]) -> None:
         self.model, self.name, self.args, self.env = model, name, args, env
@@ -54,18 +57,21 @@ class VllmServer:
         with open(self.log_path, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env={**os.environ, **self.env}, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.name} not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
+        try:
+            wait_until(self._healthy, timeout_s, f"{self.name} answering /health", interval_s=0.5)
+        except TimeoutError as e:
+            raise RuntimeError(f"{e}:\n{self.log_tail()}") from None
+        return self
+
+    def _healthy(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM the process group (the API server and its engine core), SIGKILL what stays."""
@@ -119,11 +125,8 @@ class VllmServer:
     def reset_prefix_cache(self, timeout_s: float = 60.0) -> None:
         """Clear vLLM's own prefix cache (not the connector's). vLLM refuses while blocks are
         held, e.g. by a finished request whose saves to hicache are still running: retry."""
-        deadline = time.monotonic() + timeout_s
-        while not self.post("/reset_prefix_cache")["success"]:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name}: prefix cache not reset within {timeout_s:.0f} s")
-            time.sleep(0.05)
+        wait_until(lambda: self.post("/reset_prefix_cache")["success"], timeout_s,
+                   f"{self.name} resetting its prefix cache", interval_s=0.05)
 
     def counters(self) -> dict[str, float]:
         """vLLM's Prometheus counters (summed over label sets), by sample name (`..._total`)."""
