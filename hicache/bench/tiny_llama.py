@@ -1,6 +1,9 @@
 """A tiny Llama with seeded random weights, saved as safetensors from a local config:
 what the vLLM proof tests and `hicache bench vllm` run (no hub, no download).
 
+`tokenizer=True` adds a word-level tokenizer with a chat template
+(hicache/bench/tiny_tokenizer.py), so the model can serve chat (`vllm serve`).
+
 The weights are drawn wide (std 0.2) so that every output token depends on the KV:
 with near-zero weights (vLLM's dummy loader) a wrong KV load can go unnoticed.
 """
@@ -12,11 +15,14 @@ from pathlib import Path
 
 
 def build_tiny_llama(path: str | Path, *, seed: int = 0, layers: int = 2, hidden: int = 128, heads: int = 4,
-                     kv_heads: int = 2, vocab: int = 512) -> Path:
-    """Write the model to `path` (kept if already there with the same settings)."""
+                     kv_heads: int = 2, vocab: int = 512, tokenizer: bool = False) -> Path:
+    """Write the model to `path` (kept if already there with the same settings); the
+    weights do not depend on `tokenizer`."""
     path = Path(path)
-    settings = {"seed": seed, "layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
-                "vocab": vocab}
+    settings: dict[str, object] = {"seed": seed, "layers": layers, "hidden": hidden, "heads": heads,
+                                   "kv_heads": kv_heads, "vocab": vocab}
+    if tokenizer:  # only then: a stamp written before the option existed still matches
+        settings["tokenizer"] = True
     stamp = path / "hicache-tiny.json"
     if stamp.exists() and json.loads(stamp.read_text()) == settings:
         return path
@@ -32,5 +38,9 @@ def build_tiny_llama(path: str | Path, *, seed: int = 0, layers: int = 2, hidden
         for p in model.parameters():
             p.normal_(0.0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
+    if tokenizer:
+        from hicache.bench.tiny_tokenizer import build_tiny_tokenizer
+
+        build_tiny_tokenizer(path, vocab=vocab)
     stamp.write_text(json.dumps(settings))
     return path
