@@ -8,7 +8,8 @@ stores are skipped at once, and a background probe reconnects
 (hicache/client/reconnect.py); the engine thread adopts the probe's connection
 on its next call. Each adoption bumps `epoch`; the daemon forgets an engine's
 device residency when its connection drops, so the engine-side cache layer
-treats a new epoch as "the daemon no longer tracks any of my device pages".
+treats a new epoch, and a dropped connection, as "the daemon no longer tracks
+any of my device pages".
 Before anything is sent, the listener's uid is checked (hicache/client/peer.py).
 """
 
@@ -160,6 +161,9 @@ class HiCacheClient:
         self.slab_version = 0  # of the slabs mapped; replies naming host pages carry the daemon's
         self.instance: str | None = None  # the daemon's, from hello: a new one has a new arena
         self.on_reconnect: list[Any] = []  # callbacks(epoch) run after each (re)connect, on the engine thread
+        # callbacks() run as the breaker drops a live connection, before it is closed (the daemon
+        # frees what the connection held once it sees the close): wait for copies into its pages
+        self.on_disconnect: list[Any] = []
         self.misses_while_away = 0
         self.refusals = 0
         self.outages = 0  # times the breaker opened
@@ -304,6 +308,11 @@ class HiCacheClient:
     def _open(self, why: str) -> None:
         """Open the breaker: drop the connection, probe in the background (once)."""
         if self.conn is not None:
+            for cb in list(self.on_disconnect):
+                try:
+                    cb()
+                except Exception:  # the breaker must open whatever a callback does
+                    log.exception("hicache on_disconnect callback failed")
             self.conn.close()
             self.conn = None
         if self._reconnector is None:
