@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -203,3 +204,29 @@ def page_bytes(engine: CachedEngine, pages: np.ndarray) -> torch.Tensor:
     pool = engine.pool
     return torch.cat([torch.cat([pool.get_key_buffer(l)[slots].flatten(), pool.get_value_buffer(l)[slots].flatten()])
                       for l in range(pool.layout.num_layers)]).clone()
+
+
+def test_a_copy_in_flight_ends_before_the_breaker_closes_the_connection(model, daemon_factory, engines):
+    """Once the daemon sees the connection close it unpins the match's host pages (another
+    engine's backup may then write them), so the load reading them must be over first."""
+    d = daemon_factory("--host-capacity", "64MiB", "--no-disk").start()
+    a, olds = full_pool_engine(engines, model, d.socket)
+    assert a.wait_backups()
+    b = CachedEngine.create(model, page_size=PAGE, device_pages=POOL_PAGES, socket_path=d.socket,
+                            backoff_s=(0.01, 0.1))
+    engines.append(b)
+    gate = threading.Event()
+    b.cache.executor.on_layer_done = lambda layer: gate.wait(30)  # the load stays in flight
+    prefix = b.cache.lookup(np.asarray(olds[0][:-1], dtype=np.int32))
+    assert prefix.load is not None and not prefix.load.done()
+    client = b.cache.client
+    at_close: list[tuple[bool, bool]] = []
+    client.on_disconnect.insert(0, gate.set)  # the copy may go on only once the breaker opens
+    client.on_disconnect.append(lambda: at_close.append((prefix.load.done(), client.conn.sock.fileno() == -1)))
+    with stopped(d):
+        assert client.match(np.asarray(olds[1], dtype=np.int32)).pin is None  # times out: the breaker opens
+        assert at_close == [(True, False)]  # the copy was over while the connection still lived
+        b.cache.finish_load(prefix)
+        assert prefix.private and not b.cache.cached.any()  # the daemon no longer tracks the pages
+        b.cache.release(prefix)
+    assert_balanced(b)
