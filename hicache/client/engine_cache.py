@@ -156,8 +156,7 @@ class EngineCache:
         resident = m.device_pages
         self.refs[resident] += 1
         prefix = Prefix(m, resident, None, EMPTY, m.epoch, cached=[resident])
-        # the pin keeps the host pages in place only while its connection lives
-        if m.host_len and self.executor is not None and self.client.connected and self._mapped(m.host_pages):
+        if m.host_len and self.executor is not None and self._mapped(m.host_pages):
             pages = self.alloc_pages(m.host_len)
             if pages is not None:
                 prefix.load = self.executor.load(m.host_pages, pages)
@@ -221,8 +220,11 @@ class EngineCache:
         return self.client.arena
 
     def _mapped(self, host_pages: np.ndarray) -> bool:
-        """Whether the host pages of a plan lie in slabs mapped here (else we must not touch
-        them: the client could not map a slab, and the plan is skipped)."""
+        """Whether we may copy to or from the host pages of a plan: the connection that made
+        it lives (the daemon frees a dropped connection's pages) and they lie in slabs mapped
+        here (else the client could not map a slab). Otherwise the plan is skipped."""
+        if not self.client.connected:
+            return False
         arena = self.client.arena
         if arena is not None and arena.covers(host_pages, self.pool.layout.page_bytes):
             return True

@@ -107,7 +107,8 @@ class HybridEngineCache:
             return 0
         arena = self.kv.arena
         nbytes = self.layout.checkpoint_bytes
-        ok = arena is not None and arena.covers(np.asarray(plan.host_slots, dtype=np.int64), nbytes)
+        ok = (arena is not None and self.client.connected  # a dropped connection's slots are freed
+              and arena.covers(np.asarray(plan.host_slots, dtype=np.int64), nbytes))
         if ok:
             try:
                 for host_slot, dev_slot in zip(plan.host_slots, plan.device_slots):
