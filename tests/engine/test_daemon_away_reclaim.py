@@ -7,7 +7,8 @@ give cached pages back, so the engine takes them back itself (they are only a ca
 the prompt is computed and its logits are bitwise those of recomputing it. After the
 daemon answers again, the engine is a new registration: the daemon tracks none of the
 pages the engine reused (no device hit on them), and the old prompts come back from
-the host or disk tier, still bitwise exact.
+the host or disk tier, still bitwise exact. A copy into or out of the daemon's host
+pages ends before the connection that planned it closes.
 """
 
 from __future__ import annotations
@@ -90,6 +91,15 @@ def assert_balanced(engine: CachedEngine) -> None:
     engine.drain()
     assert free_pages(engine) == POOL_PAGES
     assert not engine.cache.refs.any()
+
+
+def page_bytes(engine: CachedEngine, pages: np.ndarray) -> torch.Tensor:
+    """Every byte of these device pages' KV, all layers."""
+    slots = (torch.from_numpy(np.asarray(pages, dtype=np.int64))[:, None] * PAGE + torch.arange(PAGE)).reshape(-1)
+    pool = engine.pool
+    return torch.cat([torch.cat([pool.get_key_buffer(layer)[slots].flatten(),
+                                 pool.get_value_buffer(layer)[slots].flatten()])
+                      for layer in range(pool.layout.num_layers)]).clone()
 
 
 @contextmanager
@@ -199,13 +209,6 @@ def test_pages_a_running_request_holds_stay_until_its_release(model, daemon_fact
     assert_balanced(e)
 
 
-def page_bytes(engine: CachedEngine, pages: np.ndarray) -> torch.Tensor:
-    slots = (torch.from_numpy(np.asarray(pages, dtype=np.int64))[:, None] * PAGE + torch.arange(PAGE)).reshape(-1)
-    pool = engine.pool
-    return torch.cat([torch.cat([pool.get_key_buffer(l)[slots].flatten(), pool.get_value_buffer(l)[slots].flatten()])
-                      for l in range(pool.layout.num_layers)]).clone()
-
-
 def test_a_copy_in_flight_ends_before_the_breaker_closes_the_connection(model, daemon_factory, engines):
     """Once the daemon sees the connection close it unpins the match's host pages (another
     engine's backup may then write them), so the load reading them must be over first."""
@@ -227,6 +230,6 @@ def test_a_copy_in_flight_ends_before_the_breaker_closes_the_connection(model, d
         assert client.match(np.asarray(olds[1], dtype=np.int32)).pin is None  # times out: the breaker opens
         assert at_close == [(True, False)]  # the copy was over while the connection still lived
         b.cache.finish_load(prefix)
-        assert prefix.private and not b.cache.cached.any()  # the daemon no longer tracks the pages
+        assert not b.cache.cached[prefix.loaded_pages].any()  # the copies stay the request's own
         b.cache.release(prefix)
     assert_balanced(b)
