@@ -107,7 +107,7 @@ class EngineCache:
 
     def _on_disconnect(self) -> None:
         """The client drops the connection: once the daemon sees it close it frees the host
-        pages of our pins, backups and puts, so every copy into or out of them must end first."""
+        pages of our pins and backups, so every copy into or out of them must end first."""
         if self.executor is not None:
             self.executor.wait_idle()
 
