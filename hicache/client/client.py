@@ -8,7 +8,8 @@ stores are skipped at once, and a background probe reconnects
 (hicache/client/reconnect.py); the engine thread adopts the probe's connection
 on its next call. Each adoption bumps `epoch`; the daemon forgets an engine's
 device residency when its connection drops, so the engine-side cache layer
-treats a new epoch as "the daemon no longer tracks any of my device pages".
+treats a new epoch, and a dropped connection, as "the daemon no longer tracks
+any of my device pages".
 Before anything is sent, the listener's uid is checked (hicache/client/peer.py).
 """
 
@@ -160,6 +161,10 @@ class HiCacheClient:
         self.slab_version = 0  # of the slabs mapped; replies naming host pages carry the daemon's
         self.instance: str | None = None  # the daemon's, from hello: a new one has a new arena
         self.on_reconnect: list[Any] = []  # callbacks(epoch) run after each (re)connect, on the engine thread
+        # callbacks() run on the engine thread as the connection is dropped (a failed call, close),
+        # before its socket closes: the daemon frees what the connection held once it sees the
+        # close, so copies into or out of its host pages must end first
+        self.on_disconnect: list[Any] = []
         self.misses_while_away = 0
         self.refusals = 0
         self.outages = 0  # times the breaker opened
@@ -248,6 +253,7 @@ class HiCacheClient:
         self.arena = HostArena.reserve(int(hello["num_slabs"]), int(hello["slab_bytes"]))
         self.slab_version = 0
         self.conn = conn
+        conn.on_close = self._closing
         self.instance = hello.get("instance")
         self.engine_id = int(reply["engine"])
         self.epoch += 1
@@ -300,6 +306,13 @@ class HiCacheClient:
             return True
         log.warning("could not map the host slabs of our namespace: the daemon stayed busy")
         return False
+
+    def _closing(self) -> None:
+        for cb in list(self.on_disconnect):
+            try:
+                cb()
+            except Exception:  # one failing callback must not keep the others from running
+                log.exception("hicache on_disconnect callback failed")
 
     def _open(self, why: str) -> None:
         """Open the breaker: drop the connection, probe in the background (once)."""

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import array
 import itertools
+import logging
 import socket
 import struct
 import time
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from hicache.client.peer import check_daemon
@@ -40,6 +41,8 @@ RECV_CHUNK = 256 << 10  # the reusable receive buffer; larger frames get their o
 TIMEOUT_SLACK_S = 0.002  # how far past its deadline an exchange may wait
 _TIMEVAL = struct.Struct("@ll")
 
+log = logging.getLogger(__name__)
+
 
 class RpcConnection:
     def __init__(self, sock: socket.socket, timeout_s: float) -> None:
@@ -48,6 +51,9 @@ class RpcConnection:
         self._ids = itertools.count(1)
         self.events: deque[dict] = deque(maxlen=65536)
         self.closed = False
+        # called once as the connection is dropped, before the socket closes: the daemon frees
+        # what the connection held as soon as it sees the close
+        self.on_close: Callable[[], None] | None = None
         self._packer = new_packer()  # a connection is one thread's at a time
         self._buf = bytearray(RECV_CHUNK)  # received bytes not parsed yet: _buf[_start:_end]
         self._view = memoryview(self._buf)
@@ -155,6 +161,12 @@ class RpcConnection:
 
     def close(self) -> None:
         if not self.closed:
+            hook, self.on_close = self.on_close, None
+            if hook is not None:
+                try:
+                    hook()
+                except Exception:  # the connection must close whatever the hook does
+                    log.exception("on_close hook failed")
             self.closed = True
             try:
                 self.sock.close()

@@ -9,7 +9,14 @@ A device page is, at any moment, one of:
              through their pins, so eviction never takes a page in use.
 Pages move private -> cached at `store` (insert) and `finish_load`, cached
 -> free when the daemon evicts them, and cached -> private for every page at
-once when the daemon is lost (a reconnect means it forgot our residency).
+once when the daemon is lost: a reconnect registers a new engine (the daemon
+drops the old one's residency when it sees the old connection close), and an
+unreachable daemon cannot give pages back, so under pool pressure the engine
+takes them back itself (they are only a cache; no lookup hits them while the
+daemon is away). Idle pages are freed then; pages live requests hold are
+freed at their release. Pages are never freed while a copy reads or writes
+them, and no copy into or out of the daemon's host pages outlives the
+connection that planned it (`_on_disconnect`).
 
 The per-layer pipeline: `lookup` starts the host->device copy of the host
 part on the transfer executor and returns a Prefix whose `wait_layer(l)` the
@@ -81,6 +88,7 @@ class EngineCache:
         self.executor: TransferExecutor | None = None
         self._epoch = 0
         client.on_reconnect.append(self._on_reconnect)
+        client.on_disconnect.append(self._on_disconnect)
         client.connect()
 
     # -- epochs ------------------------------------------------------------------
@@ -94,13 +102,29 @@ class EngineCache:
         self.host = HostKVCache(self.pool.layout, self.client.arena, dma_min_run_pages=self.dma_min_run_pages)
         self.executor = TransferExecutor(self.host, self.pool)
         if self._epoch:
-            lost = np.flatnonzero(self.cached)
-            self.cached[:] = False
-            idle = lost[self.refs[lost] == 0]
-            self._free(idle)
-            log.warning("hicache daemon reconnected: %d cached pages released, %d stay with live requests",
-                        len(idle), len(lost) - len(idle))
+            self._forget_residency("hicache daemon reconnected")
         self._epoch = epoch
+
+    def _on_disconnect(self) -> None:
+        """The client drops the connection: once the daemon sees it close it frees the host
+        pages of our pins and backups, so every copy into or out of them must end first."""
+        if self.executor is not None:
+            self.executor.wait_idle()
+
+    def _forget_residency(self, why: str) -> int:
+        """The daemon no longer tracks our device residency: every cached page is ours alone.
+        Idle ones are freed now, those live requests hold at their release. Returns how many
+        were freed."""
+        self._drain_backups(report=False)  # a backup may still read pages about to be freed
+        lost = np.flatnonzero(self.cached)
+        if not len(lost):
+            return 0
+        self.cached[lost] = False
+        idle = lost[self.refs[lost] == 0]
+        self._free(idle)
+        log.warning("%s: %d cached pages released, %d stay with live requests", why, len(idle),
+                    len(lost) - len(idle))
+        return len(idle)
 
     # -- allocation helpers --------------------------------------------------------
     def _slots(self, pages: np.ndarray) -> torch.Tensor:
@@ -196,8 +220,11 @@ class EngineCache:
         return self.client.arena
 
     def _mapped(self, host_pages: np.ndarray) -> bool:
-        """Whether the host pages of a plan lie in slabs mapped here (else we must not touch
-        them: the client could not map a slab, and the plan is skipped)."""
+        """Whether we may copy to or from the host pages of a plan: the connection that made
+        it lives (the daemon frees a dropped connection's pages) and they lie in slabs mapped
+        here (else the client could not map a slab). Otherwise the plan is skipped."""
+        if not self.client.connected:
+            return False
         arena = self.client.arena
         if arena is not None and arena.covers(host_pages, self.pool.layout.page_bytes):
             return True
@@ -273,11 +300,12 @@ class EngineCache:
         self._free(pages[self.refs[pages] == 0])
 
     def evict(self, num_pages: int) -> int:
-        """Give about num_pages cached device pages back to the allocator; returns how many."""
+        """Give about num_pages cached device pages back to the allocator; returns how many.
+        With the daemon unreachable, every idle cached page goes (see the module docstring)."""
         if num_pages <= 0:
             return 0
         self.poll()
-        free_now, plan = self.client.evict(num_pages)
+        free_now, plan = self.client.evict(num_pages)  # on a parked reconnect: adopts it, frees all
         n = len(free_now)
         self._release_cached(free_now)
         if plan is not None:  # write-back: copy out first
@@ -287,6 +315,8 @@ class EngineCache:
             else:
                 self._report_failed(plan)
             n += (self.allocator.available_size() - before) // self.page_size
+        if not self.client.connected:
+            n += self._forget_residency("hicache daemon unreachable")
         return n
 
     def close(self) -> None:

@@ -73,9 +73,11 @@ class HybridEngineCache:
         # A checkpoint at the very end is no use: the last token's logits need that token computed.
         nbytes = self.layout.checkpoint_bytes
         if (sm is not None and 0 < sm.length < len(tokens) and sm.host_slot is not None and arena is not None
-                and prefix.epoch == self.client.epoch and len(prefix.device_pages) * self.page_size >= sm.length
+                and prefix.epoch == self.client.epoch and self.client.connected
+                and len(prefix.device_pages) * self.page_size >= sm.length
                 and arena.covers(np.array([sm.host_slot]), nbytes)):
-            # the daemon keeps the checkpoint locked until release: its slot is stable now
+            # the daemon keeps the checkpoint locked until release, or until it sees the
+            # connection close (hence `connected`): its slot is stable now
             self.states.read_from(arena.array[sm.host_slot * nbytes:(sm.host_slot + 1) * nbytes], got[0])
             length = sm.length
         return HybridPrefix(prefix, got[0], length, None if sm is None else sm.fork_at, self.page_size)
@@ -105,7 +107,8 @@ class HybridEngineCache:
             return 0
         arena = self.kv.arena
         nbytes = self.layout.checkpoint_bytes
-        ok = arena is not None and arena.covers(np.asarray(plan.host_slots, dtype=np.int64), nbytes)
+        ok = (arena is not None and self.client.connected  # a dropped connection's slots are freed
+              and arena.covers(np.asarray(plan.host_slots, dtype=np.int64), nbytes))
         if ok:
             try:
                 for host_slot, dev_slot in zip(plan.host_slots, plan.device_slots):

@@ -30,6 +30,8 @@ that cannot get pages even after eviction gives its own pages back with
 Under pool pressure the engine asks the daemon for cached pages back
 (`EngineCache.evict`) and retries; pages that a running backup still reads are
 freed once the backup is reported, so it waits for backups before giving up.
+With the daemon unreachable, `evict` takes the cached pages back itself, so a
+request that fits the pool is never refused for the daemon's sake.
 """
 
 from __future__ import annotations

@@ -225,6 +225,19 @@ class TransferExecutor:
         self._submit(lambda: self._backup_job(plan, handle))
         return handle
 
+    def wait_idle(self) -> None:
+        """Block until every copy submitted so far has finished (or failed)."""
+        if self.is_cuda:
+            self._load_stream.synchronize()
+            self._backup_stream.synchronize()
+            return
+        idle = threading.Event()
+        try:
+            self._submit(idle.set)  # jobs run in submission order
+        except HiCacheError:  # closed: close() ran every queued job
+            return
+        idle.wait()
+
     def close(self) -> None:
         """Finish queued jobs, then stop. Idempotent; handles stay usable."""
         with self._lock:

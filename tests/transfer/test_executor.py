@@ -15,6 +15,7 @@ from hicache.tiers.device import DevicePool
 from hicache.tiers.host import HostArena, HostCacheError, HostKVCache
 from hicache.transfer.executor import BackupHandle, LoadHandle, TransferError, TransferExecutor
 from tests.kv_pages import random_pool
+from tests.wait import wait_until
 
 LAYOUT = KVLayout("mha", 6, 4, "bfloat16", num_kv_heads=2, head_dim=16)
 
@@ -207,6 +208,29 @@ def test_close_finishes_queued_jobs_and_is_idempotent(setup):
         ex.load([0], [1])
     with pytest.raises(HiCacheError, match="closed"):
         ex.backup([0], [1])
+
+
+def test_wait_idle_returns_once_every_submitted_copy_is_done(setup):
+    # The worker is held by a gate; it opens only once wait_idle's marker is queued behind
+    # the backup and the load, so wait_idle must have waited for both.
+    arena, cache, src = setup
+    ex = TransferExecutor(cache, src)
+    gate = threading.Event()
+    ex._submit(gate.wait)
+    b = ex.backup(list(range(16)), list(range(1, 17)))
+    h = ex.load([0], [1])
+
+    def open_gate() -> None:
+        wait_until(lambda: ex._jobs.qsize() >= 3, 30, "wait_idle's marker behind the copies")
+        gate.set()
+
+    opener = threading.Thread(target=open_gate)
+    opener.start()
+    ex.wait_idle()
+    assert b.done() and h.done()
+    opener.join()
+    ex.close()
+    ex.wait_idle()  # closed: close() already ran every job
 
 
 def test_wait_layer_out_of_range(setup):
