@@ -86,6 +86,7 @@ class EventSubscription:
         self.clients = list(clients)
         self.socket_path = self.clients[0].socket_path
         self.daemon_uids = self.clients[0].daemon_uids
+        self.namespaces = frozenset(c.salt.hex() for c in self.clients)
         self._lock = threading.Lock()
         self._queue: deque[Any] = deque()
         self._overflowed = False
@@ -100,9 +101,9 @@ class EventSubscription:
             if not self._queue and not self._overflowed:
                 return []
             out, self._queue = list(self._queue), deque()
-            if self._overflowed:
+            if self._overflowed:  # the queue was cleared where events were lost: the resync goes first
                 self._overflowed = False
-                out.append(_RESYNC)
+                out.insert(0, _RESYNC)
         return out
 
     @property
@@ -148,7 +149,9 @@ class EventSubscription:
             log.info("hicache: subscribed to the daemon's KV events")
             try:
                 while not self._stop.is_set():
-                    self._put(conn.read_event())
+                    ev = conn.read_event()
+                    if isinstance(ev, dict) and ev.get("namespace") in self.namespaces:  # admins see all
+                        self._put(ev)
             except HiCacheError as e:
                 if not self._stop.is_set():
                     log.warning("hicache: KV event subscription lost (%s); resubscribing", e)
