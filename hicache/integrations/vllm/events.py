@@ -43,12 +43,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored, KVCacheEvent
-from vllm.v1.core.kv_cache_utils import (
-    generate_block_hash_extra_keys,
-    maybe_convert_block_hash,
-    resolve_block_hashes,
-    to_event_extra_keys,
-)
+from vllm import envs
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, resolve_block_hashes, to_event_extra_keys
 
 from hicache.client.client import HiCacheClient
 from hicache.client.connection import RpcConnection
@@ -62,6 +58,7 @@ LOCALITY = "LOCAL"
 MAX_QUEUED_EVENTS = 16384  # daemon events waiting for the next step; past it: resync
 READ_TIMEOUT_S = 365 * 86400.0  # the reader waits for events indefinitely; close() wakes it
 BACKOFF_S = (0.05, 2.0)
+INT_HASH_MASK = (1 << 64) - 1
 _RESYNC = object()  # queued when the subscription (re)starts: what came before is unknown
 
 
@@ -190,37 +187,47 @@ class KVEventBridge:
         self.by_key: dict[bytes, tuple[_Block, int]] = {}  # page key -> (block, rank)
         self.out: list[KVCacheEvent] = []  # translated, for the next take_events
         self.resyncs = 0
+        self.int_hashes = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
         self.sub = EventSubscription([clients[r] for r in sorted(clients)])
 
     # -- facts from the scheduler's own calls ------------------------------------------------
-    def note_put(self, rank: int, request: Any, keys: list[bytes], present: int) -> None:
-        """A put of the request's first len(keys) pages: the first `present` are on host now."""
-        self._note(rank, request, keys, present)
+    def note_put(self, rank: int, request: Any, keys: list[bytes], present: int, start: int = 0) -> None:
+        """A put of the request's first len(keys) pages: the first `present` are on host now.
+        Pages before `start` were noted by an earlier put of the request (a decode step's
+        put repeats the whole prefix; noting it again would cost more than the put)."""
+        self._note(rank, request, keys, present, start)
 
     def note_match(self, rank: int, request: Any, keys: list[bytes], host_len: int) -> None:
         """A match: the first `host_len` pages are on host now; the rest may come (events say)."""
-        self._note(rank, request, keys, host_len)
+        self._note(rank, request, keys, host_len, 0)
 
-    def _note(self, rank: int, request: Any, keys: list[bytes], on_host: int) -> None:
+    def _external(self, block_hash: bytes) -> int | bytes:
+        """vLLM's maybe_convert_block_hash, its environment flag read once instead of per block."""
+        return int.from_bytes(block_hash, "big") & INT_HASH_MASK if self.int_hashes else block_hash
+
+    def _note(self, rank: int, request: Any, keys: list[bytes], on_host: int, start: int) -> None:
         hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, self.page_size)
         n = min(len(keys), len(hashes))
+        if start >= n:
+            return
         stored: list[_Block] = []
-        parent = None
-        for i in range(n):
-            h = maybe_convert_block_hash(hashes[i])
-            blk = self.blocks.get(h)
+        blocks, by_key = self.blocks, self.by_key
+        parent = self._external(hashes[start - 1]) if start else None
+        for i in range(start, n):
+            h = self._external(hashes[i])
+            blk = blocks.get(h)
             if blk is None:
                 blk = self._new_block(request, i, h, parent)
             else:
-                self.blocks.move_to_end(h)
+                blocks.move_to_end(h)
             parent = h
             key = keys[i]
             if blk.keys[rank] != key:
                 old = blk.keys[rank]
                 if old is not None:
-                    self.by_key.pop(old, None)
+                    by_key.pop(old, None)
                 blk.keys[rank] = key
-                self.by_key[key] = (blk, rank)
+                by_key[key] = (blk, rank)
             if i < on_host and self._hold(blk, 0, rank, True):
                 stored.append(blk)
         if stored:

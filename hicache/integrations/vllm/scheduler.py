@@ -225,7 +225,7 @@ class SchedulerSide:
             keys = st.keys[r].upto(tokens, full)
             plan = c.put(stored, keys=keys)
             if plan is not None and self.events is not None:
-                self.events.note_put(r, st.request, keys, plan.present)
+                self.events.note_put(r, st.request, keys, plan.present, start=st.saved_pages)
             if plan is None or plan.put is None:
                 continue
             pages = plan.host_pages.tolist()
