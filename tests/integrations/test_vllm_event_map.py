@@ -117,3 +117,37 @@ def test_stored_removed_lru_and_restart(tmp_path):
         finally:
             bridge.close()
             client.close()
+
+
+def test_a_block_is_announced_once_every_rank_holds_it(tmp_path):
+    """TP: each rank stores its own shard in its own namespace; a router may count on a
+    block only when all shards are there."""
+    with LocalDaemon(tmp_path / "d", "--host-capacity", "64MiB", "--no-disk") as d:
+        clients = {r: HiCacheClient(LAYOUT, 64, model="events-tp", socket_path=d.socket, tp_rank=r, tp_size=2)
+                   for r in range(2)}
+        assert all(c.connect() for c in clients.values())
+        bridge = KVEventBridge(clients, PAGE, PAGE)
+        ev = Events(bridge)
+        try:
+            a = request("a", list(range(1, 4 * PAGE + 1)))
+            wait_until(lambda: (ev.held("CPU"), bridge.resyncs)[1] >= 1, 30, "the bridge to subscribe")
+            n = 4
+            plans = {}
+            for r, c in clients.items():
+                keys = c.page_keys(a.all_token_ids)
+                plans[r] = c.put(a.all_token_ids, keys=keys)
+                bridge.note_put(r, a, keys, plans[r].present)
+            assert clients[0].put_done(plans[0]) == n
+
+            def rank0_seen() -> bool:
+                ev.held("CPU")
+                return all(b.held[0] == 0b01 for b in bridge.blocks.values())
+            wait_until(rank0_seen, 30, "rank 0's stored event taken")
+            assert ev.held("CPU") == []  # rank 1's shards are not there yet
+            assert clients[1].put_done(plans[1]) == n
+            wait_until(lambda: ev.held("CPU") == hashes(a, n), 30, "a's blocks announced once both ranks hold them")
+            assert sum(len(e.block_hashes) for e in ev.seen if isinstance(e, BlockStored)) == n  # once, not per rank
+        finally:
+            bridge.close()
+            for c in clients.values():
+                c.close()
