@@ -29,6 +29,11 @@ blocks. What is announced:
 A reply's facts are applied when the reply comes; events taken later are newer or
 superseded by a newer one (the daemon answers and publishes from one loop), so the
 announced state converges to the daemon's.
+
+vLLM publishes at its steps: events queued when it checks for work keep it stepping
+(`has_pending_push_work`); events that arrive while it is idle wait for its next
+request. The remote tier is not reported: the daemon keeps no record of what the store
+holds or evicts, so no removal could ever follow a stored event.
 """
 
 from __future__ import annotations
