@@ -1,7 +1,7 @@
 """vLLM's KV event stream reports hicache's tiers: a real vLLM, a real daemon with a disk tier.
 
 Each vLLM run is its own process (hicache/integrations/vllm_driver.py) publishing KV events
-on tcp://127.0.0.1:PORT; this test subscribes with vLLM's own classes (msgspec decoding of
+to tcp://127.0.0.1:PORT (vLLM connects to a host endpoint; this test's SUB binds it); it subscribes with vLLM's own classes (msgspec decoding of
 `KVEventBatch`, as vLLM's examples do) and pauses the driver between rounds to check the
 stream against `hicache ls --json`. vLLM publishes at its steps, so after the daemon acts
 the driver serves a prompt shorter than a block (it stores nothing) to let a step run.
@@ -12,7 +12,8 @@ the driver serves a prompt shorter than a block (it stores nothing) to let a ste
    `hicache flush --tier host`: all CPU blocks removed, STORAGE stays, `ls` host 0;
    `hicache flush --tier disk`: all STORAGE blocks removed; serving again announces again;
 2. a new vLLM process (its map empty, as after a restart) announces the pages another
-   stored as soon as its requests find them on host, with its own hashes.
+   stored (test 1's, on the module's daemon) as soon as its requests find them on host,
+   with its own hashes.
 
 Under CI=true a missing vLLM fails the suite instead of skipping it.
 """
