@@ -1,8 +1,9 @@
 """vLLM's KV event stream reports hicache's tiers: a real vLLM, a real daemon with a disk tier.
 
 Each vLLM run is its own process (hicache/integrations/vllm_driver.py) publishing KV events
-to tcp://127.0.0.1:PORT (vLLM connects to a host endpoint; this test's SUB binds it); it subscribes with vLLM's own classes (msgspec decoding of
-`KVEventBatch`, as vLLM's examples do) and pauses the driver between rounds to check the
+to tcp://127.0.0.1:PORT (vLLM connects to a host endpoint; this test's SUB binds it); the
+test decodes them with vLLM's own classes (msgspec decoding of `KVEventBatch`, as vLLM's
+examples do) and pauses the driver between rounds to check the
 stream against `hicache ls --json`. vLLM publishes at its steps, so after the daemon acts
 the driver serves a prompt shorter than a block (it stores nothing) to let a step run.
 
