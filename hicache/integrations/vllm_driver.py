@@ -7,11 +7,16 @@ SPEC: {"model": dir, "socket": path or null (no connector), "block_size": 32,
        "rounds": [[prompt token lists], ...], "max_tokens": 8,
        "reset_between_rounds": true, "corrupt_load": false, "kv_cache_bytes": 67108864,
        "kill_in_round" | "stop_in_round": k, "cont_before_round": k2, "fault_delay_s": 0.02,
-       "daemon_pid": pid}
+       "daemon_pid": pid, "kv_events_endpoint": "tcp://127.0.0.1:PORT", "extra_config": {...},
+       "pause_dir": dir, "pause_before_rounds": [k, ...]}
 
 Each round is one `generate` call; between rounds the driver waits for the daemon to
 have no store in flight (`settle`, default on), and vLLM's own prefix cache is cleared
 (`reset_prefix_cache(reset_connector=False)`) so hits must come from hicache.
+`kv_events_endpoint` turns on vLLM's KV event publisher (ZMQ PUB bound there). Before
+each round of `pause_before_rounds` the driver creates `pause_dir/paused-K` and waits for
+`pause_dir/resume-K` (a test inspects the daemon and the event stream meanwhile), or
+exits when `pause_dir/abort` appears.
 `corrupt_load` garbles every block hicache loads (a test that must see outputs change,
 proving the KV is really used); it runs vLLM's engine and worker in this process. The output JSON has per round the
 output token ids, `num_cached_tokens` per request and the time to first token, plus
@@ -86,6 +91,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             kv_role="kv_both", kv_connector_extra_config=extra)
     if spec.get("in_process"):
         kwargs["distributed_executor_backend"] = "uni"
+    if spec.get("kv_events_endpoint"):
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                    endpoint=spec["kv_events_endpoint"])
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype=spec.get("dtype", "float32"),
               block_size=spec.get("block_size", 32), max_model_len=spec.get("max_model_len", 2048),
@@ -99,6 +109,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             _settle(spec["socket"])
         if i and spec.get("reset_between_rounds", True):
             llm.reset_prefix_cache(reset_connector=False)
+        if i in spec.get("pause_before_rounds", ()):
+            _pause(Path(spec["pause_dir"]), i)
         # fault injection: the daemon dies (SIGKILL) or hangs (SIGSTOP) during a round, or wakes up
         for key, sig in (("kill_in_round", signal.SIGKILL), ("stop_in_round", signal.SIGSTOP)):
             if spec.get(key) == i:
@@ -128,6 +140,17 @@ def _settle(socket: str, timeout_s: float = 30.0) -> None:
                 return
         except (HiCacheError, OSError):
             return
+        time.sleep(0.01)
+
+
+def _pause(pause_dir: Path, i: int, timeout_s: float = 600.0) -> None:
+    (pause_dir / f"paused-{i}").touch()
+    deadline = time.monotonic() + timeout_s
+    while not (pause_dir / f"resume-{i}").exists():
+        if (pause_dir / "abort").exists():
+            raise RuntimeError(f"aborted before round {i}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"nobody resumed round {i} within {timeout_s:g} s")
         time.sleep(0.01)
 
 

@@ -9,7 +9,8 @@ per worker (role WORKER); each delegates to its side (scheduler.py, worker.py).
 Extra config keys, all optional: `socket` (default: the daemon's default
 socket), `model_id` (the namespace's model name; default vLLM's model path or
 name), `lease_s` (pins a load never reports are released after it),
-`disk_wait_s` (how long a request may wait for its disk part to reach host).
+`disk_wait_s` (how long a request may wait for its disk part to reach host),
+`kv_events_max_blocks` (blocks the KV event map follows, events.py).
 vLLM's `kv_load_failure_policy` is set to "recompute": a block hicache could not
 load is computed, never an error.
 """
@@ -17,12 +18,14 @@ load is computed, never an error.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from hicache.integrations.vllm.events import bridge_for
 from hicache.integrations.vllm.layout import engine_shape
 from hicache.integrations.vllm.metadata import HiCacheMeta, HiCachePromMetrics, HiCacheStats
 from hicache.integrations.vllm.scheduler import SchedulerSide
@@ -30,6 +33,7 @@ from hicache.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -59,6 +63,9 @@ class HiCacheConnector(KVConnectorBase_V1):
             self.scheduler = SchedulerSide(shape, num_blocks, socket,
                                            lease_s=float(cfg.get_from_extra_config("lease_s", 30.0)),
                                            disk_wait_s=float(cfg.get_from_extra_config("disk_wait_s", 0.5)))
+            self.scheduler.events = bridge_for(vllm_config, kv_cache_config, self.scheduler.clients,
+                                               shape.layout.page_size,
+                                               int(cfg.get_from_extra_config("kv_events_max_blocks", 65536)))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -145,7 +152,12 @@ class HiCacheConnector(KVConnectorBase_V1):
         return self.scheduler.request_finished(request), None
 
     def has_pending_push_work(self) -> bool:
-        return self.scheduler is not None and self.scheduler.has_pending_saves()
+        sched = self.scheduler
+        return sched is not None and (sched.has_pending_saves() or (sched.events is not None and sched.events.pending))
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        events = self.scheduler.events if self.scheduler is not None else None
+        return events.take_events() if events is not None else ()
 
     def reset_cache(self) -> bool | None:
         return None  # the daemon's tiers are shared by other engines: `hicache flush` clears them

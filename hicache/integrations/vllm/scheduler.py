@@ -21,12 +21,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hicache.client.client import HiCacheClient, Match, PutPlan
 from hicache.integrations.request_keys import RequestKeys
 from hicache.integrations.vllm.layout import EngineShape
 from hicache.integrations.vllm.metadata import HiCacheMeta, HiCacheWorkerMeta, LoadSpec, SaveSpec
+
+if TYPE_CHECKING:
+    from hicache.integrations.vllm.events import KVEventBridge
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +83,7 @@ class SchedulerSide:
         self.reqs: dict[str, _Req] = {}
         self.loads_next: list[tuple[str, int, int]] = []  # (request, pages [start, end)) for the next metadata
         self.delayed: list[str] = []  # finished requests keeping their blocks for running saves
+        self.events: KVEventBridge | None = None  # set by the connector when vLLM publishes KV events
 
     # -- requests -------------------------------------------------------------------------
     def _state(self, request: Any) -> _Req | None:
@@ -123,6 +127,9 @@ class SchedulerSide:
         if any(m.pin is None or m.device_len for m in ms):  # daemon away (or a device part we cannot use)
             self._release(st)
             return 0, False
+        if self.events is not None:
+            for r, m in st.matches.items():
+                self.events.note_match(r, request, m.keys, m.host_len)
         if any(m.disk_len for m in ms):
             if st.disk_deadline is None:
                 st.disk_deadline = now + self.disk_wait_s
@@ -215,7 +222,10 @@ class SchedulerSide:
             return
         stored = tokens[:full * self.page_size]
         for r, c in self.clients.items():
-            plan = c.put(stored, keys=st.keys[r].upto(tokens, full))
+            keys = st.keys[r].upto(tokens, full)
+            plan = c.put(stored, keys=keys)
+            if plan is not None and self.events is not None:
+                self.events.note_put(r, st.request, keys, plan.present, start=st.saved_pages)
             if plan is None or plan.put is None:
                 continue
             pages = plan.host_pages.tolist()
@@ -270,6 +280,8 @@ class SchedulerSide:
         return any(st.puts for st in self.reqs.values())
 
     def close(self) -> None:
+        if self.events is not None:
+            self.events.close()
         for st in self.reqs.values():
             self._release(st)
         for c in self.clients.values():
