@@ -1,0 +1,36 @@
+"""How the vLLM drivers build an engine from a spec and read its counters: shared by the
+one-`generate`-per-turn driver (vllm_driver.py) and the concurrent one (vllm_async_driver.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
+    """vLLM engine arguments for `spec` (LLM and AsyncEngineArgs take the same)."""
+    from vllm.config import KVTransferConfig
+
+    kwargs: dict[str, Any] = {}
+    if spec.get("connector"):
+        kwargs["kv_transfer_config"] = KVTransferConfig(**spec["connector"])
+    elif spec.get("socket"):
+        extra = {"socket": spec["socket"]}
+        extra.update(spec.get("extra_config", {}))
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="HiCacheConnector", kv_connector_module_path="hicache.integrations.vllm",
+            kv_role="kv_both", kv_connector_extra_config=extra)
+    if spec.get("in_process"):
+        kwargs["distributed_executor_backend"] = "uni"
+    return dict(model=spec["model"], skip_tokenizer_init=True, dtype=spec.get("dtype", "float32"),
+                block_size=spec.get("block_size", 32), max_model_len=spec.get("max_model_len", 2048),
+                enforce_eager=True, kv_cache_memory_bytes=spec.get("kv_cache_bytes", 64 << 20),
+                disable_log_stats=False, seed=0, tensor_parallel_size=spec.get("tp", 1), **kwargs)
+
+
+def counters(metrics: list[Any]) -> dict[str, float]:
+    """vLLM's prefix-cache, prompt-token and connector counters from a metrics snapshot."""
+    out: dict[str, float] = {}
+    for m in metrics:
+        if type(m).__name__ == "Counter" and any(w in m.name for w in ("prefix_cache", "prompt_tokens", "hicache")):
+            out[m.name] = out.get(m.name, 0) + float(m.value)
+    return out
