@@ -217,7 +217,7 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--user-tokens", type=int, default=96)
     b.add_argument("--reply-tokens", type=int, default=64)
     b.add_argument("--max-tokens", type=int, default=4)
-    b.add_argument("--max-model-len", type=int, default=4096)
+    b.add_argument("--max-model-len", type=int, default=2048)
     b.add_argument("--kv-cache-mib", type=int, default=None,
                    help="vLLM's KV cache (default 256; poisson: 64, so conversations are evicted between turns)")
     b.add_argument("--block-size", type=int, default=32)

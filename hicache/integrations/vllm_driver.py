@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -152,4 +153,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BaseException:  # a connector's threads can keep a failed process alive: exit, with the trace
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)

@@ -102,6 +102,8 @@ def measured(tmp_path_factory):
     return args, measure(args)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_hicache_computes_only_the_new_tokens_of_warm_turns(measured):
     from hicache.bench.vllm_bench import kv_bytes_per_token, rows
 
@@ -125,6 +127,8 @@ def test_hicache_computes_only_the_new_tokens_of_warm_turns(measured):
         assert table[name]["value"] > 0
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_outputs_that_differ_are_refused(measured):
     from hicache.bench.vllm_bench import OutputsDiffer, check_outputs_equal
 
