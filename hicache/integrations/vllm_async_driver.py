@@ -43,7 +43,6 @@ async def _serve(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
-    from vllm.v1.metrics.reader import get_metrics_snapshot
 
     t0 = time.perf_counter()
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(spec)))
@@ -56,7 +55,7 @@ async def _serve(spec: dict[str, Any]) -> dict[str, Any]:
                                for c, (prompts, gaps) in enumerate(zip(spec["conversations"], spec["gaps"],
                                                                        strict=True))))
         wall = time.perf_counter() - start
-        snapshot = counters(get_metrics_snapshot())
+        snapshot = counters()
     finally:
         engine.shutdown()
     done.sort(key=lambda r: (r["conversation"], r["turn"]))

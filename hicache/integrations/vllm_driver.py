@@ -105,7 +105,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         rounds.append({"outputs": [list(o.outputs[0].token_ids) for o in outs],
                        "cached": [o.num_cached_tokens for o in outs],
                        "ttft": [_ttft(o) for o in outs], "wall_s": wall})
-    return {"init_s": init_s, "rounds": rounds, "counters": counters(llm.get_metrics())}
+    return {"init_s": init_s, "rounds": rounds, "counters": counters()}
 
 
 def _settle(socket: str, timeout_s: float = 30.0) -> None:

@@ -27,10 +27,15 @@ def engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
                 disable_log_stats=False, seed=0, tensor_parallel_size=spec.get("tp", 1), **kwargs)
 
 
-def counters(metrics: list[Any]) -> dict[str, float]:
-    """vLLM's prefix-cache, prompt-token and connector counters from a metrics snapshot."""
+def counters() -> dict[str, float]:
+    """vLLM's prefix-cache, prompt-token and connector counters in this process, as floats (vLLM's
+    own snapshot, `get_metrics`, truncates counters to int: the connector's seconds would be lost)."""
+    from prometheus_client import REGISTRY
+
     out: dict[str, float] = {}
-    for m in metrics:
-        if type(m).__name__ == "Counter" and any(w in m.name for w in ("prefix_cache", "prompt_tokens", "hicache")):
-            out[m.name] = out.get(m.name, 0) + float(m.value)
+    for metric in REGISTRY.collect():
+        if metric.type != "counter" or not metric.name.startswith("vllm:"):
+            continue
+        if any(w in metric.name for w in ("prefix_cache", "prompt_tokens", "hicache")):
+            out[metric.name] = sum(s.value for s in metric.samples if s.name.endswith("_total"))
     return out
