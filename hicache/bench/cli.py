@@ -81,7 +81,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     soak_arguments(bench("soak", "32 engines cycling for minutes: daemon memory before/after, host slots accounted"))
 
-    vllm_arguments(bench("vllm", "a real vLLM engine serving multi-turn conversations, with and without hicache"))
+    vllm_arguments(bench("vllm", "a real vLLM serving multi-turn conversations: vLLM alone vs hicache vs LMCache (--compare)"))
 
     b = bench("sglang", "SGLang's L3 batch_set_v1 / batch_get_v1 through hicache vs a plain copy")
     b.add_argument("--socket", dest="socket_path", help="a running daemon (default: start one)")

@@ -1,96 +1,229 @@
-"""`hicache bench vllm`: a real vLLM engine serving multi-turn conversations, with and
-without hicache, in one run.
+"""`hicache bench vllm`: a real vLLM engine serving multi-turn conversations through each KV-cache
+configuration of `--compare` (hicache/bench/vllm_peers.py: vLLM alone, hicache, LMCache), each
+in its own process, in one run.
 
-Each turn of every conversation resends the whole conversation so far (a shared system
-prompt, then the turns before it) plus a new user message; a turn is one `generate`
-call over all conversations. Between turns vLLM's own prefix cache is cleared, as GPU
-memory pressure would evict it between a user's turns -- the case hicache exists for.
-Both runs are their own processes over the same tiny random Llama
-(hicache/bench/tiny_llama.py) and the same token ids; the rows compare time to first
-token and the prefill tokens vLLM had to compute.
+The workload (hicache/bench/vllm_workload.py) is the same token ids for every configuration,
+over the same tiny random Llama (hicache/bench/tiny_llama.py). Two ways to send it:
+- turns (default): one `generate` call per turn over all conversations; between turns vLLM's
+  own prefix cache is cleared, as device memory pressure would evict it between a user's turns.
+- poisson: conversations arrive and speak concurrently through vLLM's AsyncLLM
+  (hicache/integrations/vllm_async_driver.py); a small KV cache does the evicting.
+
+Every run gets the same CPU budget: with a connector configured vLLM's CPU platform reserves
+one more core, and on 2 cores gives up and runs the worker on all of them, while vLLM alone
+gets one; VLLM_CPU_NUM_OF_RESERVED_CPU=1 for every run makes them equal. Outputs must be equal
+to vLLM alone's, request by request, or the bench refuses to compare.
 """
 
 from __future__ import annotations
 
 import argparse
-import random
+import logging
+import math
+import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hicache.bench.report import row
 from hicache.bench.tiny_llama import build_tiny_llama
-from hicache.daemon.launcher import LocalDaemon
+from hicache.bench.vllm_peers import INSTALL_HINT, PeerRun, lmcache_available, lmcache_transfers, parse_compare, \
+    start_peer
+from hicache.bench.vllm_workload import conversations, poisson_gaps
 from hicache.integrations.vllm_driver import run_in_process
 
+log = logging.getLogger(__name__)
 
-def conversations(n: int, turns: int, system_tokens: int, user_tokens: int, reply_tokens: int,
-                  seed: int = 0) -> list[list[list[int]]]:
-    """rounds[t][c]: the prompt of conversation c at turn t."""
-    rng = random.Random(seed)
-    tok = lambda k: [rng.randrange(1, 500) for _ in range(k)]  # noqa: E731
-    system = tok(system_tokens)
-    history = [list(system) for _ in range(n)]
-    rounds = []
-    for _ in range(turns):
-        prompts = []
-        for h in history:
-            h += tok(user_tokens)
-            prompts.append(list(h))
-            h += tok(reply_tokens)  # the assistant's answer, as the client resends it next turn
-        rounds.append(prompts)
-    return rounds
+EQUAL_CPUS = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+BASE = "none"
 
 
-def _run(spec: dict, workdir: Path, name: str) -> dict:
-    try:
-        return run_in_process(spec, workdir, name)
-    except RuntimeError as e:
-        raise SystemExit(str(e)) from None
+class OutputsDiffer(Exception):
+    """A configuration's outputs are not vLLM alone's: its numbers measure something else."""
+
+
+@dataclass
+class Measured:
+    """One configuration's run, as requests (conversation, turn) plus totals."""
+
+    name: str
+    requests: list[dict[str, Any]]  # conversation, turn, outputs, cached, ttft, prompt_tokens
+    wall_s: float  # generating everything (turns: the sum of the generate calls)
+    warm_wall_s: float | None  # turns mode: turns 2+ only
+    init_s: float
+    transfers: dict[str, float] = field(default_factory=dict)  # saved/loaded tokens, save_s, load_s
+
+
+def _p90(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[max(0, math.ceil(0.9 * len(s)) - 1)] if s else 0.0
 
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
-def run(args: argparse.Namespace) -> list[dict]:
+def check_outputs_equal(measured: dict[str, Measured], base: str = BASE) -> None:
+    """Raise OutputsDiffer unless every configuration generated what `base` did, request by request."""
+    want = {(r["conversation"], r["turn"]): r["outputs"] for r in measured[base].requests}
+    for name, m in measured.items():
+        got = {(r["conversation"], r["turn"]): r["outputs"] for r in m.requests}
+        bad = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
+        if bad:
+            c, t = bad[0]
+            raise OutputsDiffer(f"outputs of {name} differ from {base}'s in {len(bad)} of {len(want)} requests "
+                                f"(first: conversation {c}, turn {t}): not a valid comparison")
+
+
+def _transfers(peer: PeerRun, counters: dict[str, float]) -> dict[str, float]:
+    if peer.server_log is not None:  # LMCache: its server's log lines
+        return lmcache_transfers(peer.server_log)
+    if peer.socket is not None:  # hicache: its connector stats, which vLLM aggregates into counters
+        return {"saved_tokens": counters.get("vllm:hicache_saved_tokens", 0.0),
+                "save_s": counters.get("vllm:hicache_save_seconds", 0.0),
+                "loaded_tokens": counters.get("vllm:hicache_loaded_tokens", 0.0),
+                "load_s": counters.get("vllm:hicache_load_seconds", 0.0)}
+    return {}
+
+
+def _measure_one(name: str, spec: dict[str, Any], workdir: Path, block_size: int, timeout_s: float) -> Measured:
+    with start_peer(name, workdir, block_size) as peer:
+        run_spec = {**spec, "connector": peer.connector, "socket": peer.socket}
+        try:
+            out = run_in_process(run_spec, workdir, name, env=EQUAL_CPUS, timeout_s=timeout_s)
+        except RuntimeError as e:
+            raise SystemExit(str(e)) from None
+        transfers = _transfers(peer, out["counters"])
+    if "requests" in out:  # arrivals mode
+        reqs = [{**r, "prompt_tokens": len(spec["conversations"][r["conversation"]][r["turn"]])}
+                for r in out["requests"]]
+        return Measured(name, reqs, out["wall_s"], None, out["init_s"], transfers)
+    reqs = []
+    for t, (r, prompts) in enumerate(zip(out["rounds"], spec["rounds"], strict=True)):
+        for c, p in enumerate(prompts):
+            reqs.append({"conversation": c, "turn": t, "outputs": r["outputs"][c], "cached": r["cached"][c],
+                         "ttft": r["ttft"][c], "prompt_tokens": len(p)})
+    walls = [r["wall_s"] for r in out["rounds"]]
+    return Measured(name, reqs, sum(walls), sum(walls[1:]), out["init_s"], transfers)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Measured]:
+    """Run every configuration of args.compare on one workload; refuse unequal outputs."""
+    names = args.compare if isinstance(args.compare, list) else parse_compare(args.compare)
+    if any(n.startswith("lmcache") for n in names) and not lmcache_available():
+        print(INSTALL_HINT, file=sys.stderr)
+        raise SystemExit(2)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hicache-bench-vllm-"))
+    workdir.mkdir(parents=True, exist_ok=True)
     model = build_tiny_llama(workdir / "model", layers=args.layers, hidden=args.hidden, heads=args.heads,
                              kv_heads=args.kv_heads)
     rounds = conversations(args.conversations, args.turns, args.system_tokens, args.user_tokens,
                            args.reply_tokens)
-    spec = {"model": str(model), "block_size": args.block_size, "max_tokens": args.max_tokens,
-            "rounds": rounds, "max_model_len": 4096, "kv_cache_bytes": 256 << 20}
-    base = _run({**spec, "socket": None}, workdir, "without")
-    with LocalDaemon(workdir / "daemon", "--host-capacity", "1GiB", "--no-disk") as daemon:
-        mine = _run({**spec, "socket": daemon.socket}, workdir, "with")
-    if [r["outputs"] for r in mine["rounds"]] != [r["outputs"] for r in base["rounds"]]:
-        raise SystemExit("outputs with hicache differ from those without: not a valid comparison")
-    rows = []
-    for label, sel in (("turn 1 (cold)", slice(0, 1)), ("turns 2+ (warm)", slice(1, None))):
-        ttft_h = _mean([t for r in mine["rounds"][sel] for t in r["ttft"] if t is not None])
-        ttft_b = _mean([t for r in base["rounds"][sel] for t in r["ttft"] if t is not None])
-        rows.append(row(f"ttft {label}", ttft_h * 1e3, "ms", ttft_b * 1e3, "without hicache"))
-        prompt = sum(len(p) for ps in rounds[sel] for p in ps)
-        comp_h = prompt - sum(c for r in mine["rounds"][sel] for c in r["cached"])
-        comp_b = prompt - sum(c for r in base["rounds"][sel] for c in r["cached"])
-        rows.append(row(f"prefill tokens computed {label}", comp_h, "tokens", comp_b, "without hicache",
-                        prompt_tokens=prompt))
-        wall_h = sum(r["wall_s"] for r in mine["rounds"][sel])
-        wall_b = sum(r["wall_s"] for r in base["rounds"][sel])
-        rows.append(row(f"generate wall {label}", wall_h, "s", wall_b, "without hicache"))
-    return rows
+    poisson = args.arrivals == "poisson"
+    kv_mib = args.kv_cache_mib or (64 if poisson else 256)
+    spec: dict[str, Any] = {"model": str(model), "block_size": args.block_size, "max_tokens": args.max_tokens,
+                            "max_model_len": args.max_model_len, "kv_cache_bytes": kv_mib << 20}
+    if poisson:
+        spec["arrivals"] = "poisson"
+        spec["conversations"] = [[rounds[t][c] for t in range(args.turns)] for c in range(args.conversations)]
+        spec["gaps"] = poisson_gaps(args.conversations, args.turns, args.rate, seed=args.seed)
+    else:
+        spec["rounds"] = rounds
+    measured = {n: _measure_one(n, spec, workdir, args.block_size, args.timeout_s) for n in names}
+    try:
+        check_outputs_equal(measured)
+    except OutputsDiffer as e:
+        raise SystemExit(str(e)) from None
+    return measured
+
+
+def kv_bytes_per_token(args: argparse.Namespace) -> int:
+    """K and V of every layer, fp32."""
+    return 2 * args.layers * args.kv_heads * (args.hidden // args.heads) * 4
+
+
+def _metrics(m: Measured, bytes_per_token: int, poisson: bool) -> dict[str, tuple[float | None, str]]:
+    """metric -> (value, unit); None where the configuration does not expose it."""
+    out: dict[str, tuple[float | None, str]] = {}
+    for label, warm in (("cold (turn 1)", False), ("warm (turns 2+)", True)):
+        reqs = [r for r in m.requests if (r["turn"] > 0) == warm]
+        ttfts = [r["ttft"] * 1e3 for r in reqs if r["ttft"] is not None]
+        out[f"ttft mean, {label}"] = (_mean(ttfts), "ms")
+        out[f"ttft p90, {label}"] = (_p90(ttfts), "ms")
+        out[f"prefill tokens computed, {label}"] = (float(sum(r["prompt_tokens"] - r["cached"] for r in reqs)),
+                                                    "tokens")
+    tr = m.transfers
+    for kind in ("save", "load"):
+        tokens = tr.get("saved_tokens" if kind == "save" else "loaded_tokens")
+        seconds = tr.get(f"{kind}_s")
+        out[f"{kind} GB/s"] = (tokens * bytes_per_token / seconds / 1e9 if tokens and seconds else None, "GB/s")
+    out["generate wall, all turns"] = (m.wall_s, "s")
+    if m.warm_wall_s is not None:
+        out["generate wall, warm turns"] = (m.warm_wall_s, "s")
+    if poisson:
+        out["throughput"] = (len(m.requests) / m.wall_s, "req/s")
+        out["output throughput"] = (sum(len(r["outputs"]) for r in m.requests) / m.wall_s, "tok/s")
+    out["engine start"] = (m.init_s, "s")
+    return out
+
+
+def rows(measured: dict[str, Measured], bytes_per_token: int, poisson: bool) -> list[dict]:
+    """One row per metric and configuration: the ratio to vLLM alone, and in the note to each peer."""
+    metrics = {n: _metrics(m, bytes_per_token, poisson) for n, m in measured.items()}
+    out = []
+    for metric, (_, unit) in metrics[BASE].items():
+        base = metrics[BASE][metric][0]
+        for name, ms in metrics.items():
+            value = ms[metric][0]
+            if value is None:  # vLLM alone moves nothing; a peer may not say what it moved
+                if name != BASE:
+                    out.append(row(f"{metric} [{name}]", float("nan"), unit, note="not exposed"))
+                continue
+            peers = [f"{value / ms2[metric][0]:.2f}x {n2}" for n2, ms2 in metrics.items()
+                     if n2 not in (BASE, name) and ms2[metric][0]]
+            note = ("vs " + ", ".join(peers)) if peers and name != BASE else None
+            if name == BASE or base is None:
+                out.append(row(f"{metric} [{name}]", value, unit, note=note))
+            else:
+                out.append(row(f"{metric} [{name}]", value, unit, base, "vLLM alone", note=note))
+    return out
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    measured = measure(args)
+    return rows(measured, kv_bytes_per_token(args), args.arrivals == "poisson")
+
+
+def _compare(text: str) -> list[str]:
+    try:
+        return parse_compare(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_arguments(b: argparse.ArgumentParser) -> None:
+    b.add_argument("--compare", type=_compare, default=["none", "hicache"],
+                   help="configurations, comma-separated: none (vLLM alone, always run), hicache, lmcache, "
+                        "lmcache-fs, lmcache-chunk256 (LMCache: bash scripts/install_lmcache.sh)")
+    b.add_argument("--arrivals", choices=["turns", "poisson"], default="turns",
+                   help="turns: one generate call per turn, vLLM's prefix cache cleared between turns; "
+                        "poisson: concurrent conversations through AsyncLLM at --rate requests/s")
+    b.add_argument("--rate", type=float, default=2.0, help="poisson: requests/s over all conversations")
+    b.add_argument("--seed", type=int, default=0, help="poisson: the arrival gaps' seed")
     b.add_argument("--conversations", type=int, default=8)
     b.add_argument("--turns", type=int, default=4)
     b.add_argument("--system-tokens", type=int, default=1024)
     b.add_argument("--user-tokens", type=int, default=96)
     b.add_argument("--reply-tokens", type=int, default=64)
     b.add_argument("--max-tokens", type=int, default=4)
+    b.add_argument("--max-model-len", type=int, default=2048)
+    b.add_argument("--kv-cache-mib", type=int, default=None,
+                   help="vLLM's KV cache (default 256; poisson: 64, so conversations are evicted between turns)")
     b.add_argument("--block-size", type=int, default=32)
     b.add_argument("--layers", type=int, default=8)
     b.add_argument("--hidden", type=int, default=512)
     b.add_argument("--heads", type=int, default=8)
     b.add_argument("--kv-heads", type=int, default=4)
+    b.add_argument("--timeout-s", type=float, default=1800.0, help="per vLLM process")
     b.add_argument("--workdir")

@@ -4,11 +4,14 @@ the proof tests, `hicache bench vllm` and anyone checking an install use it.
     python -m hicache.integrations.vllm_driver SPEC.json
 
 SPEC: {"model": dir, "socket": path or null (no connector), "block_size": 32,
+       "connector": {KVTransferConfig fields} (another connector instead of hicache's),
        "rounds": [[prompt token lists], ...], "max_tokens": 8,
        "reset_between_rounds": true, "corrupt_load": false, "kv_cache_bytes": 67108864,
        "kill_in_round" | "stop_in_round": k, "cont_before_round": k2, "fault_delay_s": 0.02,
        "daemon_pid": pid, "kv_events_endpoint": "tcp://127.0.0.1:PORT", "extra_config": {...},
        "pause_dir": dir, "pause_before_rounds": [k, ...]}
+or, for concurrent conversations through AsyncLLM (hicache/integrations/vllm_async_driver.py),
+      {"arrivals": "poisson", "conversations": [[turn prompts], ...], "gaps": [[seconds], ...], ...}
 
 Each round is one `generate` call; between rounds the driver waits for the daemon to
 have no store in flight (`settle`, default on), and vLLM's own prefix cache is cleared
@@ -32,18 +35,13 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
+from hicache.integrations.vllm_engine import counters, engine_kwargs
+
 RESULT = "HICACHE_RESULT "  # the line of stdout that carries the result
-
-
-def _counters(llm: Any) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for m in llm.get_metrics():
-        if type(m).__name__ == "Counter" and any(w in m.name for w in ("prefix_cache", "prompt_tokens", "hicache")):
-            out[m.name] = out.get(m.name, 0) + float(m.value)
-    return out
 
 
 def run_in_process(spec: dict[str, Any], workdir: Path, name: str, env: dict[str, str] | None = None,
@@ -52,12 +50,21 @@ def run_in_process(spec: dict[str, Any], workdir: Path, name: str, env: dict[str
     its result, or RuntimeError with the tail of its output."""
     path = workdir / f"{name}.json"
     path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, "-m", "hicache.integrations.vllm_driver", str(path)],
-                          capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **(env or {})})
-    (workdir / f"{name}.log").write_text(proc.stdout + proc.stderr)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
+    # its own session: a timeout ends vLLM's engine and worker processes too, not only the driver
+    proc = subprocess.Popen([sys.executable, "-m", "hicache.integrations.vllm_driver", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})}, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        (workdir / f"{name}.log").write_text(stdout + stderr)
+        raise
+    (workdir / f"{name}.log").write_text(stdout + stderr)
+    lines = [ln for ln in stdout.splitlines() if ln.startswith(RESULT)]
     if proc.returncode or not lines:
-        raise RuntimeError(f"vLLM run {name} failed:\n{(proc.stdout + proc.stderr)[-6000:]}")
+        raise RuntimeError(f"vLLM run {name} failed:\n{(stdout + stderr)[-6000:]}")
     return json.loads(lines[-1].removeprefix(RESULT))
 
 
@@ -80,27 +87,9 @@ def _corrupt_loads() -> None:
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
 
-    kwargs: dict[str, Any] = {}
-    if spec.get("socket"):
-        extra = {"socket": spec["socket"]}
-        extra.update(spec.get("extra_config", {}))
-        kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="HiCacheConnector", kv_connector_module_path="hicache.integrations.vllm",
-            kv_role="kv_both", kv_connector_extra_config=extra)
-    if spec.get("in_process"):
-        kwargs["distributed_executor_backend"] = "uni"
-    if spec.get("kv_events_endpoint"):
-        from vllm.config import KVEventsConfig
-
-        kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
-                                                    endpoint=spec["kv_events_endpoint"])
     t0 = time.perf_counter()
-    llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype=spec.get("dtype", "float32"),
-              block_size=spec.get("block_size", 32), max_model_len=spec.get("max_model_len", 2048),
-              enforce_eager=True, kv_cache_memory_bytes=spec.get("kv_cache_bytes", 64 << 20),
-              disable_log_stats=False, seed=0, tensor_parallel_size=spec.get("tp", 1), **kwargs)
+    llm = LLM(**engine_kwargs(spec))
     init_s = time.perf_counter() - t0
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0, detokenize=False)
     rounds = []
@@ -123,7 +112,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         rounds.append({"outputs": [list(o.outputs[0].token_ids) for o in outs],
                        "cached": [o.num_cached_tokens for o in outs],
                        "ttft": [_ttft(o) for o in outs], "wall_s": wall})
-    return {"init_s": init_s, "rounds": rounds, "counters": _counters(llm)}
+    return {"init_s": init_s, "rounds": rounds, "counters": counters()}
 
 
 def _settle(socket: str, timeout_s: float = 30.0) -> None:
@@ -168,7 +157,11 @@ def main() -> None:
         _corrupt_loads()
     if spec.get("in_process"):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    result = run(spec)
+    if spec.get("arrivals"):  # concurrent conversations through vLLM's AsyncLLM
+        from hicache.integrations.vllm_async_driver import run as run_arrivals
+        result = run_arrivals(spec)
+    else:
+        result = run(spec)
     out = spec.get("out")
     text = json.dumps(result)
     if out:
@@ -178,4 +171,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BaseException:  # a connector's threads can keep a failed process alive: exit, with the trace
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)

@@ -1,0 +1,50 @@
+"""The multi-turn chat workload of `hicache bench vllm`: token-id prompts, and when each is sent.
+
+Every conversation starts with one shared system prompt; each turn appends a new user message
+to everything said so far and, after the turn, the assistant's reply as the client resends it
+(random ids of a fixed length, so every configuration sees the same prompts whatever it
+generates).
+
+Arrivals (`--arrivals poisson --rate R`): conversations open as a Poisson process of rate R
+(exponential gaps of mean 1/R between first turns); after each answer a conversation waits an
+exponential think time of mean N/R (N conversations) before its next turn, so while answers are
+quick the requests of all conversations together arrive at about R per second, and a
+conversation never sends a turn before it has its previous answer.
+"""
+
+from __future__ import annotations
+
+import random
+
+
+def conversations(n: int, turns: int, system_tokens: int, user_tokens: int, reply_tokens: int,
+                  seed: int = 0) -> list[list[list[int]]]:
+    """rounds[t][c]: the prompt of conversation c at turn t."""
+    if min(n, turns, system_tokens, user_tokens) < 1 or reply_tokens < 0:
+        raise ValueError("conversations, turns, system and user tokens must be >= 1, reply tokens >= 0")
+    rng = random.Random(seed)
+    tok = lambda k: [rng.randrange(1, 500) for _ in range(k)]  # noqa: E731
+    system = tok(system_tokens)
+    history = [list(system) for _ in range(n)]
+    rounds = []
+    for _ in range(turns):
+        prompts = []
+        for h in history:
+            h += tok(user_tokens)
+            prompts.append(list(h))
+            h += tok(reply_tokens)  # the assistant's answer, as the client resends it next turn
+        rounds.append(prompts)
+    return rounds
+
+
+def poisson_gaps(n: int, turns: int, rate: float, seed: int = 0) -> list[list[float]]:
+    """gaps[c][t], seconds: for t = 0 when conversation c opens (from the start), for t > 0 the
+    think time between its answer to turn t-1 and sending turn t."""
+    if rate <= 0 or n < 1 or turns < 1:
+        raise ValueError(f"need rate > 0 and at least one conversation and turn (rate={rate}, n={n}, turns={turns})")
+    rng = random.Random(seed)
+    gaps, opened = [], 0.0
+    for _ in range(n):
+        opened += rng.expovariate(rate)
+        gaps.append([opened] + [rng.expovariate(rate / n) for _ in range(turns - 1)])
+    return gaps

@@ -1,0 +1,46 @@
+"""How the vLLM drivers build an engine from a spec and read its counters: shared by the
+one-`generate`-per-turn driver (vllm_driver.py) and the concurrent one (vllm_async_driver.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
+    """vLLM engine arguments for `spec` (LLM and AsyncEngineArgs take the same)."""
+    from vllm.config import KVTransferConfig
+
+    kwargs: dict[str, Any] = {}
+    if spec.get("connector"):
+        kwargs["kv_transfer_config"] = KVTransferConfig(**spec["connector"])
+    elif spec.get("socket"):
+        extra = {"socket": spec["socket"]}
+        extra.update(spec.get("extra_config", {}))
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="HiCacheConnector", kv_connector_module_path="hicache.integrations.vllm",
+            kv_role="kv_both", kv_connector_extra_config=extra)
+    if spec.get("in_process"):
+        kwargs["distributed_executor_backend"] = "uni"
+    if spec.get("kv_events_endpoint"):
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                    endpoint=spec["kv_events_endpoint"])
+    return dict(model=spec["model"], skip_tokenizer_init=True, dtype=spec.get("dtype", "float32"),
+                block_size=spec.get("block_size", 32), max_model_len=spec.get("max_model_len", 2048),
+                enforce_eager=True, kv_cache_memory_bytes=spec.get("kv_cache_bytes", 64 << 20),
+                disable_log_stats=False, seed=0, tensor_parallel_size=spec.get("tp", 1), **kwargs)
+
+
+def counters() -> dict[str, float]:
+    """vLLM's prefix-cache, prompt-token and connector counters in this process, as floats (vLLM's
+    own snapshot, `get_metrics`, truncates counters to int: the connector's seconds would be lost)."""
+    from prometheus_client import REGISTRY
+
+    out: dict[str, float] = {}
+    for metric in REGISTRY.collect():
+        if metric.type != "counter" or not metric.name.startswith("vllm:"):
+            continue
+        if any(w in metric.name for w in ("prefix_cache", "prompt_tokens", "hicache")):
+            out[metric.name] = sum(s.value for s in metric.samples if s.name.endswith("_total"))
+    return out

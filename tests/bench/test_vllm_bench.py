@@ -1,0 +1,146 @@
+"""`hicache bench vllm --compare`: the workload, the arrival gaps, and a short real run of vLLM
+alone vs hicache (each its own vLLM process, a real daemon) whose rows compare them, and the
+refusal to compare runs whose outputs differ.
+
+Under CI=true a missing vLLM fails the suite instead of skipping it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from hicache.bench.vllm_peers import parse_compare
+from hicache.bench.vllm_workload import conversations, poisson_gaps
+
+try:
+    import vllm  # noqa: F401
+    HAVE_VLLM = True
+except ImportError:
+    HAVE_VLLM = False
+
+
+def test_each_turn_resends_the_conversation_so_far():
+    rounds = conversations(3, 3, system_tokens=10, user_tokens=4, reply_tokens=2)
+    assert [len(r) for r in rounds] == [3, 3, 3]
+    for c in range(3):
+        assert rounds[0][c][:10] == rounds[0][0][:10]  # one shared system prompt
+        assert len(rounds[0][c]) == 14
+        for t in (1, 2):
+            prev, cur = rounds[t - 1][c], rounds[t][c]
+            assert cur[:len(prev)] == prev and len(cur) == len(prev) + 2 + 4  # reply, then a new user turn
+    assert rounds[1][0][14:] != rounds[1][1][14:]  # conversations differ after the system prompt
+
+
+def test_poisson_gaps_open_conversations_at_the_rate_and_think_between_turns():
+    n, turns, rate = 2000, 3, 4.0
+    gaps = poisson_gaps(n, turns, rate, seed=7)
+    assert gaps == poisson_gaps(n, turns, rate, seed=7) != poisson_gaps(n, turns, rate, seed=8)
+    assert all(len(g) == turns and min(g) > 0 for g in gaps)
+    opens = [g[0] for g in gaps]
+    assert opens == sorted(opens)  # a Poisson process: increasing arrival times
+    between = [b - a for a, b in zip([0.0] + opens, opens, strict=False)]
+    assert statistics.mean(between) == pytest.approx(1 / rate, rel=0.1)
+    think = [x for g in gaps for x in g[1:]]
+    assert statistics.mean(think) == pytest.approx(n / rate, rel=0.1)  # all conversations together: ~rate/s
+    assert statistics.pstdev(think) == pytest.approx(n / rate, rel=0.15)  # exponential: sd = mean
+
+
+@pytest.mark.parametrize("bad", [(0, 2, 1.0), (2, 0, 1.0), (2, 2, 0.0), (2, 2, -1.0)])
+def test_poisson_gaps_refuse_bad_input(bad):
+    with pytest.raises(ValueError):
+        poisson_gaps(*bad)
+
+
+def test_compare_names_are_checked_and_vllm_alone_comes_first():
+    assert parse_compare("hicache") == ["none", "hicache"]
+    assert parse_compare("lmcache,none,hicache") == ["none", "lmcache", "hicache"]
+    for bad in ("hicache,redis", "hicache,hicache", ""):
+        if bad:
+            with pytest.raises(ValueError):
+                parse_compare(bad)
+
+
+def test_naming_lmcache_without_it_installed_exits_2_with_how_to_install(tmp_path):
+    # sys.modules[name] = None is Python's own way to make a package unimportable
+    code = ("import sys; sys.modules['lmcache'] = None; from hicache.cli import main; "
+            "sys.exit(main(['bench', 'vllm', '--compare', 'none,lmcache', '--workdir', sys.argv[1]]))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "scripts/install_lmcache.sh" in lines[0]
+    assert not list(tmp_path.iterdir())  # refused before building anything
+
+
+def _tiny_args(workdir: str) -> argparse.Namespace:
+    from hicache.bench.cli import add_parser
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["bench", "vllm", "--compare", "none,hicache", "--conversations", "2", "--turns", "2",
+                              "--system-tokens", "96", "--user-tokens", "40", "--reply-tokens", "16",
+                              "--max-tokens", "4", "--layers", "2", "--hidden", "128", "--heads", "4",
+                              "--kv-heads", "2", "--max-model-len", "1024", "--kv-cache-mib", "32",
+                              "--timeout-s", "600", "--workdir", workdir])
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    if not HAVE_VLLM:
+        if os.environ.get("CI"):
+            raise RuntimeError("vLLM is not installed: scripts/setup.sh installs it")
+        pytest.skip("vLLM is not installed (scripts/setup.sh installs it)")
+    from hicache.bench.vllm_bench import measure
+
+    args = _tiny_args(str(tmp_path_factory.mktemp("bench-vllm")))
+    return args, measure(args)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_hicache_computes_only_the_new_tokens_of_warm_turns(measured):
+    from hicache.bench.vllm_bench import kv_bytes_per_token, rows
+
+    args, m = measured
+    assert list(m) == ["none", "hicache"]
+    # turn 2 prompts: 96 + 40 + 16 + 40 = 192 tokens = 6 blocks of 32. After the reset vLLM alone
+    # has only what the turn computes: the second conversation finds the first's 3 system-prompt
+    # blocks. hicache holds turn 1's full blocks (136 tokens -> 4 blocks = 128 tokens).
+    warm = {n: sum(r["prompt_tokens"] - r["cached"] for r in x.requests if r["turn"] == 1) for n, x in m.items()}
+    assert warm["none"] == 2 * 192 - 96
+    assert warm["hicache"] == 2 * (192 - 128)
+    # vLLM counts an external hit only past its local one: the second conversation may find the
+    # system prompt (3 blocks) that the first one's load put into vLLM's cache, and load 1 block
+    assert m["hicache"].transfers["loaded_tokens"] in (128 + (128 - 96), 2 * 128)
+    assert m["hicache"].transfers["saved_tokens"] > 0 and m["hicache"].transfers["load_s"] > 0
+    table = {r["name"]: r for r in rows(m, kv_bytes_per_token(args), poisson=False)}
+    r = table["prefill tokens computed, warm (turns 2+) [hicache]"]
+    assert (r["value"], r["baseline"], r["baseline_name"]) == (warm["hicache"], warm["none"], "vLLM alone")
+    assert r["ratio"] == pytest.approx(warm["hicache"] / warm["none"])
+    assert table["load GB/s [hicache]"]["value"] > 0 and "load GB/s [none]" not in table
+    for name in ("ttft mean, warm (turns 2+) [hicache]", "ttft p90, cold (turn 1) [none]",
+                 "generate wall, all turns [hicache]"):
+        assert table[name]["value"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_outputs_that_differ_are_refused(measured):
+    from hicache.bench.vllm_bench import OutputsDiffer, check_outputs_equal
+
+    _, m = measured
+    check_outputs_equal(m)  # the real run: equal
+    garbled = copy.deepcopy(m)
+    garbled["hicache"].requests[-1]["outputs"][0] += 1
+    with pytest.raises(OutputsDiffer, match=r"outputs of hicache differ .* in 1 of 4 requests"):
+        check_outputs_equal(garbled)
+    missing = copy.deepcopy(m)
+    del missing["hicache"].requests[0]
+    with pytest.raises(OutputsDiffer, match="conversation 0, turn 0"):
+        check_outputs_equal(missing)
