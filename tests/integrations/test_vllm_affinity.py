@@ -93,3 +93,14 @@ def test_a_worker_process_bound_like_vllms_moves_its_copy_thread():
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["main"] == [model] and got["inherited"] == [model]  # what the copy thread had before
     assert got["copy"] == [c for c in allowed if c != model]
+
+
+def test_other_ranks_cores_are_not_spare():
+    online = online_cpus()
+    last = max(online)
+    others = sorted(online - {last})
+    if not others:
+        pytest.skip("one CPU: no spare to compare")
+    listed = {"OMP_PLACES": f"{{{last}}}", "VLLM_CPU_OMP_THREADS_BIND": f"{others[0]}|{last}"}
+    assert copy_thread_cpus(listed) == (set(others[1:]) or None)  # rank 0's core is not spare for rank 1
+    assert copy_thread_cpus({**listed, "VLLM_CPU_OMP_THREADS_BIND": "auto"}) == set(others)

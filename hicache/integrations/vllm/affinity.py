@@ -10,7 +10,11 @@ step down by the save's whole duration. vLLM keeps cores out of the workers'
 lists for other work (`VLLM_CPU_NUM_OF_RESERVED_CPU`; with a KV connector it
 reserves one more per rank, and its own NIXL connector pins its transfer
 thread there); the copy thread moves to those cores, where its copies (the
-GIL released) overlap the forward pass instead of delaying it.
+GIL released) overlap the forward pass instead of delaying it. With several
+ranks, "those cores" are the CPUs of the NUMA nodes this rank is bound to that
+no rank's OpenMP threads use: vLLM's automatic binding gives each rank its own
+node and reserves the node's last cores, and an explicit
+`VLLM_CPU_OMP_THREADS_BIND` ('0-3|4-7') lists every rank's cores.
 
 `HICACHE_COPY_CPUS`: a CPU list (`2`, `0-3,8`) to run the copy thread on
 instead, or `inherit` to leave it on the worker's cores. Without a binding in
@@ -87,10 +91,35 @@ def online_cpus() -> set[int]:
         return set(range(os.cpu_count() or 1))
 
 
+def node_cpus(cpus: set[int]) -> set[int]:
+    """Every CPU of the NUMA nodes `cpus` lie on (all online CPUs where sysfs has no nodes)."""
+    out: set[int] = set()
+    for f in Path("/sys/devices/system/node").glob("node[0-9]*/cpulist"):
+        try:
+            node = parse_cpu_list(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if node & cpus:
+            out |= node
+    return out or online_cpus()
+
+
+def _all_ranks_cpus(env: Mapping[str, str]) -> set[int]:
+    """The cores of every rank where VLLM_CPU_OMP_THREADS_BIND lists them ('0-3|4-7')."""
+    bind = env.get("VLLM_CPU_OMP_THREADS_BIND", "auto").strip()
+    if bind in ("auto", "nobind", ""):
+        return set()
+    try:
+        return set().union(*(parse_cpu_list(part) for part in bind.split("|")))
+    except ValueError:
+        return set()
+
+
 def copy_thread_cpus(env: Mapping[str, str] = os.environ) -> set[int] | None:
-    """Where the copy thread should run: HICACHE_COPY_CPUS, else the online CPUs the
-    OpenMP threads are not bound to; None to leave it where it is. ConfigError for a
-    HICACHE_COPY_CPUS that is not a CPU list (at start-up, not a silent default)."""
+    """Where the copy thread should run: HICACHE_COPY_CPUS, else the CPUs of this rank's
+    NUMA nodes no rank's OpenMP threads are bound to; None to leave it where it is.
+    ConfigError for a HICACHE_COPY_CPUS that is not a CPU list (at start-up, not a
+    silent default)."""
     want = env.get("HICACHE_COPY_CPUS", "").strip()
     if want == "inherit":
         return None
@@ -103,7 +132,7 @@ def copy_thread_cpus(env: Mapping[str, str] = os.environ) -> set[int] | None:
     bound = omp_bound_cpus(env)
     if not bound:
         return None
-    return (online_cpus() - bound) or None
+    return (node_cpus(bound) - bound - _all_ranks_cpus(env)) or None
 
 
 def pin_this_thread(cpus: set[int] | None) -> None:
