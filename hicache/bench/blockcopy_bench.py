@@ -9,7 +9,9 @@ one `load_layer` call per layer, N chosen so about `--target-mib` move. The
 baseline is a memcpy (`ctypes.memmove`, glibc) of the same byte count between
 ordinary memory and the arena, in the same direction and with the same number
 of calls (one for a save, one per layer for a load), both sides written before
-timing.
+timing. The "first touch" rows save into a fresh mapping of the arena, as an
+engine's first saves after it maps a daemon's slabs, against a memcpy into
+another fresh mapping: both pay a page fault per 4 KiB.
 
 Each repetition times each candidate and its baseline back to back, the order
 alternating; `ratio` is the median over repetitions of baseline time /
@@ -98,6 +100,8 @@ def _bench_dtype(dtype: str, args: argparse.Namespace, rng: np.random.Generator)
             for group in groups:
                 for name in (group if rep % 2 == 0 else group[::-1]):  # drift in load favours no side
                     times[name].append(_timed(fns[name]))
+        if copiers and copiers[0].method == "native":
+            times |= _first_touch(copiers[0], arena, plain_at, moved, blocks, pages, args.repeats)
     finally:
         torch.set_num_threads(prev_threads)
         del copiers, fns
@@ -105,7 +109,9 @@ def _bench_dtype(dtype: str, args: argparse.Namespace, rng: np.random.Generator)
         gc.collect()
 
     rows = []
-    for kind, label in (("save", "save all layers"), ("load", "load per layer")):
+    for kind, label in (("save", "save all layers"), ("load", "load per layer"), ("fresh", "save, first touch")):
+        if f"base_{kind}" not in times:
+            continue
         base = np.array(times[f"base_{kind}"])
         for method in METHODS:
             if f"{kind}_{method}" not in times:
@@ -118,6 +124,26 @@ def _bench_dtype(dtype: str, args: argparse.Namespace, rng: np.random.Generator)
                             blocks=n, bytes=moved, repeats=args.repeats, torch_threads=args.threads,
                             note=f"worst repetition {paired.min():.3f}"))
     return rows
+
+
+def _first_touch(copier: BlockCopier, arena: HostArena, plain_at: int, moved: int, blocks: np.ndarray,
+                 pages: np.ndarray, repeats: int) -> dict[str, list[float]]:
+    """A save and a memcpy each into a fresh mapping of the arena's (allocated) memory, as an
+    engine's first saves after it maps the daemon's slabs: every 4 KiB page faults once."""
+    out: dict[str, list[float]] = {"base_fresh": [], "fresh_native": []}
+    for rep in range(repeats):
+        for name in (("base_fresh", "fresh_native") if rep % 2 == 0 else ("fresh_native", "base_fresh")):
+            fresh = HostArena.from_fd(arena.fd, arena.nbytes)
+            try:
+                if name == "base_fresh":
+                    out[name].append(_timed(lambda: ctypes.memmove(fresh.address, plain_at, moved)))
+                else:
+                    copier.rebind(fresh)
+                    out[name].append(_timed(lambda: copier.save(blocks, pages)))
+                    copier.rebind(arena)  # drop the view of `fresh` before it is unmapped
+            finally:
+                fresh.close()
+    return out
 
 
 def run(args: argparse.Namespace) -> list[dict]:

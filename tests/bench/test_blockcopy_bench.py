@@ -14,8 +14,10 @@ def test_blockcopy_rows_for_each_dtype_and_method(capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["bench"] == "blockcopy"
     names = [r["name"] for r in out["results"]]
-    assert names == [f"{op} {dtype} {method}" for dtype in ("float32", "bfloat16")
-                     for op in ("save all layers", "load per layer") for method in ("native", "torch")]
+    assert names == [name for dtype in ("float32", "bfloat16")
+                     for name in (f"save all layers {dtype} native", f"save all layers {dtype} torch",
+                                  f"load per layer {dtype} native", f"load per layer {dtype} torch",
+                                  f"save, first touch {dtype} native")]
     for r in out["results"]:
         assert r["unit"] == "GB/s" and r["value"] > 0 and r["baseline"] > 0
         assert r["baseline_name"] == "memcpy" and 0 < r["ratio_min"] <= r["ratio"] and r["repeats"] == 2
