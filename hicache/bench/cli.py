@@ -44,6 +44,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--target-mib", type=int, default=1024)
     b.add_argument("--run-pages", type=int, default=64, help="cuda: pages per run in the 'runs' pattern")
 
+    b = bench("blockcopy", "the vLLM connector's block saves and per-layer loads vs memcpy, per copy method")
+    b.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    b.add_argument("--layers", type=int, default=8, help="the KV shape; default: `hicache bench vllm`'s model")
+    b.add_argument("--kv-heads", type=int, default=4)
+    b.add_argument("--head-size", type=int, default=64)
+    b.add_argument("--block-size", type=int, default=32)
+    b.add_argument("--target-mib", type=int, default=256, help="bytes moved per save and per load")
+    b.add_argument("--repeats", type=int, default=9)
+    b.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (1: what a 1-core vLLM CPU worker gives the torch path)")
+    b.add_argument("--seed", type=int, default=0)
+
     b = bench("disk", "disk tier put / get vs raw py-lmdb and dd")
     b.add_argument("--total-mib", type=int, default=512)
     b.add_argument("--repeats", type=int, default=3)
@@ -115,6 +127,9 @@ def run(args: argparse.Namespace) -> int:
         from hicache.bench.transfer_bench import run as go
         rows = go(tuple(args.page_sizes), repeats=args.repeats, target_bytes=args.target_mib << 20,
                   threads=tuple(args.threads) if args.threads else None)
+    elif args.bench == "blockcopy":
+        from hicache.bench.blockcopy_bench import run as go
+        rows = go(args)
     elif args.bench == "disk":
         from hicache.bench.disk_bench import run as go
         rows = go(total_bytes=args.total_mib << 20, workdir=args.workdir, repeats=args.repeats,

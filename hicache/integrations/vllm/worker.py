@@ -30,7 +30,9 @@ from collections.abc import Callable
 import torch
 
 from hicache.client.client import HiCacheClient
+from hicache.errors import LayoutError
 from hicache.integrations.block_copy import BlockCopier, arrangement
+from hicache.integrations.vllm.affinity import copy_thread_cpus, pin_this_thread
 from hicache.integrations.vllm.layout import EngineShape, UnsupportedModel
 from hicache.integrations.vllm.metadata import HiCacheMeta, HiCacheStats, HiCacheWorkerMeta, LoadSpec, SaveSpec
 
@@ -69,6 +71,7 @@ class WorkerSide:
         self._failed_blocks: set[int] = set()
         self._delayed: set[str] = set()
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._copy_cpus = copy_thread_cpus()
         self._thread = threading.Thread(target=self._run, name="hicache-vllm-copy", daemon=True)
         self._thread.start()
 
@@ -139,16 +142,23 @@ class WorkerSide:
         copier = self.copier
         assert copier is not None
         t0 = time.perf_counter()
+        blocks: list[int] = []  # every request of the step: one copy per layer
+        pages: list[int] = []
         try:
+            for s in load.specs:
+                if len(s.block_ids) != len(s.host_pages[self.rank]):
+                    raise LayoutError(f"request {s.req_id}: {len(s.block_ids)} blocks for "
+                                      f"{len(s.host_pages[self.rank])} host pages")
+                blocks += s.block_ids
+                pages += s.host_pages[self.rank]
             for layer, ev in enumerate(load.events):
-                for s in load.specs:
-                    copier.load_layer(layer, s.block_ids, s.host_pages[self.rank])
+                copier.load_layer(layer, blocks, pages)
                 ev.set()
         except Exception:
             log.exception("hicache: loading KV failed; vLLM recomputes those blocks")
             self._fail_load(load)
             return
-        tokens = sum(len(s.block_ids) for s in load.specs) * self.shape.layout.page_size
+        tokens = len(blocks) * self.shape.layout.page_size
         with self._lock:
             self._loaded.update(s.req_id for s in load.specs)
             d = self.stats.data
@@ -249,6 +259,7 @@ class WorkerSide:
         self._jobs.put(job)
 
     def _run(self) -> None:
+        pin_this_thread(self._copy_cpus)  # off the forward pass's cores (see affinity.py)
         while (job := self._jobs.get()) is not None:
             try:
                 job()

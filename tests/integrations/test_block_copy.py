@@ -1,0 +1,154 @@
+"""BlockCopier's two copy methods on the layouts backends hand out: vLLM's CPU view
+[B, H, N, 2*D] (block dim 0) and the CUDA flash-attention shape [2, B, N, H, D]
+(block dim 1, K and V apart), fp32 and bf16, blocks and pages in no order.
+The native path copies by raw address: guard bytes around every KV tensor must
+come through untouched, and bad input must copy nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hicache.errors import LayoutError
+from hicache.integrations.block_copy import BlockCopier, BlockRuns
+from hicache.layout import KVLayout
+from hicache.tiers.arena import HostArena
+
+NUM_BLOCKS = 13
+LAYERS, HEADS, BLOCK, HEAD = 3, 2, 16, 32
+GUARD = 4096  # bytes before and after each layer's tensor in its buffer
+
+
+def _shape(kind: str) -> tuple[int, ...]:
+    return {"cpu": (NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD),  # vLLM CPU: per block and head, K then V
+            "cuda": (2, NUM_BLOCKS, BLOCK, HEADS, HEAD),  # flash-attention: K of every block, then V
+            "heads-outer": (NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD)}[kind]
+
+
+def make_caches(kind: str, dtype: torch.dtype, seed: int,
+                zero: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-layer KV tensors (random bytes, NaNs included, or zeros), each a view into the
+    middle of a guarded buffer: (tensors, buffers)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = _shape(kind)
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    caches, bufs = [], []
+    for _ in range(LAYERS):
+        buf = torch.randint(0, 256, (nbytes + 2 * GUARD,), dtype=torch.uint8, generator=g)
+        if zero:
+            buf[GUARD:GUARD + nbytes] = 0
+        t = buf[GUARD:GUARD + nbytes].view(dtype)
+        if kind == "heads-outer":  # a backend whose physical order puts heads first, seen as [B, H, N, C]
+            t = t.view(HEADS, NUM_BLOCKS, BLOCK, 2 * HEAD).permute(1, 0, 2, 3)
+        else:
+            t = t.view(shape)
+        caches.append(t)
+        bufs.append(buf)
+    return caches, bufs
+
+
+def layout_for(dtype: torch.dtype) -> KVLayout:
+    return KVLayout("mha", LAYERS, BLOCK, str(dtype).removeprefix("torch."), num_kv_heads=HEADS, head_dim=HEAD)
+
+
+def block_bytes(t: torch.Tensor, kind: str, blocks: list[int]) -> torch.Tensor:
+    v = t.movedim(1, 0) if kind == "cuda" else t
+    return v[blocks].reshape(len(blocks), -1).contiguous().view(torch.uint8)
+
+
+def guards(bufs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.cat([b[:GUARD], b[-GUARD:]]).clone() for b in bufs]
+
+
+@pytest.mark.parametrize("method", ["native", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("kind", ["cpu", "cuda", "heads-outer"])
+def test_save_then_per_layer_load_is_byte_exact(kind, dtype, method):
+    layout = layout_for(dtype)
+    saved, loaded, pages = [9, 2, 11, 4, 0], [1, 12, 5, 7, 3], [6, 0, 14, 3, 9]
+    with HostArena.create(16 * layout.page_bytes, mlock=False) as arena:
+        src, src_bufs = make_caches(kind, dtype, seed=1)
+        before = [b.clone() for b in src_bufs]
+        saver = BlockCopier(src, NUM_BLOCKS, layout, arena, method=method)
+        assert saver.method == method
+        saver.save(saved, pages)
+        assert all(torch.equal(a, b) for a, b in zip(src_bufs, before))  # a save only reads the KV
+        page_view = saver.host[torch.tensor(pages)]  # [n, layer, bytes]
+        for layer, t in enumerate(src):  # the page keeps each block's bytes in logical order
+            assert torch.equal(page_view[:, layer], block_bytes(t, kind, saved))
+
+        dst, dst_bufs = make_caches(kind, dtype, seed=2, zero=True)
+        outside = guards(dst_bufs)
+        loader = BlockCopier(dst, NUM_BLOCKS, layout, arena, method=method)
+        for layer in range(LAYERS):
+            loader.load_layer(layer, loaded, pages)
+            for later in range(layer + 1, LAYERS):  # one layer at a time
+                assert not dst[later].view(torch.uint8).any()
+        others = [b for b in range(NUM_BLOCKS) if b not in loaded]
+        for s, d in zip(src, dst):
+            assert torch.equal(block_bytes(d, kind, loaded), block_bytes(s, kind, saved))
+            assert not block_bytes(d, kind, others).any()
+        assert all(torch.equal(a, b) for a, b in zip(guards(dst_bufs), outside))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("kind", ["cpu", "cuda", "heads-outer"])
+def test_native_and_torch_write_the_same_pages(kind, dtype):
+    layout = layout_for(dtype)
+    caches, _ = make_caches(kind, dtype, seed=3)
+    with HostArena.create(2 * 8 * layout.page_bytes, mlock=False) as arena:
+        BlockCopier(caches, NUM_BLOCKS, layout, arena, method="native").save([5, 1, 8], [0, 2, 4])
+        BlockCopier(caches, NUM_BLOCKS, layout, arena, method="torch").save([5, 1, 8], [8, 10, 12])
+        pages = arena.array.reshape(-1, layout.page_bytes)
+        assert np.array_equal(pages[[0, 2, 4]], pages[[8, 10, 12]])
+
+
+def test_runs_follow_the_memory_layout():
+    f32 = torch.float32
+    layout = layout_for(f32)
+    cpu, _ = make_caches("cpu", f32, seed=4)
+    r = BlockRuns.of(cpu[0])
+    assert r is not None and r.run_bytes == layout.layer_page_bytes and r.offsets.tolist() == [0]
+    assert r.block_stride == layout.layer_page_bytes and r.address == cpu[0].data_ptr()
+    cuda, _ = make_caches("cuda", f32, seed=4)
+    r = BlockRuns.of(cuda[0].movedim(1, 0))
+    half = BLOCK * HEADS * HEAD * 4
+    assert r is not None and r.run_bytes == half and r.offsets.tolist() == [0, NUM_BLOCKS * half]
+    outer, _ = make_caches("heads-outer", f32, seed=4)
+    r = BlockRuns.of(outer[0])
+    assert r is not None and r.run_bytes == BLOCK * 2 * HEAD * 4 and len(r.offsets) == HEADS
+    # A last dim that is not contiguous: runs of one element, too short for the native path.
+    assert BlockRuns.of(torch.zeros(NUM_BLOCKS, HEADS, 2 * HEAD, BLOCK).transpose(2, 3)) is None
+    assert BlockRuns.of(torch.zeros(1, 2 * HEAD).expand(NUM_BLOCKS, 2 * HEAD)) is None  # blocks share memory
+
+
+def test_auto_picks_native_on_cpu_and_torch_where_it_cannot_run():
+    layout = layout_for(torch.float32)
+    caches, _ = make_caches("cpu", torch.float32, seed=5)
+    transposed = [torch.zeros(NUM_BLOCKS, HEADS, 2 * HEAD, BLOCK).transpose(2, 3) for _ in range(LAYERS)]
+    with HostArena.create(8 * layout.page_bytes, mlock=False) as arena:
+        assert BlockCopier(caches, NUM_BLOCKS, layout, arena).method == "native"
+        assert BlockCopier(transposed, NUM_BLOCKS, layout, arena).method == "torch"
+        with pytest.raises(LayoutError, match="runs of"):
+            BlockCopier(transposed, NUM_BLOCKS, layout, arena, method="native")
+        with pytest.raises(LayoutError, match="copy method"):
+            BlockCopier(caches, NUM_BLOCKS, layout, arena, method="memcpy")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("method", ["native", "torch"])
+def test_bad_ids_copy_nothing(method):
+    layout = layout_for(torch.bfloat16)
+    with HostArena.create(8 * layout.page_bytes, mlock=False) as arena:
+        caches, bufs = make_caches("cuda", torch.bfloat16, seed=6)
+        before = [b.clone() for b in bufs]
+        arena.array[:] = 0x3C
+        c = BlockCopier(caches, NUM_BLOCKS, layout, arena, method=method)
+        bad = (([NUM_BLOCKS], [0]), ([0], [8]), ([0, 1], [0]), ([-1], [0]), ([0], [-1]), ([[0]], [[1]]))
+        for blocks, pages in bad:
+            with pytest.raises(LayoutError):
+                c.load_layer(0, blocks, pages)
+            with pytest.raises(LayoutError):
+                c.save(blocks, pages)
+        assert all(torch.equal(a, b) for a, b in zip(bufs, before))
+        assert (arena.array == 0x3C).all()
