@@ -97,6 +97,15 @@ class BlockCopier:
             src = v.index_select(0, bd).reshape(len(b), -1).view(torch.uint8)
             self.host[:, layer].index_copy_(0, h, src.cpu())
 
+    def save_layer(self, layer: int, block_ids: Sequence[int], host_pages: Sequence[int]) -> None:
+        """One layer of the blocks into the host pages (hybrid models: each layer's group
+        has its own block ids for a page)."""
+        b, h = self._ids(block_ids, host_pages)
+        if not len(b):
+            return
+        src = self.blocks[layer].index_select(0, b.to(self.device)).reshape(len(b), -1).view(torch.uint8)
+        self.host[:, layer].index_copy_(0, h, src.cpu())
+
     def load_layer(self, layer: int, block_ids: Sequence[int], host_pages: Sequence[int]) -> None:
         """One layer of the host pages into the blocks."""
         b, h = self._ids(block_ids, host_pages)
