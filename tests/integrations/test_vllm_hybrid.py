@@ -12,6 +12,8 @@ long. The outputs of vLLM without the connector are the reference:
 2. garbling the loaded blocks changes the outputs (the restored KV is used);
 3. loads that fail are recomputed by vLLM (per request: block ids are per group), with
    equal outputs;
+4. a tiny Jamba (Mamba layers beside attention; vLLM's CPU platform builds its KV cache
+   config with a MambaSpec group) is refused at start with the group named;
 and, with a real daemon but no engine, what the scheduler side does with blocks a window
 freed (such a page is not stored, so never offered) and which groups it refuses.
 
@@ -148,6 +150,31 @@ def test_hybrid_failed_loads_are_recomputed(work, reference, daemon, hybrid_run)
     assert r["rounds"][0]["outputs"] == reference
     assert r["counters"]["vllm:hicache_load_error_blocks"] > 0
     assert r["counters"].get("vllm:hicache_loaded_tokens", 0) == 0
+
+
+def build_tiny_jamba(path: Path) -> Path:
+    """Mamba (even layers) and attention (odd layers), random weights, no hub."""
+    from transformers import JambaConfig, JambaForCausalLM
+
+    cfg = JambaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1,
+                      num_experts=1, expert_layer_period=1, expert_layer_offset=0, mamba_d_state=16,
+                      mamba_dt_rank=8, max_position_embeddings=4096, torch_dtype="float32",
+                      tie_word_embeddings=False, use_mamba_kernels=False)
+    torch.manual_seed(0)
+    JambaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_mamba_hybrid_is_refused_at_start(work, daemon):
+    model = build_tiny_jamba(work / "tiny-jamba")
+    with pytest.raises(RuntimeError):
+        run_vllm(work, "jamba", model=str(model), socket=daemon.socket, rounds=[prompts()[:1]])
+    log = (work / "jamba.log").read_text()  # the whole output (the error carries only its tail)
+    assert "UnsupportedModel: hicache's vLLM connector caches hybrid models" in log
+    assert "KV cache group 0 (MambaSpec, layers model.layers.0.mixer" in log
 
 
 # -- the adapter with vLLM's spec classes and a real daemon (no engine) -------------------------
