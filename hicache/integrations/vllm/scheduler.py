@@ -79,7 +79,7 @@ class SchedulerSide:
         self.shape = shape
         self.page_size = shape.layout.page_size
         self.load_async = shape.is_hybrid
-        self.null_block = 0  # vLLM's placeholder block (bind_block_pool says which)
+        self.null_block = 0  # vLLM's placeholder block id (the connector's bind_gpu_block_pool sets it)
         self.lease_s = lease_s
         self.disk_wait_s = disk_wait_s
         ranks = 1 if shape.is_mla else shape.tp_size
