@@ -15,14 +15,22 @@ from pathlib import Path
 
 
 def build_tiny_llama(path: str | Path, *, seed: int = 0, layers: int = 2, hidden: int = 128, heads: int = 4,
-                     kv_heads: int = 2, vocab: int = 512, tokenizer: bool = False) -> Path:
+                     kv_heads: int = 2, vocab: int = 512, tokenizer: bool = False,
+                     sliding_window: int | None = None) -> Path:
     """Write the model to `path` (kept if already there with the same settings); the
-    weights do not depend on `tokenizer`."""
+    weights do not depend on `tokenizer`. With `sliding_window`, even layers attend to that
+    many tokens and odd layers to all (a hybrid model: vLLM gives the two kinds their own KV
+    cache groups)."""
     path = Path(path)
     settings: dict[str, object] = {"seed": seed, "layers": layers, "hidden": hidden, "heads": heads,
                                    "kv_heads": kv_heads, "vocab": vocab}
     if tokenizer:  # only then: a stamp written before the option existed still matches
         settings["tokenizer"] = True
+    window: dict = {}
+    if sliding_window:
+        settings["sliding_window"] = sliding_window
+        window = {"sliding_window": sliding_window,
+                  "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]}
     stamp = path / "hicache-tiny.json"
     if stamp.exists() and json.loads(stamp.read_text()) == settings:
         return path
@@ -31,7 +39,7 @@ def build_tiny_llama(path: str | Path, *, seed: int = 0, layers: int = 2, hidden
 
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      max_position_embeddings=4096, torch_dtype="float32", tie_word_embeddings=False)
+                      max_position_embeddings=4096, torch_dtype="float32", tie_word_embeddings=False, **window)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():

@@ -182,6 +182,20 @@ class BlockCopier:
             size.append(np.full(src[-1].size, r.run_bytes, dtype=np.int64))
         self._chunks.copy(np.concatenate(src), np.concatenate(dst), np.concatenate(size))
 
+    def save_layer(self, layer: int, block_ids: Sequence[int], host_pages: Sequence[int]) -> None:
+        """One layer of the blocks into the host pages (hybrid models: each layer's group
+        has its own block ids for a page)."""
+        b, h = self._ids(block_ids, host_pages)
+        if not len(b):
+            return
+        if self._chunks is None:
+            self._save_layer_torch(layer, torch.from_numpy(b).to(self.device), torch.from_numpy(h))
+            return
+        r = self.runs[layer]
+        src = r.address + b[:, None] * r.block_stride + r.offsets
+        dst = self._page_address(h, layer)[:, None] + np.arange(len(r.offsets)) * r.run_bytes
+        self._chunks.copy(src.reshape(-1), dst.reshape(-1), np.full(src.size, r.run_bytes, dtype=np.int64))
+
     def load_layer(self, layer: int, block_ids: Sequence[int], host_pages: Sequence[int]) -> None:
         """One layer of the host pages into the blocks."""
         b, h = self._ids(block_ids, host_pages)
@@ -199,10 +213,12 @@ class BlockCopier:
     def _save_torch(self, b: np.ndarray, h: np.ndarray) -> None:
         bd = torch.from_numpy(b).to(self.device)
         ht = torch.from_numpy(h)
-        wide = self._host_wide.dtype
-        for layer, v in enumerate(self.blocks):
-            src = v.index_select(0, bd).reshape(len(b), -1).view(torch.uint8).view(wide)
-            self._host_wide[:, layer].index_copy_(0, ht, src.cpu())
+        for layer in range(len(self.blocks)):
+            self._save_layer_torch(layer, bd, ht)
+
+    def _save_layer_torch(self, layer: int, bd: torch.Tensor, ht: torch.Tensor) -> None:
+        src = self.blocks[layer].index_select(0, bd).reshape(len(bd), -1).view(torch.uint8)
+        self._host_wide[:, layer].index_copy_(0, ht, src.view(self._host_wide.dtype).cpu())
 
     def _load_layer_torch(self, layer: int, b: np.ndarray, h: np.ndarray) -> None:
         v = self.blocks[layer]

@@ -6,7 +6,7 @@ the proof tests, `hicache bench vllm` and anyone checking an install use it.
 SPEC: {"model": dir, "socket": path or null (no connector), "block_size": 32,
        "connector": {KVTransferConfig fields} (another connector instead of hicache's),
        "rounds": [[prompt token lists], ...], "max_tokens": 8,
-       "reset_between_rounds": true, "corrupt_load": false, "kv_cache_bytes": 67108864,
+       "reset_between_rounds": true, "corrupt_load": false, "fail_load": false, "kv_cache_bytes": 67108864,
        "kill_in_round" | "stop_in_round": k, "cont_before_round": k2, "fault_delay_s": 0.02,
        "daemon_pid": pid, "kv_events_endpoint": "tcp://127.0.0.1:PORT", "extra_config": {...},
        "pause_dir": dir, "pause_before_rounds": [k, ...]}
@@ -21,9 +21,11 @@ each round of `pause_before_rounds` the driver creates `pause_dir/paused-K` and 
 `pause_dir/resume-K` (a test inspects the daemon and the event stream meanwhile), or
 exits when `pause_dir/abort` appears.
 `corrupt_load` garbles every block hicache loads (a test that must see outputs change,
-proving the KV is really used); it runs vLLM's engine and worker in this process. The output JSON has per round the
+proving the KV is really used); `fail_load` makes every hicache load fail (vLLM must
+recompute); both run vLLM's engine and worker in this process. The output JSON has per round the
 output token ids, `num_cached_tokens` per request and the time to first token, plus
-vLLM's counters (`vllm:external_prefix_cache_hits` and friends) at the end.
+vLLM's counters (`vllm:external_prefix_cache_hits` and friends) at the end, and whether
+vLLM kept its hybrid KV cache manager on (`hybrid_kv_cache_manager`).
 """
 
 from __future__ import annotations
@@ -85,6 +87,21 @@ def _corrupt_loads() -> None:
     BlockCopier.load_layer = load_layer  # type: ignore[method-assign]
 
 
+def _fail_loads() -> None:
+    """Make every hicache load fail after copying half of the layers (the connector must
+    report it and vLLM recompute, whatever the blocks hold)."""
+    from hicache.integrations.block_copy import BlockCopier
+
+    real = BlockCopier.load_layer
+
+    def load_layer(self: BlockCopier, layer: int, block_ids: Any, host_pages: Any) -> None:
+        if layer >= self.layout.num_layers // 2:
+            raise OSError("injected load failure")
+        real(self, layer, block_ids, host_pages)
+
+    BlockCopier.load_layer = load_layer  # type: ignore[method-assign]
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
@@ -112,7 +129,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         rounds.append({"outputs": [list(o.outputs[0].token_ids) for o in outs],
                        "cached": [o.num_cached_tokens for o in outs],
                        "ttft": [_ttft(o) for o in outs], "wall_s": wall})
-    return {"init_s": init_s, "rounds": rounds, "counters": counters()}
+    hma = not llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+    return {"init_s": init_s, "rounds": rounds, "counters": counters(), "hybrid_kv_cache_manager": hma}
 
 
 def _settle(socket: str, timeout_s: float = 30.0) -> None:
@@ -155,6 +173,9 @@ def main() -> None:
     if spec.get("corrupt_load"):  # the worker must run in this process for the patch to reach it
         spec["in_process"] = True
         _corrupt_loads()
+    if spec.get("fail_load"):
+        spec["in_process"] = True
+        _fail_loads()
     if spec.get("in_process"):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if spec.get("arrivals"):  # concurrent conversations through vLLM's AsyncLLM

@@ -152,3 +152,22 @@ def test_bad_ids_copy_nothing(method):
                 c.save(blocks, pages)
         assert all(torch.equal(a, b) for a, b in zip(bufs, before))
         assert (arena.array == 0x3C).all()
+
+
+@pytest.mark.parametrize("method", ["native", "torch"])
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+def test_per_layer_saves_take_each_layers_own_blocks(kind, method):
+    """Hybrid models: each layer's KV cache group has its own block for a page."""
+    layout = layout_for(torch.float32)
+    per_layer = [[3, 8, 1], [12, 0, 5], [7, 7, 2]]  # a block id per page, per layer
+    pages = [4, 10, 2]
+    with HostArena.create(16 * layout.page_bytes, mlock=False) as arena:
+        src, _ = make_caches(kind, torch.float32, seed=3)
+        copier = BlockCopier(src, NUM_BLOCKS, layout, arena, method=method)
+        for layer, blocks in enumerate(per_layer):
+            copier.save_layer(layer, blocks, pages)
+        page_view = copier.host[torch.tensor(pages)]
+        for layer, t in enumerate(src):
+            assert torch.equal(page_view[:, layer], block_bytes(t, kind, per_layer[layer]))
+        with pytest.raises(LayoutError):
+            copier.save_layer(0, [1, 2], pages)

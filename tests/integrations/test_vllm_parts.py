@@ -166,8 +166,6 @@ def test_engine_shape_refuses_what_it_cannot_cache():
     mha = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
     with pytest.raises(UnsupportedModel, match="pipeline parallelism"):
         engine_shape(vllm_config(pp=2), kv_config(mha))
-    with pytest.raises(UnsupportedModel, match="one KV cache group"):
-        engine_shape(vllm_config(), kv_config(mha, mha))
     window = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=64)
     with pytest.raises(UnsupportedModel, match="full-attention"):
         engine_shape(vllm_config(), kv_config(window))
@@ -210,7 +208,7 @@ def test_a_reconnect_between_match_and_step_makes_the_load_stale(tmp_path):
         assert c.put_done(plan) == 6
         n, _ = sched.num_new_matched_tokens(req, 0)
         assert n == 6 * 32
-        sched.after_alloc(req, list(range(6)), n)
+        sched.after_alloc(req, (list(range(6)),), n)
         first = c.instance
         d.stop()
         d.start()
@@ -219,5 +217,5 @@ def test_a_reconnect_between_match_and_step_makes_the_load_stale(tmp_path):
         assert c.instance != first
         meta = sched.build_meta(idle)
         assert meta.instances == {0: c.instance}
-        assert [(s.stale, s.host_pages, s.block_ids) for s in meta.loads] == [(True, {}, list(range(6)))]
+        assert [(s.stale, s.host_pages, s.block_ids) for s in meta.loads] == [(True, {}, [list(range(6))])]
         sched.close()

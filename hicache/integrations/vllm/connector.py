@@ -13,6 +13,11 @@ name), `lease_s` (pins a load never reports are released after it),
 `kv_events_max_blocks` (blocks the KV event map follows, events.py).
 vLLM's `kv_load_failure_policy` is set to "recompute": a block hicache could not
 load is computed, never an error.
+
+It supports vLLM's hybrid KV cache manager (`SupportsHMA`): models whose KV cache
+groups are full-attention and sliding-window layers of one page shape are cached
+with every group's blocks (layout.py); models with Mamba / linear-attention groups
+are refused at start with UnsupportedModel.
 """
 
 from __future__ import annotations
@@ -22,7 +27,13 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hicache.integrations.vllm.events import bridge_for
@@ -35,6 +46,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -43,7 +55,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class HiCacheConnector(KVConnectorBase_V1):
+class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
@@ -51,6 +63,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         cfg = self._kv_transfer_config
         socket = cfg.get_from_extra_config("socket", None)
         shape = engine_shape(vllm_config, kv_cache_config, cfg.get_from_extra_config("model_id", None))
+        self.num_groups = len(kv_cache_config.kv_cache_groups)
         num_blocks = int(kv_cache_config.num_blocks)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
@@ -83,6 +96,10 @@ class HiCacheConnector(KVConnectorBase_V1):
         assert self.worker is not None
         self.worker.register(kv_caches, extract_layer_index)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert self.worker is not None and isinstance(kv_connector_metadata, HiCacheMeta)
+        self.worker.before_step(kv_connector_metadata)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self.worker is not None
         meta = self._get_connector_metadata()
@@ -103,8 +120,14 @@ class HiCacheConnector(KVConnectorBase_V1):
         self.worker.start_saves(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Saves done for finished requests; async loads (hybrid models) done, and failed."""
         assert self.worker is not None
-        return self.worker.finished_sending(), None
+        recving, failed = self.worker.finished_recving()
+        return KVConnectorTransferResults(set(self.worker.finished_sending() or ()), recving, failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.load_errors() if self.worker is not None else set()
@@ -137,7 +160,14 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.scheduler is not None
-        self.scheduler.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+        self.scheduler.after_alloc(request, blocks.get_block_ids(), num_external_tokens)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        if self.scheduler is not None:
+            self.scheduler.null_block = gpu_block_pool.null_block.block_id
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return tuple(range(self.num_groups))  # a page holds every group's layers
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> HiCacheMeta:
         assert self.scheduler is not None
@@ -145,9 +175,14 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self.scheduler is not None
-        self.scheduler.on_output(connector_output.kv_connector_worker_meta)
+        self.scheduler.on_output(connector_output.kv_connector_worker_meta, connector_output.failed_recving or ())
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request), None
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         return self.scheduler.request_finished(request), None
 

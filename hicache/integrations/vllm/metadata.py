@@ -16,9 +16,9 @@ class LoadSpec:
     """Copy host pages into the request's blocks, per namespace rank (pinned by the scheduler)."""
 
     req_id: str
-    block_ids: list[int]
-    host_pages: dict[int, list[int]]  # namespace rank -> pages, aligned with block_ids
-    stale: bool = False  # the pages cannot be had: report the blocks failed
+    block_ids: list[list[int]]  # per KV cache group, aligned with the pages (a null block: not needed)
+    host_pages: dict[int, list[int]]  # namespace rank -> pages
+    stale: bool = False  # the pages cannot be had: report the blocks (the request, if async) failed
 
 
 @dataclass(slots=True)
@@ -28,7 +28,7 @@ class SaveSpec:
     req_id: str
     rank: int
     put_id: int
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group, aligned with host_pages
     host_pages: list[int]
 
 

@@ -14,12 +14,19 @@ running keeps its blocks until the workers say they are done.
 
 The daemon away, restarting or hung costs one deadline then nothing: the client's
 circuit breaker answers misses and skips stores at once while it reconnects.
+
+Hybrid models (several KV cache groups): a request's blocks are kept per group,
+and a page is stored only when every group still holds its block (vLLM frees
+sliding-window blocks behind the window: such pages are not saved). Loads are
+asynchronous there (the request waits for its KV), because vLLM can take a
+failed load back only per request when block ids are per group.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,19 +40,23 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+SAVE_RETRIES = 8  # steps a hybrid request's save may wait for an earlier put of its prefix
+
 
 @dataclass(slots=True, eq=False)
 class _Req:
     request: Any  # vllm Request: all_token_ids grows as it decodes
     keys: dict[int, RequestKeys]  # per namespace rank (salts differ)
-    blocks: list[int] = field(default_factory=list)
+    blocks: list[list[int]] = field(default_factory=list)  # per KV cache group
     saved_pages: int = 0  # leading pages stored (or being stored)
+    save_retries: int = 0  # steps a save waited for the pages before a window-freed block to be stored
     matches: dict[int, Match] = field(default_factory=dict)  # pins of the pending or running load
     pinned_at: float = 0.0
     disk_deadline: float | None = None
     load: tuple[int, int] | None = None  # pages [start, end) the workers load this step
     puts: dict[int, tuple[int, PutPlan]] = field(default_factory=dict)  # put id -> (rank, plan), not reported
     finished: bool = False  # vLLM finished it; kept while its saves run
+    load_failed: bool = False  # an async load failed: vLLM recomputes it, we offer it nothing more
 
 
 def request_extras(request: Any) -> tuple[list[str], list[tuple[str, int, int]]] | None:
@@ -70,6 +81,8 @@ class SchedulerSide:
                  lease_s: float = 30.0, disk_wait_s: float = 0.5) -> None:
         self.shape = shape
         self.page_size = shape.layout.page_size
+        self.load_async = shape.is_hybrid
+        self.null_block = 0  # vLLM's placeholder block id (the connector's bind_gpu_block_pool sets it)
         self.lease_s = lease_s
         self.disk_wait_s = disk_wait_s
         ranks = 1 if shape.is_mla else shape.tp_size
@@ -106,7 +119,7 @@ class SchedulerSide:
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond vLLM's local hit that every rank holds on host (0 on any doubt)."""
         st = self._state(request)
-        if st is None:
+        if st is None or st.load_failed:
             return 0, False
         tokens = request.all_token_ids
         n_pages = (len(tokens) - 1) // self.page_size  # vLLM computes at least the last token
@@ -141,22 +154,25 @@ class SchedulerSide:
             self._release(st)
             return 0, False
         st.load = (local, hit)
-        return (hit - local) * self.page_size, False
+        return (hit - local) * self.page_size, self.load_async
 
-    def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+    def after_alloc(self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int) -> None:
+        """vLLM allocated the request's blocks (per KV cache group) and counts on
+        `num_external_tokens` from us."""
         st = self.reqs.get(request.request_id)
         if st is None:
             return
-        st.blocks = list(block_ids)
+        st.blocks = [list(b) for b in block_ids]
         if num_external_tokens <= 0 or st.load is None:
             self._release(st)
             return
         start, end = st.load
-        if (end - start) * self.page_size != num_external_tokens or len(block_ids) < end:
-            log.warning("request %s: vLLM took %d external tokens of the %d offered; not loading",
+        if (end - start) * self.page_size != num_external_tokens or any(len(b) < end for b in st.blocks):
+            # vLLM counts these tokens as computed: a stale load makes it recompute them
+            log.warning("request %s: vLLM took %d external tokens of the %d offered; recomputing them",
                         request.request_id, num_external_tokens, (end - start) * self.page_size)
             self._release(st)
-            return
+            end = start + -(-num_external_tokens // self.page_size)
         self.loads_next.append((request.request_id, start, end))
 
     # -- each step ------------------------------------------------------------------------
@@ -185,7 +201,9 @@ class SchedulerSide:
         """The copies vLLM now counts on; stale (the workers report its blocks failed, vLLM
         recomputes them) when the pins are gone or predate a reconnect."""
         st = self.reqs[req_id]
-        blocks = st.blocks[start:end]
+        blocks = [b[start:end] for b in st.blocks]
+        if self.shape.is_hybrid:  # a block a sliding window skipped is not needed: -1 tells the workers
+            blocks = [[-1 if i == self.null_block else i for i in b] for b in blocks]
         if not st.matches or any(m.epoch != self.clients[r].epoch for r, m in st.matches.items()):
             return LoadSpec(req_id, blocks, {}, stale=True)
         return LoadSpec(req_id, blocks, {r: m.host_pages[start:end].tolist() for r, m in st.matches.items()})
@@ -202,25 +220,28 @@ class SchedulerSide:
         for new in so.scheduled_new_reqs:
             st = self.reqs.get(new.req_id)
             if st is not None:
-                st.blocks = list(new.block_ids[0])
+                st.blocks = [list(b) for b in new.block_ids]
         cached = so.scheduled_cached_reqs
         for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids):
             st = self.reqs.get(req_id)
             if st is None or new_ids is None:
                 continue
             if req_id in cached.resumed_req_ids:  # after preemption: a new block list
-                st.blocks = list(new_ids[0])
+                st.blocks = [list(b) for b in new_ids]
                 st.saved_pages = 0
             else:
-                st.blocks.extend(new_ids[0])
+                for blocks, added in zip(st.blocks, new_ids):
+                    blocks.extend(added)
 
     def _plan_saves(self, req_id: str, st: _Req, computed_after: int, meta: HiCacheMeta) -> None:
         """Reserve host pages for the full blocks this step completes (all ranks)."""
         tokens = st.request.all_token_ids
-        full = min(computed_after, len(tokens), len(st.blocks) * self.page_size) // self.page_size
+        held = min((len(b) for b in st.blocks), default=0)
+        full = min(computed_after, len(tokens), held * self.page_size) // self.page_size
         if full <= st.saved_pages:
             return
         stored = tokens[:full * self.page_size]
+        retry = False
         for r, c in self.clients.items():
             keys = st.keys[r].upto(tokens, full)
             plan = c.put(stored, keys=keys)
@@ -228,9 +249,19 @@ class SchedulerSide:
                 self.events.note_put(r, st.request, keys, plan.present, start=st.saved_pages)
             if plan is None or plan.put is None:
                 continue
-            pages = plan.host_pages.tolist()
-            meta.saves.append(SaveSpec(req_id, r, plan.put, st.blocks[plan.present:full], pages))
+            blocks = [b[plan.present:full] for b in st.blocks]
+            if any(self.null_block in b for b in blocks):
+                # A sliding window freed a block of a page the host lacks: no whole page to store.
+                # Typically the pages before it are still in another request's put: ask again
+                # for a few steps, when they may be stored and the put starts past the freed blocks.
+                c.put_done(plan, False)
+                retry = st.save_retries < SAVE_RETRIES
+                continue
+            meta.saves.append(SaveSpec(req_id, r, plan.put, blocks, plan.host_pages.tolist()))
             st.puts[plan.put] = (r, plan)
+        if retry:
+            st.save_retries += 1
+            return
         st.saved_pages = full
 
     def _expire_pins(self) -> None:
@@ -241,8 +272,13 @@ class SchedulerSide:
                 log.warning("request %s: releasing pins held %.0f s", st.request.request_id, now - st.pinned_at)
                 self._release(st)
 
-    def on_output(self, worker_meta: Any) -> None:
-        """The workers' report: finish the puts whose copies ran, release the pins of loads done."""
+    def on_output(self, worker_meta: Any, failed_loads: Iterable[str] = ()) -> None:
+        """The workers' report: finish the puts whose copies ran, release the pins of loads done.
+        A request whose async load failed is recomputed by vLLM, which asks us again: it gets 0."""
+        for req_id in failed_loads:
+            st = self.reqs.get(req_id)
+            if st is not None:
+                st.load_failed = True
         if not isinstance(worker_meta, HiCacheWorkerMeta):
             return
         for req_id in worker_meta.loaded:

@@ -17,6 +17,12 @@ ordered):
 A load that cannot run (the daemon restarted since the scheduler matched, a
 slab that cannot be mapped, a copy error) reports its blocks through
 `get_block_ids_with_load_errors`, and vLLM recomputes them.
+
+Hybrid models (several KV cache groups): each layer copies the blocks of its own
+group (a block a sliding window skipped, -1, is left alone); loads are
+asynchronous, reported per request (finished, or failed: vLLM recomputes it);
+and the saves of a step finish before the next step runs (`before_step`),
+because vLLM frees sliding-window blocks behind the window without asking.
 """
 
 from __future__ import annotations
@@ -47,6 +53,14 @@ class _Load:
         self.events = [threading.Event() for _ in range(num_layers)]
 
 
+def _needed(block_ids: list[int], host_pages: list[int]) -> tuple[list[int], list[int]]:
+    """The blocks of a layer's group that are to be loaded (-1: skipped by its window), with their pages."""
+    if min(block_ids, default=0) >= 0:
+        return block_ids, host_pages
+    pairs = [(b, h) for b, h in zip(block_ids, host_pages) if b >= 0]
+    return [b for b, _ in pairs], [h for _, h in pairs]
+
+
 class WorkerSide:
     def __init__(self, shape: EngineShape, num_blocks: int, socket_path: str | None, tp_rank: int) -> None:
         self.shape = shape
@@ -58,6 +72,7 @@ class WorkerSide:
                                     tp_rank=ns_rank, tp_size=ns_size, extra_key=shape.extra_key())
         self.client.on_reconnect.append(self._on_reconnect)
         self.layer_of: dict[str, int] = {}
+        self.group_of_layer = shape.group_of_layer or (0,) * shape.layout.num_layers
         self.caches: list[torch.Tensor] = []
         self.copier: BlockCopier | None = None
         self.load: _Load | None = None
@@ -69,6 +84,8 @@ class WorkerSide:
         self._saved: dict[int, bool] = {}  # put id -> ok, not reported yet
         self._loaded: set[str] = set()
         self._failed_blocks: set[int] = set()
+        self._recved: set[str] = set()  # async loads done (ok or not), not reported yet
+        self._failed_reqs: set[str] = set()  # async loads that failed, not reported yet
         self._delayed: set[str] = set()
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._copy_cpus = copy_thread_cpus()
@@ -81,6 +98,8 @@ class WorkerSide:
         names = sorted(kv_caches, key=layer_index)
         if len(names) != self.shape.layout.num_layers:
             raise UnsupportedModel(f"{len(names)} KV tensors for {self.shape.layout.num_layers} attention layers")
+        if self.shape.layer_names and tuple(names) != self.shape.layer_names:
+            raise UnsupportedModel(f"KV tensors of layers {names}, the KV cache groups name {self.shape.layer_names}")
         for name in names:
             got = arrangement(kv_caches[name], self.num_blocks)
             if got != self.shape.arrangement:
@@ -130,7 +149,8 @@ class WorkerSide:
         if not specs:
             return
         load = _Load(specs, self.shape.layout.num_layers)
-        self.load = load
+        if not self.shape.is_hybrid:  # async loads: the forward pass does not wait for them
+            self.load = load
         if not self._ready(meta):
             log.warning("hicache: %d loads cannot run here (daemon restarted or slabs unmapped); vLLM recomputes",
                         len(specs))
@@ -142,25 +162,32 @@ class WorkerSide:
         copier = self.copier
         assert copier is not None
         t0 = time.perf_counter()
-        blocks: list[int] = []  # every request of the step: one copy per layer
-        pages: list[int] = []
+        num_groups = max(self.group_of_layer) + 1
+        blocks: list[list[int]] = [[] for _ in range(num_groups)]  # per KV cache group, every request
+        pages: list[list[int]] = [[] for _ in range(num_groups)]  # of the step: one copy per layer
         try:
             for s in load.specs:
-                if len(s.block_ids) != len(s.host_pages[self.rank]):
-                    raise LayoutError(f"request {s.req_id}: {len(s.block_ids)} blocks for "
-                                      f"{len(s.host_pages[self.rank])} host pages")
-                blocks += s.block_ids
-                pages += s.host_pages[self.rank]
+                host = s.host_pages[self.rank]
+                for g in range(num_groups):
+                    if len(s.block_ids[g]) != len(host):
+                        raise LayoutError(f"request {s.req_id}: {len(s.block_ids[g])} blocks of group {g} "
+                                          f"for {len(host)} host pages")
+                    b, h = _needed(s.block_ids[g], host)
+                    blocks[g] += b
+                    pages[g] += h
             for layer, ev in enumerate(load.events):
-                copier.load_layer(layer, blocks, pages)
+                g = self.group_of_layer[layer]
+                copier.load_layer(layer, blocks[g], pages[g])
                 ev.set()
         except Exception:
             log.exception("hicache: loading KV failed; vLLM recomputes those blocks")
             self._fail_load(load)
             return
-        tokens = len(blocks) * self.shape.layout.page_size
+        tokens = sum(len(s.block_ids[0]) for s in load.specs) * self.shape.layout.page_size
         with self._lock:
             self._loaded.update(s.req_id for s in load.specs)
+            if self.shape.is_hybrid:
+                self._recved.update(s.req_id for s in load.specs)
             d = self.stats.data
             d["loads"] += len(load.specs)
             d["loaded_tokens"] += tokens
@@ -169,9 +196,13 @@ class WorkerSide:
     def _fail_load(self, load: _Load) -> None:
         with self._lock:
             for s in load.specs:
-                self._failed_blocks.update(s.block_ids)
+                if self.shape.is_hybrid:  # block ids are per group: vLLM takes a failure per request
+                    self._failed_reqs.add(s.req_id)
+                    self._recved.add(s.req_id)
+                else:
+                    self._failed_blocks.update(s.block_ids[0])
             self._loaded.update(s.req_id for s in load.specs)
-            self.stats.data["load_errors"] += sum(len(s.block_ids) for s in load.specs)
+            self.stats.data["load_errors"] += sum(len(s.block_ids[0]) for s in load.specs)
         for ev in load.events:
             ev.set()
 
@@ -184,6 +215,13 @@ class WorkerSide:
             load.events[layer].wait()
 
     # -- saves ------------------------------------------------------------------------------
+    def before_step(self, meta: HiCacheMeta) -> None:
+        """Before the step touches any block: blocks vLLM freed since the last step (a preempted
+        request's; hybrid: sliding-window blocks behind the window) may be reused now, so the
+        saves still reading them must be done."""
+        if meta.preempted or self.shape.is_hybrid:
+            self.drain()
+
     def start_saves(self, meta: HiCacheMeta) -> None:
         """After the forward pass: queue this step's saves; report them when done."""
         if self.load is not None:  # every layer was waited for by the forward pass
@@ -211,7 +249,11 @@ class WorkerSide:
         t0 = time.perf_counter()
         ok = True
         try:
-            copier.save(s.block_ids, s.host_pages)
+            if self.shape.is_hybrid:
+                for layer, group in enumerate(self.group_of_layer):
+                    copier.save_layer(layer, s.block_ids[group], s.host_pages)
+            else:
+                copier.save(s.block_ids[0], s.host_pages)
         except Exception:
             log.exception("hicache: saving KV failed; the pages are dropped")
             ok = False
@@ -221,7 +263,7 @@ class WorkerSide:
             if not self._saving[s.req_id]:
                 del self._saving[s.req_id]
             if ok:
-                self.stats.data["saved_tokens"] += len(s.block_ids) * self.shape.layout.page_size
+                self.stats.data["saved_tokens"] += len(s.host_pages) * self.shape.layout.page_size
             self.stats.data["save_s"] += time.perf_counter() - t0
 
     # -- reports ----------------------------------------------------------------------------
@@ -231,6 +273,13 @@ class WorkerSide:
             done = {r for r in self._delayed if r not in self._saving}
             self._delayed -= done
         return done or None
+
+    def finished_recving(self) -> tuple[set[str], set[str]]:
+        """Async loads (hybrid models) done since the last call, and those of them that failed."""
+        with self._lock:
+            done, failed = self._recved, self._failed_reqs
+            self._recved, self._failed_reqs = set(), set()
+        return done, failed
 
     def worker_meta(self) -> HiCacheWorkerMeta | None:
         with self._lock:
