@@ -16,22 +16,12 @@ Under CI=true a missing vLLM fails the suite instead of skipping it.
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
 import pytest
 
-try:
-    import vllm  # noqa: F401
-    HAVE_VLLM = True
-except ImportError:
-    HAVE_VLLM = False
-
-if not HAVE_VLLM:
-    if os.environ.get("CI"):
-        raise RuntimeError("vLLM is not installed: scripts/setup.sh installs it (the vLLM proof must run in CI)")
-    pytest.skip("vLLM is not installed (scripts/setup.sh installs it)", allow_module_level=True)
+import tests.integrations.vllm_required  # noqa: F401  (skips, or fails under CI, without vLLM)
 
 from hicache.bench.tiny_llama import build_tiny_llama  # noqa: E402
 from hicache.client.connection import RpcConnection  # noqa: E402

@@ -22,7 +22,6 @@ Under CI=true a missing vLLM fails the suite instead of skipping it.
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -34,16 +33,7 @@ from typing import Any
 
 import pytest
 
-try:
-    import vllm  # noqa: F401
-    HAVE_VLLM = True
-except ImportError:
-    HAVE_VLLM = False
-
-if not HAVE_VLLM:
-    if os.environ.get("CI"):
-        raise RuntimeError("vLLM is not installed: scripts/setup.sh installs it (the vLLM proof must run in CI)")
-    pytest.skip("vLLM is not installed (scripts/setup.sh installs it)", allow_module_level=True)
+import tests.integrations.vllm_required  # noqa: F401  (skips, or fails under CI, without vLLM)
 
 import msgspec  # noqa: E402
 import zmq  # noqa: E402

@@ -22,7 +22,6 @@ The model is the tiny seeded Llama with a word-level tokenizer and chat template
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import threading
@@ -32,16 +31,7 @@ from typing import Any
 
 import pytest
 
-try:
-    import vllm  # noqa: F401
-    HAVE_VLLM = True
-except ImportError:
-    HAVE_VLLM = False
-
-if not HAVE_VLLM:
-    if os.environ.get("CI"):
-        raise RuntimeError("vLLM is not installed: scripts/setup.sh installs it (the vLLM proof must run in CI)")
-    pytest.skip("vLLM is not installed (scripts/setup.sh installs it)", allow_module_level=True)
+import tests.integrations.vllm_required  # noqa: F401  (skips, or fails under CI, without vLLM)
 
 from hicache.bench.tiny_llama import build_tiny_llama  # noqa: E402
 from hicache.bench.tiny_tokenizer import SPECIAL_TOKENS, word  # noqa: E402
