@@ -74,7 +74,7 @@ def start_peer(name: str, workdir: Path, block_size: int) -> Iterator[PeerRun]:
     if name == "none":
         yield PeerRun(name, None)
     elif name == "hicache":
-        with LocalDaemon(home / "daemon", "--host-capacity", "1GiB", "--disk-capacity", "8GiB") as daemon:
+        with LocalDaemon(home / "daemon", "--host-capacity", "1GiB", "--disk-capacity", "2GiB") as daemon:
             connector = {"kv_connector": "HiCacheConnector", "kv_connector_module_path": "hicache.integrations.vllm",
                          "kv_role": "kv_both", "kv_connector_extra_config": {"socket": daemon.socket}}
             yield PeerRun(name, connector, socket=daemon.socket)
