@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 import weakref
 
 import pytest
@@ -71,13 +72,16 @@ def test_a_cycle_that_dies_frozen_waits_for_an_idle_full_pass(steward):
 
 def test_traffic_holds_off_the_full_pass(steward):
     s, requests = steward
+    s.idle_s = 0.5  # traffic lasts 3x this: quiet, a full pass would have run by its end; a loaded
+    # machine would have to stall the loop for 0.5 s between two requests to fake a quiet spell
 
     async def busy() -> None:
         task = asyncio.ensure_future(s.run())
+        end = time.monotonic() + 3 * s.idle_s
         try:
-            for _ in range(30):
+            while time.monotonic() < end:
                 requests[0] += 1
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.01)  # the traffic's pace, not a wait for a condition
         finally:
             task.cancel()
 
