@@ -39,3 +39,17 @@ class CallDeadlines:
     def uniform(cls, timeout_s: float) -> CallDeadlines:
         """The same deadline for every call (benchmarks and tests on loaded machines)."""
         return cls(timeout_s, timeout_s, timeout_s, timeout_s, timeout_s)
+
+    @classmethod
+    def from_config(cls, value: object) -> CallDeadlines:
+        """Deadlines from an engine's configuration: a number (every call) or a mapping of
+        call kinds to seconds (the rest keep their defaults); a clear error for anything else."""
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return cls.uniform(float(value))
+        if not isinstance(value, dict):
+            raise ConfigError(f"deadlines must be seconds or a mapping of call kinds to seconds, got {value!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"unknown deadline(s) {unknown}; known: {sorted(known)}")
+        return cls(**value)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-import tests.integrations.vllm_required  # noqa: F401  (skips, or fails under CI, without vLLM)
+from tests.integrations.vllm_required import PATIENT  # skips, or fails under CI, without vLLM
 
 from hicache.bench.tiny_llama import build_tiny_llama  # noqa: E402
 from hicache.client.connection import RpcConnection  # noqa: E402
@@ -52,8 +52,10 @@ def full_blocks(p: list[int]) -> int:
     return (len(p) - 1) // BLOCK * BLOCK
 
 
-def run_vllm(tmp: Path, name: str, env: dict | None = None, **spec) -> dict:
+def run_vllm(tmp: Path, name: str, env: dict | None = None, patient: bool = True, **spec) -> dict:
     spec = {"model": str(MODEL_DIR), "block_size": BLOCK, "max_tokens": 8, **spec}
+    if patient and spec.get("socket"):  # hit counts exact (the fault tests pass patient=False)
+        spec.setdefault("extra_config", PATIENT)
     return run_in_process(spec, tmp, name, env, timeout_s=600)
 
 
@@ -137,7 +139,7 @@ def test_tensor_parallel_ranks_store_and_load_their_shards(work, tmp_path):
         stats = RpcConnection.one_call(d.socket, "stats")
     for rnd in r["rounds"]:
         assert rnd["outputs"] == ref
-    assert r["rounds"][1]["cached"] == [full_blocks(p) for p in ps]
+    assert r["rounds"][1]["cached"] == [full_blocks(p) for p in ps], stats["puts"]
     assert stats["namespaces"] == 2  # one per rank
     # every distinct full page the runs computed (prompt plus the 7 decoded tokens with KV), once per rank
     pages = {tuple(p[:(k + 1) * BLOCK]) for p in ps for k in range((len(p) + 7) // BLOCK)}
@@ -148,8 +150,8 @@ def test_daemon_hung_mid_run(work, reference, daemon):
     """SIGSTOP: the connector's calls time out once, then the breaker answers misses at once."""
     ps = prompts()
     assert daemon.proc is not None
-    r = run_vllm(work, "hung", socket=daemon.socket, rounds=[ps, ps, ps], stop_in_round=1, cont_before_round=2,
-                 daemon_pid=daemon.proc.pid)
+    r = run_vllm(work, "hung", socket=daemon.socket, patient=False, rounds=[ps, ps, ps], stop_in_round=1,
+                 cont_before_round=2, daemon_pid=daemon.proc.pid)
     for rnd in r["rounds"]:
         assert rnd["outputs"] == reference
     assert daemon.running
@@ -158,7 +160,7 @@ def test_daemon_hung_mid_run(work, reference, daemon):
 def test_daemon_killed_mid_run(work, reference, daemon):
     ps = prompts()
     assert daemon.proc is not None
-    r = run_vllm(work, "killed", socket=daemon.socket, rounds=[ps, ps, ps], kill_in_round=1,
+    r = run_vllm(work, "killed", socket=daemon.socket, patient=False, rounds=[ps, ps, ps], kill_in_round=1,
                  daemon_pid=daemon.proc.pid)
     assert not daemon.running
     for rnd in r["rounds"]:

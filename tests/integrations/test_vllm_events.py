@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-import tests.integrations.vllm_required  # noqa: F401  (skips, or fails under CI, without vLLM)
+from tests.integrations.vllm_required import PATIENT  # skips, or fails under CI, without vLLM
 
 import msgspec  # noqa: E402
 import zmq  # noqa: E402
@@ -200,7 +200,7 @@ class Run:
 def vllm_with_events(tmp: Path, name: str, sock: str, rounds: list, pauses: list[int]) -> Iterator[tuple[Run, Stream]]:
     stream = Stream()
     run = Run(tmp, name, {"socket": sock, "rounds": rounds, "kv_events_endpoint": stream.endpoint,
-                          "pause_before_rounds": pauses})
+                          "extra_config": PATIENT, "pause_before_rounds": pauses})
     try:
         yield run, stream
     finally:

@@ -10,7 +10,10 @@ Extra config keys, all optional: `socket` (default: the daemon's default
 socket), `model_id` (the namespace's model name; default vLLM's model path or
 name), `lease_s` (pins a load never reports are released after it),
 `disk_wait_s` (how long a request may wait for its disk part to reach host),
-`kv_events_max_blocks` (blocks the KV event map follows, events.py).
+`kv_events_max_blocks` (blocks the KV event map follows, events.py), `deadlines`
+(seconds the connector waits for the daemon: one number, or per call kind as in
+hicache/client/deadlines.py, e.g. {"match_s": 1.0}; raise them on a machine whose
+daemon may be starved of CPU, at the cost of a slower miss when it hangs).
 vLLM's `kv_load_failure_policy` is set to "recompute": a block hicache could not
 load is computed, never an error.
 
@@ -36,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from hicache.client.deadlines import CallDeadlines
 from hicache.integrations.vllm.events import bridge_for
 from hicache.integrations.vllm.layout import engine_shape
 from hicache.integrations.vllm.metadata import HiCacheMeta, HiCachePromMetrics, HiCacheStats
@@ -63,6 +67,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         cfg = self._kv_transfer_config
         socket = cfg.get_from_extra_config("socket", None)
         shape = engine_shape(vllm_config, kv_cache_config, cfg.get_from_extra_config("model_id", None))
+        dl = cfg.get_from_extra_config("deadlines", None)
+        deadlines = CallDeadlines.from_config(dl) if dl is not None else None
         self.num_groups = len(kv_cache_config.kv_cache_groups)
         num_blocks = int(kv_cache_config.num_blocks)
         self.scheduler: SchedulerSide | None = None
@@ -73,7 +79,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             if cfg.kv_load_failure_policy != "recompute":
                 log.info("hicache: kv_load_failure_policy set to 'recompute' (a failed load is a miss)")
                 cfg.kv_load_failure_policy = "recompute"
-            self.scheduler = SchedulerSide(shape, num_blocks, socket,
+            self.scheduler = SchedulerSide(shape, num_blocks, socket, deadlines=deadlines,
                                            lease_s=float(cfg.get_from_extra_config("lease_s", 30.0)),
                                            disk_wait_s=float(cfg.get_from_extra_config("disk_wait_s", 0.5)))
             self.scheduler.events = bridge_for(vllm_config, kv_cache_config, self.scheduler.clients,
@@ -82,7 +88,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            self.worker = WorkerSide(shape, num_blocks, socket, get_tensor_model_parallel_rank())
+            self.worker = WorkerSide(shape, num_blocks, socket, get_tensor_model_parallel_rank(), deadlines)
         log.info("hicache connector (%s): namespace %s", role.name, shape)
 
     @property

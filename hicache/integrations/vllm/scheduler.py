@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hicache.client.client import HiCacheClient, Match, PutPlan
+from hicache.client.deadlines import CallDeadlines
 from hicache.integrations.request_keys import RequestKeys
 from hicache.integrations.vllm.layout import EngineShape
 from hicache.integrations.vllm.metadata import HiCacheMeta, HiCacheWorkerMeta, LoadSpec, SaveSpec
@@ -78,7 +79,7 @@ def request_extras(request: Any) -> tuple[list[str], list[tuple[str, int, int]]]
 
 class SchedulerSide:
     def __init__(self, shape: EngineShape, num_blocks: int, socket_path: str | None, *,
-                 lease_s: float = 30.0, disk_wait_s: float = 0.5) -> None:
+                 lease_s: float = 30.0, disk_wait_s: float = 0.5, deadlines: CallDeadlines | None = None) -> None:
         self.shape = shape
         self.page_size = shape.layout.page_size
         self.load_async = shape.is_hybrid
@@ -90,7 +91,8 @@ class SchedulerSide:
         for r in range(ranks):
             tp_rank, tp_size = shape.namespace_rank(r)
             self.clients[r] = HiCacheClient(shape.layout, num_blocks, model=shape.model, socket_path=socket_path,
-                                            tp_rank=tp_rank, tp_size=tp_size, extra_key=shape.extra_key())
+                                            tp_rank=tp_rank, tp_size=tp_size, extra_key=shape.extra_key(),
+                                            deadlines=deadlines)
         for c in self.clients.values():
             c.connect()  # each step bounded by its deadline; if down, the probe keeps trying
         self.reqs: dict[str, _Req] = {}

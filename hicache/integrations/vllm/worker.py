@@ -36,6 +36,7 @@ from collections.abc import Callable
 import torch
 
 from hicache.client.client import HiCacheClient
+from hicache.client.deadlines import CallDeadlines
 from hicache.errors import LayoutError
 from hicache.integrations.block_copy import BlockCopier, arrangement
 from hicache.integrations.vllm.affinity import copy_thread_cpus, pin_this_thread
@@ -62,14 +63,16 @@ def _needed(block_ids: list[int], host_pages: list[int]) -> tuple[list[int], lis
 
 
 class WorkerSide:
-    def __init__(self, shape: EngineShape, num_blocks: int, socket_path: str | None, tp_rank: int) -> None:
+    def __init__(self, shape: EngineShape, num_blocks: int, socket_path: str | None, tp_rank: int,
+                 deadlines: CallDeadlines | None = None) -> None:
         self.shape = shape
         self.num_blocks = num_blocks
         self.rank = 0 if shape.is_mla else tp_rank  # the namespace rank this worker copies in
         self.stores = shape.stores(tp_rank)
         ns_rank, ns_size = shape.namespace_rank(tp_rank)
         self.client = HiCacheClient(shape.layout, num_blocks, model=shape.model, socket_path=socket_path,
-                                    tp_rank=ns_rank, tp_size=ns_size, extra_key=shape.extra_key())
+                                    tp_rank=ns_rank, tp_size=ns_size, extra_key=shape.extra_key(),
+                                    deadlines=deadlines)
         self.client.on_reconnect.append(self._on_reconnect)
         self.layer_of: dict[str, int] = {}
         self.group_of_layer = shape.group_of_layer or (0,) * shape.layout.num_layers
