@@ -162,7 +162,6 @@ class Daemon:
                                     max_device_pages=cfg.max_device_pages,
                                     eviction_policy=make_policy(cfg.eviction_policy))
         self.puts = HostPuts(self.service, lease_s=cfg.put_lease_s)
-        self.service.on_engine_gone.append(self.puts.forget_engine)
         # before the disk tier: its rebuild hands state checkpoint records to HybridStates
         self.hybrid = HybridStates(self.service, disk_capacity=cfg.disk_capacity if cfg.disk_enabled else 0,
                                    load_policy=cfg.load_policy, prefetch_timeout_s=cfg.prefetch_timeout_s)
@@ -203,6 +202,7 @@ class Daemon:
             self.server.observe = self.metrics.observe_rpc
             self._spawn(self._refresh_metrics())
             log.info("metrics on %s", self._metrics_http.url)
+        self._spawn(self.puts.sweep(min(1.0, cfg.put_lease_s / 4)))
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
         if self.notifier.watchdog_interval_s:

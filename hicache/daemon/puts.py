@@ -18,11 +18,16 @@ A put belongs to its namespace, not its connection: any engine registered in
 the namespace may finish it (vLLM's scheduler reserves, its worker copies).
 Engines of one namespace already trust each other's bytes. A put nobody
 finishes expires after `lease_s` (its pages freed, its lock dropped), so a
-worker that died mid-copy leaks nothing; so does one whose engine goes away.
+worker that died mid-copy leaks nothing. A put outlives the connections of its
+namespace's engines until that lease, on purpose: a worker whose connection
+dropped may still be copying into its pages, and pages freed under it could be
+handed to another put (or their slab to another namespace) and overwritten with
+the wrong KV.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -150,10 +155,9 @@ class HostPuts:
             self.counters.expired += 1
             self._finish(put, ok=False)
 
-    def forget_engine(self, rec: EngineRecord) -> None:
-        """The engine that reserved these puts is gone: its namespace peers may still finish
-        them, so they stay until their lease ends -- unless no engine of the namespace is left."""
-        if rec.ns.engines:
-            return
-        for put in [p for p in self.puts.values() if p.ns is rec.ns]:
-            self._finish(put, ok=False)
+    async def sweep(self, period_s: float = 1.0) -> None:
+        """Expire leases on a clock, not only as puts come in: a put whose engines all went
+        away must not hold its pages until the next put arrives."""
+        while True:
+            await asyncio.sleep(period_s)
+            self.expire()
