@@ -21,6 +21,8 @@ from hicache.errors import DaemonRefused, DaemonUnavailable, DaemonUntrusted, Hi
 
 ADMIN_TIMEOUT_S = 10.0
 MAX_WATCH_S = 86400.0
+DEFAULT_WATCH_S = 2.0
+CLEAR_SCREEN = "\x1b[H\x1b[2J"  # cursor home, erase the screen: a watch redraws in place
 MAX_LS_DEPTH = 64  # the daemon walks the tree recursively; deeper views are unreadable anyway
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 2
@@ -41,6 +43,16 @@ def watch_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
     if not 0 < value <= MAX_WATCH_S:
         raise argparse.ArgumentTypeError(f"must be > 0 and at most {MAX_WATCH_S:.0f} seconds, got {text!r}")
+    return value
+
+
+def watch_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
     return value
 
 
@@ -94,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
         _add_socket(p)
         _add_json(p)
         if name == "stats":
-            p.add_argument("--watch", type=watch_seconds, metavar="SECONDS", help="refresh every SECONDS")
+            p.add_argument("--watch", type=watch_seconds, nargs="?", const=DEFAULT_WATCH_S, metavar="SECONDS",
+                           help=f"redraw every SECONDS (default {DEFAULT_WATCH_S:g}) until Ctrl-C")
+            p.add_argument("--count", type=watch_count, metavar="N", help="with --watch: stop after N refreshes")
         else:
             p.add_argument("--depth", type=ls_depth, default=2, help=f"tree levels to show (0..{MAX_LS_DEPTH})")
 
@@ -183,20 +197,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
+    """One view, or with --watch a view redrawn every SECONDS (appended when stdout is not a
+    terminal, one JSON document a line with --json) until Ctrl-C or --count views."""
     import time
 
-    while True:
-        st = _admin_call(args, "stats")
-        if args.json:
-            print(json.dumps(st))
-        else:
-            _print_stats(st)
-        if not args.watch:
+    if args.count is not None and not args.watch:
+        print("hicache stats: error: --count needs --watch (see hicache stats --help)", file=sys.stderr)
+        return EXIT_USAGE
+    redraw = bool(args.watch) and not args.json and sys.stdout.isatty()
+    shown = 0
+    try:
+        while True:
+            st = _admin_call(args, "stats")
+            if args.json:
+                print(json.dumps(st))
+            else:
+                if redraw:
+                    sys.stdout.write(CLEAR_SCREEN)
+                _print_stats(st)
+                if args.watch:
+                    print(f"every {args.watch:g}s, {time.strftime('%H:%M:%S')}"
+                          + ("  (Ctrl-C stops)" if redraw else ""))
+            shown += 1
+            if not args.watch or (args.count is not None and shown >= args.count):
+                return 0
+            sys.stdout.flush()
+            time.sleep(args.watch)
+            if not args.json and not redraw:
+                print()
+    except KeyboardInterrupt:
+        if args.watch:  # Ctrl-C is how a watch ends
             return 0
-        sys.stdout.flush()
-        time.sleep(args.watch)
-        if not args.json:
-            print()
+        raise
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
