@@ -180,6 +180,29 @@ def test_every_shown_command_is_a_real_invocation():
     assert checked > 20
 
 
+def inline_invocations() -> list[tuple[Path, str]]:
+    """`hicache ... --flag ...` spans in the prose: full invocations, not usage notation (spans
+    with <placeholders>, [optional] parts, alternatives a|b, ... or NAME-style words are left out)."""
+    out = []
+    for page in PAGES:
+        prose = FENCE.sub("", page.read_text()).replace("\n", " ")
+        for span in re.findall(r"`([^`]+)`", prose):
+            if (re.match(r"(hicache|python -m hicache\.cli) ", span) and " --" in span
+                    and not re.search(r"[<\[|]|\.\.\.|\b[A-Z]{2,}\b", span)):
+                out.append((page, span))
+    return out
+
+
+def test_every_inline_invocation_parses():
+    spans = inline_invocations()
+    assert len(spans) > 10
+    for page, span in spans:
+        try:
+            check_command(span)
+        except AssertionError as e:
+            raise AssertionError(f"{page.relative_to(REPO)}: {e}") from None
+
+
 def test_the_readme_keeps_its_two_commands():
     text = (REPO / "README.md").read_text()
     assert "```bash\nbash scripts/demo.sh\n```" in text

@@ -108,7 +108,7 @@ def test_every_metric_the_dashboard_queries_is_exported(daemon_factory):
         assert must in wanted, f"the dashboard has no panel on {must}"
     port = free_port()
     d = daemon_factory("--host-capacity", "16MiB", "--disk-capacity", "64MiB", "--metrics-port", str(port)).start()
-    client = HiCacheClient(LAYOUT, 64, model="dash-model", socket_path=d.socket)
+    client = HiCacheClient(LAYOUT, 64, model="dash-model", socket_path=d.socket, timeout_s=30)
     try:
         assert client.connect(), "the engine could not register"
         # the per-namespace gauges are sampled once a second: wait for this engine's namespace
