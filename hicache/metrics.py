@@ -284,13 +284,12 @@ class Metrics:
         Series of namespaces no longer given are removed; past MAX_NAMESPACE_SERIES namespaces
         only the largest are kept (labels stay bounded whatever tenants register)."""
         rows = sorted(usage, key=lambda u: -sum(b for _, b in u[2].values()))[:MAX_NAMESPACE_SERIES]
-        seen: set[tuple[str, str, str]] = set()
-        for namespace, model, tiers in rows:
-            for tier, (pages, nbytes) in tiers.items():
-                key = (namespace[:12], model[:MAX_MODEL_LABEL], tier)
-                self._ns_pages.labels(*key).set(_count(pages))
-                self._ns_bytes.labels(*key).set(_count(nbytes))
-                seen.add(key)
+        values = {(namespace[:12], model[:MAX_MODEL_LABEL], tier): (_count(pages), _count(nbytes))
+                  for namespace, model, tiers in rows for tier, (pages, nbytes) in tiers.items()}
+        for key, (pages, nbytes) in values.items():  # all checked above: a bad row changes nothing
+            self._ns_pages.labels(*key).set(pages)
+            self._ns_bytes.labels(*key).set(nbytes)
+        seen = set(values)
         for key in self._ns_series - seen:
             self._ns_pages.remove(*key)
             self._ns_bytes.remove(*key)
