@@ -142,10 +142,16 @@ def plot_vllm(rows: list[dict], path: str, title: str | None = None) -> None:
     plt.close(fig)
 
 
+def multiturn_setups(rows: list[dict]) -> list[str]:
+    """The setups of `bench multiturn` rows, in order; the infinite cache is a bound, drawn as a line."""
+    return [m.group(1) for r in rows if (m := re.fullmatch(r"(.+): prefill tokens computed", r["name"]))
+            and m.group(1) != "infinite cache"]
+
+
 def plot_multiturn(rows: list[dict], path: str, title: str | None = None) -> None:
     """Prefill tokens computed and TTFT per setup of the reference engine."""
     v = _values(rows)
-    setups = [m.group(1) for name in v if (m := re.fullmatch(r"(.+): prefill tokens computed", name))]
+    setups = multiturn_setups(rows)
     if not setups:
         raise PlotError("no setups in these results: they are not `hicache bench multiturn`'s")
     plt = _pyplot()

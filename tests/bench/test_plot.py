@@ -9,15 +9,17 @@ import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 
-from hicache.bench.plot import trace_series
+from hicache.bench.plot import multiturn_setups, trace_series
 
 if not os.environ.get("CI"):
     pytest.importorskip("matplotlib")
 
 CLI = [sys.executable, "-m", "hicache.cli"]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def hicache(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
@@ -87,3 +89,8 @@ def test_without_matplotlib_plot_fails_at_once_with_the_fix(tmp_path):
 def test_a_chart_name_without_png_or_svg_is_refused_before_the_run(tmp_path):
     r = hicache("bench", "trace", "--sim-only", "--workload", "chat", "--plot", str(tmp_path / "chart.jpg"))
     assert r.returncode == 1 and "must end in .png or .svg" in r.stderr and r.stdout == ""
+
+
+def test_multiturn_bars_are_the_setups_and_the_infinite_cache_is_a_line():
+    rows = json.loads((REPO / "docs" / "img" / "bench-multiturn.json").read_text())["results"]
+    assert multiturn_setups(rows) == ["no cache", "device", "device+host", "device+host+disk"]
