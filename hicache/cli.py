@@ -184,6 +184,25 @@ def _print_stats(st: dict) -> None:
                   f"{e['resident_pages']:>10}{e['device_pages']:>8}")
 
 
+def _interval_line(before: dict, after: dict, seconds: float) -> str:
+    """What happened between two views: lookups per second and each tier's hit rate over them
+    (the table's hit rates are since the daemon started)."""
+    asked = after["requests"]["requested_pages"] - before["requests"]["requested_pages"]
+    matches = after["requests"]["matches"] - before["requests"]["matches"]
+    line = f"last {seconds:.1f}s: {matches / max(seconds, 1e-9):.1f} matches/s, {asked} pages asked"
+    if asked > 0:
+        rates = []
+        for name in ("device", "host", "disk", "remote"):
+            a, b = after["tiers"].get(name), before["tiers"].get(name)
+            if a is None or b is None:
+                continue
+            hit = (a["hit_rate"] * after["requests"]["requested_pages"]
+                   - b["hit_rate"] * before["requests"]["requested_pages"])
+            rates.append(f"{name} {max(0.0, hit) / asked:.1%}")
+        line += "; hit rate " + " ".join(rates)
+    return line
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from hicache.daemon.app import serve
 
@@ -206,6 +225,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     redraw = bool(args.watch) and not args.json and sys.stdout.isatty()
     shown = 0
+    prev: dict | None = None
+    prev_t = 0.0
     try:
         while True:
             st = _admin_call(args, "stats")
@@ -216,8 +237,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
                     sys.stdout.write(CLEAR_SCREEN)
                 _print_stats(st)
                 if args.watch:
+                    if prev is not None:
+                        print(_interval_line(prev, st, time.monotonic() - prev_t))
                     print(f"every {args.watch:g}s, {time.strftime('%H:%M:%S')}"
                           + ("  (Ctrl-C stops)" if redraw else ""))
+            prev, prev_t = st, time.monotonic()
             shown += 1
             if not args.watch or (args.count is not None and shown >= args.count):
                 return 0
