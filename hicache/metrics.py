@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 TIERS = ("device", "host", "disk")
-# The RPC methods of DESIGN.md; the daemon passes its own table if it differs.
+# The RPC methods a daemon serves; the daemon passes its own table if it differs.
 RPC_METHODS = (
     "hello", "register", "match", "load", "load_done", "insert", "backup", "backup_done",
     "evict", "release", "stats", "flush", "evict_tier", "ls", "subscribe",
