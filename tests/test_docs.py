@@ -44,7 +44,12 @@ OUTSIDE_TOOLS = {
     "systemctl": "starts the units",
     "openssl": "makes a cluster secret",
 }
-OUTSIDE_MODULES = {"sglang.launch_server": "SGLang's server (no GPU here: its storage backend is tested)"}
+OUTSIDE_MODULES = {
+    "sglang.launch_server": "SGLang's server (no GPU here: its storage backend is tested)",
+    "pip": "installs hicache and its extras",
+    "venv": "a fresh virtualenv for the package",
+    "build": "builds the sdist and wheel",
+}
 
 
 @dataclass(frozen=True)
