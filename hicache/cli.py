@@ -21,6 +21,8 @@ from hicache.errors import DaemonRefused, DaemonUnavailable, DaemonUntrusted, Hi
 
 ADMIN_TIMEOUT_S = 10.0
 MAX_WATCH_S = 86400.0
+DEFAULT_WATCH_S = 2.0
+CLEAR_SCREEN = "\x1b[H\x1b[2J"  # cursor home, erase the screen: a watch redraws in place
 MAX_LS_DEPTH = 64  # the daemon walks the tree recursively; deeper views are unreadable anyway
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 2
@@ -41,6 +43,16 @@ def watch_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
     if not 0 < value <= MAX_WATCH_S:
         raise argparse.ArgumentTypeError(f"must be > 0 and at most {MAX_WATCH_S:.0f} seconds, got {text!r}")
+    return value
+
+
+def watch_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
     return value
 
 
@@ -94,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
         _add_socket(p)
         _add_json(p)
         if name == "stats":
-            p.add_argument("--watch", type=watch_seconds, metavar="SECONDS", help="refresh every SECONDS")
+            p.add_argument("--watch", type=watch_seconds, nargs="?", const=DEFAULT_WATCH_S, metavar="SECONDS",
+                           help=f"redraw every SECONDS (default {DEFAULT_WATCH_S:g}) until Ctrl-C")
+            p.add_argument("--count", type=watch_count, metavar="N", help="with --watch: stop after N refreshes")
         else:
             p.add_argument("--depth", type=ls_depth, default=2, help=f"tree levels to show (0..{MAX_LS_DEPTH})")
 
@@ -170,6 +184,25 @@ def _print_stats(st: dict) -> None:
                   f"{e['resident_pages']:>10}{e['device_pages']:>8}")
 
 
+def _interval_line(before: dict, after: dict, seconds: float) -> str:
+    """What happened between two views: lookups per second and each tier's hit rate over them
+    (the table's hit rates are since the daemon started)."""
+    asked = after["requests"]["requested_pages"] - before["requests"]["requested_pages"]
+    matches = after["requests"]["matches"] - before["requests"]["matches"]
+    line = f"last {seconds:.1f}s: {matches / max(seconds, 1e-9):.1f} matches/s, {asked} pages asked"
+    if asked > 0:
+        rates = []
+        for name in ("device", "host", "disk", "remote"):
+            a, b = after["tiers"].get(name), before["tiers"].get(name)
+            if a is None or b is None:
+                continue
+            hit = (a["hit_rate"] * after["requests"]["requested_pages"]
+                   - b["hit_rate"] * before["requests"]["requested_pages"])
+            rates.append(f"{name} {max(0.0, hit) / asked:.1%}")
+        line += "; hit rate " + " ".join(rates)
+    return line
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from hicache.daemon.app import serve
 
@@ -183,20 +216,43 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
+    """One view, or with --watch a view redrawn every SECONDS (appended when stdout is not a
+    terminal, one JSON document a line with --json) until Ctrl-C or --count views."""
     import time
 
-    while True:
-        st = _admin_call(args, "stats")
-        if args.json:
-            print(json.dumps(st))
-        else:
-            _print_stats(st)
-        if not args.watch:
+    if args.count is not None and not args.watch:
+        print("hicache stats: error: --count needs --watch (see hicache stats --help)", file=sys.stderr)
+        return EXIT_USAGE
+    redraw = bool(args.watch) and not args.json and sys.stdout.isatty()
+    shown = 0
+    prev: dict | None = None
+    prev_t = 0.0
+    try:
+        while True:
+            st = _admin_call(args, "stats")
+            if args.json:
+                print(json.dumps(st))
+            else:
+                if redraw:
+                    sys.stdout.write(CLEAR_SCREEN)
+                _print_stats(st)
+                if args.watch:
+                    if prev is not None:
+                        print(_interval_line(prev, st, time.monotonic() - prev_t))
+                    print(f"every {args.watch:g}s, {time.strftime('%H:%M:%S')}"
+                          + ("  (Ctrl-C stops)" if redraw else ""))
+            prev, prev_t = st, time.monotonic()
+            shown += 1
+            if not args.watch or (args.count is not None and shown >= args.count):
+                return 0
+            sys.stdout.flush()
+            time.sleep(args.watch)
+            if not args.json and not redraw:
+                print()
+    except KeyboardInterrupt:
+        if args.watch:  # Ctrl-C is how a watch ends
             return 0
-        sys.stdout.flush()
-        time.sleep(args.watch)
-        if not args.json:
-            print()
+        raise
 
 
 def cmd_ls(args: argparse.Namespace) -> int:

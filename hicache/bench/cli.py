@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import platform
+import sys
 import time
 from pathlib import Path
 
+from hicache.bench.plot import plot, plot_file, require_matplotlib
 from hicache.bench.report import print_rows
 from hicache.bench.soak_bench import add_arguments as soak_arguments
 from hicache.bench.vllm_bench import add_arguments as vllm_arguments
@@ -84,6 +86,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="only the simulated policies (OPT, LRU, ...): no daemon, no replay")
     b.add_argument("--eviction-policy", choices=list(EVICTION_POLICIES), default="frecency",
                    help="the started daemon's eviction policy (lru for comparison)")
+    _add_plot(b, "hit rate against capacity: hicache, OPT, LRU and the other policies")
 
     b = bench("remote", "remote tier put / get GB/s and lookup latency vs plain redis-py on the same store")
     b.add_argument("--url", help="an existing Redis / Valkey (default: start a 3-master cluster on loopback)")
@@ -93,7 +96,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     soak_arguments(bench("soak", "32 engines cycling for minutes: daemon memory before/after, host slots accounted"))
 
-    vllm_arguments(bench("vllm", "a real vLLM serving multi-turn conversations: vLLM alone vs hicache vs LMCache (--compare)"))
+    b = bench("vllm", "a real vLLM serving multi-turn conversations: vLLM alone vs hicache vs LMCache (--compare)")
+    vllm_arguments(b)
+    _add_plot(b, "TTFT and prefill tokens computed, cold and warm, per configuration")
 
     b = bench("sglang", "SGLang's L3 batch_set_v1 / batch_get_v1 through hicache vs a plain copy")
     b.add_argument("--socket", dest="socket_path", help="a running daemon (default: start one)")
@@ -112,9 +117,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b = bench("multiturn", "the reference engine serving multi-turn conversations")
     b.add_argument("--conversations", type=int, default=12)
     b.add_argument("--turns", type=int, default=4)
+    _add_plot(b, "prefill tokens computed and TTFT per setup")
+
+    b = benches.add_parser("plot", help="draw the chart of a saved `hicache bench trace|vllm|multiturn --json` output")
+    b.add_argument("results", help="the file the bench's --json output went to")
+    b.add_argument("out", metavar="FILE", help="the chart to write (.png or .svg)")
+    b.add_argument("--title")
+
+
+def _add_plot(b: argparse.ArgumentParser, what: str) -> None:
+    b.add_argument("--plot", metavar="FILE", help=f"also write a chart (.png or .svg; needs hicache[plot]): {what}")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.bench == "plot":
+        bench = plot_file(args.results, args.out, args.title)
+        print(f"wrote the {bench} chart to {args.out}")
+        return 0
+    chart = getattr(args, "plot", None)
+    if chart:
+        require_matplotlib(chart)  # before the run, not after minutes of it
     t0 = time.time()
     if args.bench == "rpc":
         from hicache.bench.rpc_bench import run as go
@@ -164,4 +186,7 @@ def run(args: argparse.Namespace) -> int:
     meta = {"machine": f"{platform.machine()} {platform.node()}", "seconds": round(time.time() - t0, 1),
             "date": time.strftime("%Y-%m-%d")}
     print_rows(args.bench, rows, args.json, meta)
+    if chart:
+        plot(args.bench, rows, chart)
+        print(f"hicache bench: wrote the chart to {chart}", file=sys.stderr)
     return 0

@@ -20,7 +20,6 @@ trace's unique blocks. `--sim-only` skips the daemon and prints just those.
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 import time
 from typing import Any
@@ -43,6 +42,7 @@ from hicache.client.engine_cache import EngineCache
 from hicache.config import parse_size
 from hicache.daemon.launcher import LocalDaemon
 from hicache.layout import KVLayout
+from hicache.progress import Progress
 from hicache.tiers.allocator import PagedTokenToKVPoolAllocator
 from hicache.tiers.device import DevicePool
 
@@ -80,15 +80,6 @@ def optimum_hit_blocks(trace: list[dict]) -> tuple[int, int]:
     return hit, total
 
 
-def _progress(i: int, n: int, t0: float) -> None:
-    if sys.stderr.isatty() and (i % 100 == 0 or i == n):
-        rate = i / max(time.time() - t0, 1e-9)
-        sys.stderr.write(f"\r  trace {i}/{n} requests ({rate:.0f}/s)")
-        if i == n:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-
 def replay(sock: str, trace: list[dict], device_pages: int, page_bytes: int) -> dict[str, Any]:
     head_dim = max(1, page_bytes // (BLOCK * 2 * 2))  # one layer, one head, fp16 K and V
     layout = KVLayout("mha", num_layers=1, page_size=BLOCK, dtype="float16", num_kv_heads=1, head_dim=head_dim)
@@ -102,6 +93,7 @@ def replay(sock: str, trace: list[dict], device_pages: int, page_bytes: int) -> 
     totals = {"prompt": 0, "full_block_tokens": 0, "device": 0, "host": 0, "disk": 0, "skipped": 0}
     ttft: list[float] = []
     t0 = time.time()
+    shown = Progress("bench trace: replay", total=len(trace), unit="requests")
     for i, req in enumerate(trace, 1):
         n_tok = req["input_length"]
         full = n_tok // BLOCK
@@ -132,7 +124,8 @@ def replay(sock: str, trace: list[dict], device_pages: int, page_bytes: int) -> 
         cache.wait_backups()
         if not admin.call("settle", {"timeout_s": 30})["settled"]:
             raise RuntimeError("the daemon's disk writes did not settle within 30 s")
-        _progress(i, len(trace), t0)
+        shown.update(i)
+    shown.close()
     cache.poll()
     stats = client.stats()
     cache.close()

@@ -32,6 +32,7 @@ from hicache.bench.vllm_peers import INSTALL_HINT, PeerRun, lmcache_available, l
     start_peer
 from hicache.bench.vllm_workload import conversations, poisson_gaps
 from hicache.integrations.vllm_driver import run_in_process
+from hicache.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +131,13 @@ def measure(args: argparse.Namespace) -> dict[str, Measured]:
         spec["gaps"] = poisson_gaps(args.conversations, args.turns, args.rate, seed=args.seed)
     else:
         spec["rounds"] = rounds
-    measured = {n: _measure_one(n, spec, workdir, args.block_size, args.timeout_s) for n in names}
+    shown = Progress("bench vllm", total=len(names), unit="configurations")
+    measured = {}
+    for i, name in enumerate(names):
+        shown.update(i, note=f"running {name} (a vLLM process)")
+        measured[name] = _measure_one(name, spec, workdir, args.block_size, args.timeout_s)
+    shown.update(len(names))
+    shown.close()
     try:
         check_outputs_equal(measured)
     except OutputsDiffer as e:

@@ -264,12 +264,25 @@ class Daemon:
                 m.set_remote_up(r["available"])
                 m.set_queue_depth("remote_write", r["queue_pages"])
             m.set_engines(len(st["engines"]))
+            m.set_namespaces(self._namespace_usage())
             m.add_dropped_subscribers(delta("dropped_subscribers", st["events"]["dropped_subscribers"]))
             for reason in ("output_overflows", "input_overflows"):
                 m.add_dropped_connections(reason, delta(reason, st["rpc"][reason]))
             if self.disk is not None:
                 self.metrics.set_queue_depth("disk_write", st["tiers"]["disk"].get("queue_depth", 0))
             await asyncio.sleep(1.0)
+
+    def _namespace_usage(self) -> list[tuple[str, str, dict[str, tuple[int, int]]]]:
+        """(salt hex, model, {tier: (pages, bytes)}) per namespace, for the per-namespace gauges."""
+        out = []
+        for ns in list(self.service.namespaces.values()):
+            page_bytes = ns.namespace.layout.page_bytes
+            tiers = {}
+            for name, tier in (("device", Tier.DEVICE), ("host", Tier.HOST), ("disk", Tier.DISK)):
+                pages = ns.index.num_pages(tier)
+                tiers[name] = (pages, pages * page_bytes)
+            out.append((ns.salt.hex(), ns.namespace.model, tiers))
+        return out
 
     def _start_disk(self) -> None:
         from hicache.daemon.disk_mover import DiskMover  # the disk tier is optional

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -24,10 +26,18 @@ def test_a_repeated_prompt_still_computes_its_last_page():
     assert infinite_prefill([[1, 2, 3, 4], [1, 2, 3, 4]], [[5], [5]], 2) == [4, 2]
 
 
-def test_multiturn_bench_reports_prefill_against_the_infinite_cache():
+def test_multiturn_bench_reports_prefill_against_the_infinite_cache(tmp_path):
+    plot = importlib.util.find_spec("matplotlib") is not None or bool(os.environ.get("CI"))  # setup installs it
+    chart = tmp_path / "multiturn.png"
     out = subprocess.run([sys.executable, "-m", "hicache.cli", "bench", "multiturn", "--json", "--conversations", "3",
-                          "--turns", "2"], check=False, capture_output=True, text=True, timeout=300)
+                          "--turns", "2", *(["--plot", str(chart)] if plot else [])],
+                         check=False, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
+    if plot:  # the chart of this run: prefill and TTFT per setup
+        from PIL import Image
+
+        with Image.open(chart) as im:
+            assert im.format == "PNG" and im.size[0] > 300
     rows = {r["name"]: r for r in json.loads(out.stdout)["results"]}
     bound = rows["infinite cache: prefill tokens computed"]
     no_cache = rows["no cache: prefill tokens computed"]["value"]

@@ -144,3 +144,26 @@ def test_outputs_that_differ_are_refused(measured):
     del missing["hicache"].requests[0]
     with pytest.raises(OutputsDiffer, match="conversation 0, turn 0"):
         check_outputs_equal(missing)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_chart_of_a_run_is_drawn_from_its_json(measured, tmp_path):
+    """`hicache bench vllm --json` output of the real run, then `hicache bench plot` draws it."""
+    if not os.environ.get("CI"):  # scripts/setup.sh installs the plot extra
+        pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    from hicache.bench.report import print_rows
+    from hicache.bench.vllm_bench import kv_bytes_per_token, rows
+
+    args, m = measured
+    results = tmp_path / "vllm.json"
+    with open(results, "w") as f:
+        print_rows("vllm", rows(m, kv_bytes_per_token(args), poisson=False), True, {"date": "today"}, out=f)
+    chart = tmp_path / "vllm.png"
+    out = subprocess.run([sys.executable, "-m", "hicache.cli", "bench", "plot", str(results), str(chart)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    with Image.open(chart) as im:
+        assert im.format == "PNG" and im.size[0] > 300
