@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_socket(s)
     s.add_argument("--state-dir")
     s.add_argument("--host-capacity", help="host arena size, e.g. 512MiB, 4GiB")
-    s.add_argument("--disk-capacity", help="disk tier byte budget, e.g. 20GiB")
+    s.add_argument("--disk-capacity", help="disk tier size, e.g. 20GiB: its LMDB file, allocated at start "
+                                          "(default: 4 GiB or a tenth of the free space, whichever is smaller)")
     s.add_argument("--no-disk", dest="disk_enabled", action="store_const", const=False, default=None,
                    help="run without the disk tier")
     s.add_argument("--reset-disk", action="store_const", const=True, default=None,
