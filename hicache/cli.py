@@ -16,6 +16,7 @@ import os
 import sys
 from typing import Any, NoReturn
 
+from hicache import __version__
 from hicache.config import EVICTION_POLICIES, admin_socket_path, format_size, load_config
 from hicache.errors import DaemonRefused, DaemonUnavailable, DaemonUntrusted, HiCacheError
 
@@ -64,6 +65,7 @@ def _add_json(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="hicache", description="Tiered KV-cache daemon for LLM inference engines.")
+    parser.add_argument("--version", action="version", version=f"hicache {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument("--debug", action="store_true", help="show tracebacks (also HICACHE_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
