@@ -265,11 +265,19 @@ class DiskMover:
         charge = footprint(page_bytes, ns.index.page_size)
         return min(self.tier.capacity_bytes, self.tier.map_budget * page_bytes // charge)
 
+    def _used_bytes(self) -> int:
+        """The disk's page bytes as of now: the tier counts its deletions only once they
+        commit, the index as soon as it evicts (without this, one call would evict
+        everything while the first victims' deletions are still queued)."""
+        indexed = sum(ns.index.num_pages(Tier.DISK) * ns.page_class.page_bytes
+                      for ns in self.service.namespaces.values())
+        return min(self.tier.used_bytes, indexed)
+
     def _make_room(self, ns: NamespaceState, nbytes: int) -> bool:
         """Evict disk LRU leaves (any namespace) until nbytes more fit the budget."""
         budget = self._page_budget(ns)
-        while self.tier.used_bytes + self.inflight_bytes + nbytes > budget:
-            over = self.tier.used_bytes + self.inflight_bytes + nbytes - budget
+        while (used := self._used_bytes()) + self.inflight_bytes + nbytes > budget:
+            over = used + self.inflight_bytes + nbytes - budget
             if self.service.evict_tier(Tier.DISK, over) == 0:
                 return False
         return True

@@ -21,7 +21,12 @@ transaction of hicache/tiers/disk.py, the queue that feeds it, and the budget.
   transaction deletes included), the pages the last two transactions freed
   (LMDB reuses a page freed by T only from T+2 on, later if a reader is still
   on an older snapshot), this transaction's new pages, copies of the B-tree
-  pages it touches, and a few pages of slack. A put that would fit once the
+  pages it and the last two touched, and a reserve of 1/16 of the map (a value
+  of several pages needs as many contiguous free pages; after an MDB_MAP_FULL
+  all the same, the reserve doubles, up to 1/4). A transaction puts or
+  deletes at most ``batch_ops`` keys (a long deletion is split), so its copies
+  are bounded: a deletion needs new pages too, and must never be what fills the
+  map. A put that would fit once the
   freed pages are reusable ends the transaction early; two empty commits later
   the rest of the batch goes on. Otherwise it is over budget (rejected,
   counted), never an MDB_MAP_FULL. ``map_budget`` is what owners keep the
@@ -166,6 +171,7 @@ class DiskWriter:
         self._freed = (0, 0)  # bytes freed by the last two commits, newest first
         self._deferred: list = []  # ops left for after the freed pages are reusable
         self._may_defer = True
+        self._frag_divisor = 16  # the map's share kept for fragmentation: 1/16, more after an MDB_MAP_FULL
         self._max_footprint = 0  # the largest page charged yet: a batch may end one page past its limit
         # Batches scaled to the map: a small map cannot hold a 64 MiB batch and its frees.
         self.batch_ops = max(1, min(config.batch_pages, map_size // (64 * self._psize)))
@@ -322,9 +328,15 @@ class DiskWriter:
                     return [], False
             ops: list = []
             n_bytes = 0
-            while self._queue and len(ops) < self.batch_ops and n_bytes < self.batch_limit:
+            n_keys = 0  # puts and deleted keys: each copies up to a B-tree path per database
+            while self._queue and n_keys < self.batch_ops and n_bytes < self.batch_limit:
                 op = self._queue.popleft()
+                if isinstance(op, _Delete) and n_keys + len(op.keys) > self.batch_ops:
+                    room = max(1, self.batch_ops - n_keys)  # the rest waits for the next transaction
+                    self._queue.appendleft(_Delete(op.keys[room:]))
+                    op = _Delete(op.keys[:room])
                 ops.append(op)
+                n_keys += len(op.keys) if isinstance(op, _Delete) else 1
                 if isinstance(op, _Put):
                     self._queued_pages -= 1
                     self._queued_bytes -= op.page.nbytes
@@ -367,6 +379,10 @@ class DiskWriter:
             return self._commit(ops, force_touch)
         except lmdb.Error as e:  # MapFullError, or an I/O error from LMDB
             self._w["write_errors"] += 1
+            if isinstance(e, lmdb.MapFullError) and self._frag_divisor > 4:
+                self._frag_divisor //= 2  # the free pages were too scattered: keep more of them
+                log.warning("disk tier %s: the map filled up with pages free but scattered; keeping 1/%d of it "
+                            "free from now on", self.path, self._frag_divisor)
             self.warn("write failed (%s); evicting and retrying", e)
             self._make_room(sum(op.page.nbytes for op in ops if isinstance(op, _Put)))
             try:
@@ -425,9 +441,12 @@ class DiskWriter:
         self._fault = f"{type(e).__name__}: {e}"
 
     def _headroom(self) -> int:
-        """Copies of the B-tree pages a transaction touches (each put or delete up to
-        three levels in two databases), then LMDB's meta pages and free list."""
-        return min(self._tree_bytes, 6 * self.batch_ops * self._psize) + 8 * self._psize + self.map_size // 32
+        """Copies of the B-tree pages a transaction touches (each put or deleted key up to
+        three levels in two databases; this transaction's and the copies the last two
+        replaced, not reusable yet), LMDB's meta pages and free list, and 1/16 of the map:
+        a value of several pages needs that many contiguous free pages."""
+        cow = min(self._tree_bytes, 6 * self.batch_ops * self._psize)
+        return 3 * cow + 8 * self._psize + self.map_size // self._frag_divisor
 
     @property
     def map_budget(self) -> int:
