@@ -72,7 +72,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="JSON lines, plain or .xz/.gz (default: the Mooncake conversation trace shipped with hicache)")
     b.add_argument("--socket", dest="socket_path", help="a running daemon (default: start one)")
     b.add_argument("--host-capacity", default="2GiB")
-    b.add_argument("--disk-capacity", default="8GiB")
+    b.add_argument("--disk-capacity", default="4GiB",
+                   help="the started daemon's disk tier (its LMDB file, allocated whole)")
     b.add_argument("--device-pages", type=int, default=2048)
     b.add_argument("--limit", type=int)
     b.add_argument("--page-bytes", type=int, default=64 << 10, help="bytes per 512-token block page")

@@ -114,7 +114,7 @@ def test_the_installed_wheel_serves_reports_and_replays_the_shipped_trace(venv, 
     assert (state / "disk" / "data.mdb").stat().st_size <= 64 << 20
 
     # the bench's defaults (the shipped trace, its policies and page size), on its first 200
-    # requests and small tiers: CI need not allocate the default 8 GiB disk tier
+    # requests and small tiers: CI need not allocate the default 4 GiB disk tier
     out = _run(venv, work, "bench", "trace", "--json", "--limit", "200", "--host-capacity", "64MiB",
                "--disk-capacity", "64MiB", timeout_s=300)
     rows = {r["name"]: r for r in json.loads(out.stdout)["results"]}
