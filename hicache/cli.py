@@ -16,6 +16,7 @@ import os
 import sys
 from typing import Any, NoReturn
 
+from hicache import __version__
 from hicache.config import EVICTION_POLICIES, admin_socket_path, format_size, load_config
 from hicache.errors import DaemonRefused, DaemonUnavailable, DaemonUntrusted, HiCacheError
 
@@ -76,6 +77,7 @@ def _add_json(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="hicache", description="Tiered KV-cache daemon for LLM inference engines.")
+    parser.add_argument("--version", action="version", version=f"hicache {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument("--debug", action="store_true", help="show tracebacks (also HICACHE_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -84,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_socket(s)
     s.add_argument("--state-dir")
     s.add_argument("--host-capacity", help="host arena size, e.g. 512MiB, 4GiB")
-    s.add_argument("--disk-capacity", help="disk tier byte budget, e.g. 20GiB")
+    s.add_argument("--disk-capacity", help="disk tier size, e.g. 20GiB: its LMDB file, allocated at start "
+                                          "(default: 4 GiB or a tenth of the free space, whichever is smaller)")
     s.add_argument("--no-disk", dest="disk_enabled", action="store_const", const=False, default=None,
                    help="run without the disk tier")
     s.add_argument("--reset-disk", action="store_const", const=True, default=None,

@@ -64,6 +64,7 @@ CHUNK_TIMEOUT_S = 300.0
 # doctor thresholds
 LOW_FREE_BYTES = 1 << 30
 CRITICAL_FREE_BYTES = 64 << 20
+STATE_EXTRA_WARN_BYTES = 64 << 20  # the namespaces sidecar, LMDB's lock file, the state marker: far less
 SHM_LOW_BYTES = 64 << 20
 MAP_FULL_WARN = 0.9
 QUEUE_FULL_WARN = 0.8
@@ -248,6 +249,10 @@ def daemon_checks(facts: dict) -> list[Check]:
     else:
         checks.extend(_disk_checks(disk, facts["time"]))
 
+    usage = facts.get("state_usage")  # an older daemon does not report it
+    if usage is not None:
+        checks.append(_state_usage_check(facts["state_dir"], usage))
+
     fs = facts["state_fs"]
     free, total = fs["free_bytes"], fs["total_bytes"]
     detail = f"{facts['state_dir']}: {format_size(free)} free of {format_size(total)}"
@@ -258,6 +263,18 @@ def daemon_checks(facts: dict) -> list[Check]:
     else:
         checks.append(Check("free disk", "ok", detail))
     return checks
+
+
+def _state_usage_check(state_dir: str, usage: dict) -> Check:
+    """What the state directory really takes (allocated blocks): the disk tier's file is its
+    capacity, the rest is small; more means copies moved aside or files left by hand."""
+    allocated, capacity = usage["allocated_bytes"], usage["disk_capacity"]
+    detail = (f"{state_dir}: {format_size(allocated)} allocated in {usage['files']} files "
+              f"(disk tier {format_size(capacity) if capacity else 'off'})")
+    if allocated > capacity + STATE_EXTRA_WARN_BYTES:
+        return Check("state dir", "warn", f"{detail}: more than the disk tier's capacity; "
+                                          "look for quarantined copies (disk.corrupt-*)")
+    return Check("state dir", "ok", detail)
 
 
 def _disk_checks(disk: dict, now: float) -> list[Check]:

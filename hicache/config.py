@@ -115,14 +115,21 @@ def default_host_capacity() -> int:
     return max(64 << 20, min(mem_available_bytes() // 4, 64 << 30))
 
 
+DEFAULT_DISK_CAPACITY = 4 << 30
+MIN_DISK_CAPACITY = 1 << 20  # an LMDB map smaller than this holds little beyond its own pages
+
+
 def default_disk_capacity(state_dir: Path) -> int:
-    """A tenth of the free space where state lives, between 256 MiB and 64 GiB (LMDB reserves
-    1.5x of it up front, see hicache/tiers/disk.py)."""
+    """4 GiB or a tenth of the free space where state lives, whichever is smaller (at least
+    64 MiB). The capacity is allocated on disk at start (the LMDB file, see
+    hicache/daemon/disk_startup.py), so a first run must not take a large share of a
+    disk nobody sized for it: 4 GiB holds ~60,000 pages of 64 KiB, more than a single
+    machine's engines reuse in the benches; a deployment sets --disk-capacity."""
     probe = state_dir
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     free = shutil.disk_usage(probe).free
-    return max(256 << 20, min(free // 10, 64 << 30))
+    return max(64 << 20, min(free // 10, DEFAULT_DISK_CAPACITY))
 
 
 @dataclass(frozen=True)
@@ -212,6 +219,9 @@ class Config:
             object.__setattr__(self, "host_capacity", default_host_capacity())
         if self.disk_capacity == 0:
             object.__setattr__(self, "disk_capacity", default_disk_capacity(self.state_dir))
+        elif self.disk_enabled and self.disk_capacity < MIN_DISK_CAPACITY:
+            raise ConfigError(f"disk_capacity must be >= {format_size(MIN_DISK_CAPACITY)} (it is the LMDB file's "
+                              f"size), got {self.disk_capacity} bytes; use --no-disk for no disk tier")
 
     @property
     def disk_dir(self) -> Path:

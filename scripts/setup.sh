@@ -1,18 +1,13 @@
 #!/usr/bin/env bash
-# Install hicache and what its tests and benchmarks need, on a fresh machine.
-# Reuses an installed torch; never pulls CUDA wheels onto a CPU-only machine.
+# Install hicache and what its tests and benchmarks need, on a fresh machine: first what
+# running it needs (scripts/setup_core.sh: torch, the package), then the test tools, the
+# engines and the system packages. Reuses an installed torch; never pulls CUDA wheels
+# onto a CPU-only machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
-if ! "$PY" -c "import torch" 2>/dev/null; then
-    if command -v nvidia-smi >/dev/null 2>&1; then
-        echo "setup: no torch found; install the torch build that matches your CUDA first" >&2
-        exit 1
-    fi
-    # CPU-only machine: the pinned CPU build (a local wheel where the machine provides one).
-    "$PY" -m pip install -q "torch==2.13.0"
-fi
+bash scripts/setup_core.sh
 
 # Debian packages for tests and benchmarks (systemd-analyze verifies the units,
 # redis-server is a benchmark baseline and the remote tier's store: its tests start a

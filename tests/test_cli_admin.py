@@ -173,7 +173,7 @@ def test_doctor_on_a_running_daemon(tmp_path, start):
     report = json.loads(out.stdout)
     checks = {c["name"]: c for c in report["checks"]}
     assert list(checks) == ["socket", "daemon", "memlock", "arena", "shm", "overcommit", "lmdb", "lmdb readers",
-                            "last write", "free disk"]
+                            "last write", "state dir", "free disk"]
     assert all(c["status"] in ("ok", "warn", "fail") and "\n" not in c["detail"] for c in checks.values())
     assert out.returncode == (1 if report["failures"] else 0)
     assert report["daemon"]["pid"] == d.proc.pid
@@ -181,6 +181,12 @@ def test_doctor_on_a_running_daemon(tmp_path, start):
     assert checks["arena"]["status"] == "ok"
     assert checks["lmdb"]["detail"].startswith("10 pages, 7.5KiB of 256.0MiB")
     assert report["daemon"]["disk"]["pages"] == 10 and report["daemon"]["disk"]["max_readers"] > 0
+    # the state directory's real size: the LMDB file, allocated whole, is the disk capacity
+    usage = report["daemon"]["state_usage"]
+    data = Path(d.state_dir) / "disk" / "data.mdb"
+    assert data.stat().st_size == 256 << 20 and data.stat().st_blocks * 512 >= 256 << 20
+    assert 256 << 20 <= usage["allocated_bytes"] <= (256 << 20) + (1 << 20) and usage["disk_capacity"] == 256 << 20
+    assert checks["state dir"]["status"] == "ok" and "256.0MiB allocated" in checks["state dir"]["detail"]
     assert checks["last write"]["status"] == "ok" and checks["last write"]["detail"].startswith("last commit ")
     assert report["daemon"]["host"]["locked"] == (checks["memlock"]["status"] == "ok")
 
@@ -204,6 +210,8 @@ def test_doctor_checks_fail_on_bad_facts(tmp_path, start):
     status = {c.name: c for c in daemon_checks(corrupt)}
     assert status["lmdb"].status == "warn" and "2 corrupt pages" in status["lmdb"].detail
     assert status["lmdb readers"].status == "warn"
+    bloated = {**facts, "state_usage": {**facts["state_usage"], "allocated_bytes": 2 << 30}}
+    assert {c.name: c.status for c in daemon_checks(bloated)}["state dir"] == "warn"
     full = {**facts, "state_fs": {"free_bytes": 1 << 20, "total_bytes": 1 << 40}}
     assert {c.name: c.status for c in daemon_checks(full)}["free disk"] == "fail"
     unlocked = {**facts, "host": {**facts["host"], "locked": False, "mlock": True}, "memlock_limit": [8 << 20, 8 << 20]}

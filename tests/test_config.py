@@ -38,7 +38,7 @@ def test_embedded_defaults_need_nothing(tmp_path, monkeypatch):
     cfg = Config()
     assert cfg.socket_path == tmp_path / "run" / "hicache.sock"
     assert cfg.state_dir == tmp_path / "state" / "hicache"
-    assert cfg.host_capacity >= 64 << 20 and cfg.disk_capacity >= 256 << 20
+    assert cfg.host_capacity >= 64 << 20 and 64 << 20 <= cfg.disk_capacity <= 4 << 30
 
 
 @pytest.mark.parametrize("key,value", [("write_policy", "sometimes"), ("load_policy", "eager"),

@@ -6,15 +6,14 @@ import argparse
 import platform
 import sys
 import time
-from pathlib import Path
 
 from hicache.bench.plot import plot, plot_file, require_matplotlib
 from hicache.bench.report import print_rows
 from hicache.bench.soak_bench import add_arguments as soak_arguments
+from hicache.bench.trace_files import DEFAULT_TRACE
 from hicache.bench.vllm_bench import add_arguments as vllm_arguments
 from hicache.config import EVICTION_POLICIES
 
-DEFAULT_TRACE = str(Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mooncake_conversation_trace.jsonl")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -65,15 +64,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--rebuild-records", type=int, default=1_000_000)
 
     b = bench("index", "radix match + insert pages/s replaying a trace")
-    b.add_argument("--trace", default=DEFAULT_TRACE)
+    b.add_argument("--trace", default=DEFAULT_TRACE,
+                   help="JSON lines, plain or .xz/.gz (default: the Mooncake conversation trace shipped with hicache)")
     b.add_argument("--limit", type=int)
     b.add_argument("--capacity", type=int, default=None, help="device budget in pages (default: unbounded)")
 
     b = bench("trace", "replay a Mooncake trace against a real daemon: hit rate per tier")
-    b.add_argument("--trace", default=DEFAULT_TRACE)
+    b.add_argument("--trace", default=DEFAULT_TRACE,
+                   help="JSON lines, plain or .xz/.gz (default: the Mooncake conversation trace shipped with hicache)")
     b.add_argument("--socket", dest="socket_path", help="a running daemon (default: start one)")
     b.add_argument("--host-capacity", default="2GiB")
-    b.add_argument("--disk-capacity", default="8GiB")
+    b.add_argument("--disk-capacity", default="4GiB",
+                   help="the started daemon's disk tier (its LMDB file, allocated whole)")
     b.add_argument("--device-pages", type=int, default=2048)
     b.add_argument("--limit", type=int)
     b.add_argument("--page-bytes", type=int, default=64 << 10, help="bytes per 512-token block page")

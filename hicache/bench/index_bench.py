@@ -21,7 +21,7 @@ memory, is the larger part of insert time). Timings exclude building the token
 arrays; key hashing is timed on its own. *_cpu_* rows use thread CPU time, so
 their tail is free of preemption on a busy machine.
 
-    python -m hicache.bench.index_bench --trace /work/shared/data/mooncake_conversation_trace.jsonl
+    python -m hicache.bench.index_bench   # the shipped Mooncake trace; --trace FILE for another
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import time
 
 import numpy as np
 
+from hicache.bench.trace_files import DEFAULT_TRACE, open_trace
 from hicache.index.keys import page_keys
 from hicache.index.radix import RadixIndex, Tier
 
@@ -42,7 +43,7 @@ _SALT = b"index-bench-salt"
 
 def _requests(trace_path: str, limit: int | None) -> list[tuple[list[int], int]]:
     out = []
-    with open(trace_path) as f:
+    with open_trace(trace_path) as f:
         for line in f:
             if limit is not None and len(out) >= limit:
                 break
@@ -170,7 +171,7 @@ def run(trace_path: str, page_size: int = 512, limit: int | None = None,
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trace", default="/work/shared/data/mooncake_conversation_trace.jsonl")
+    ap.add_argument("--trace", default=DEFAULT_TRACE)
     ap.add_argument("--page-size", type=int, default=512)
     ap.add_argument("--limit", type=int, default=None, help="first N requests only")
     ap.add_argument("--capacity", type=int, default=32768,

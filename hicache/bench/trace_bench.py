@@ -35,6 +35,7 @@ from hicache.bench.policy_sim import (
     simulate_all,
 )
 from hicache.bench.report import row
+from hicache.bench.trace_files import open_trace
 from hicache.bench.workloads import generate
 from hicache.client.client import HiCacheClient
 from hicache.client.connection import RpcConnection
@@ -55,7 +56,7 @@ def block_tokens(block_id: int) -> np.ndarray:
 
 def load_trace(path: str, limit: int | None) -> list[dict]:
     out = []
-    with open(path) as f:
+    with open_trace(path) as f:
         for line in f:
             if line.strip():
                 out.append(json.loads(line))

@@ -166,7 +166,12 @@ class Daemon:
         self.hybrid = HybridStates(self.service, disk_capacity=cfg.disk_capacity if cfg.disk_enabled else 0,
                                    load_policy=cfg.load_policy, prefetch_timeout_s=cfg.prefetch_timeout_s)
         if cfg.disk_enabled:
+            # The capacity is what the disk tier takes: its LMDB file, allocated whole at start.
+            log.info("disk tier: %s at %s (the LMDB file, allocated up front; --disk-capacity to change, "
+                     "--no-disk for none)", format_size(cfg.disk_capacity), cfg.disk_dir)
             self._start_disk()
+        else:
+            log.info("disk tier: off")
         self.hybrid.attach_disk(self.disk.tier if self.disk is not None else None, loop)
         if remote_store is not None:
             from hicache.daemon.remote_mover import RemoteMover  # the remote tier is optional

@@ -63,6 +63,7 @@ from hicache.index.radix import Tier, TreeNode
 from hicache.layout import KVLayout
 from hicache.state_layout import StateLayout
 from hicache.tiers.disk import DiskTier
+from hicache.tiers.disk_format import footprint
 
 log = logging.getLogger(__name__)
 
@@ -256,10 +257,27 @@ class DiskMover:
     def _host_view(self, ns: NamespaceState) -> _PageViews:
         return _PageViews(self.service.host.arena.array, ns.page_class.page_bytes)
 
+    def _page_budget(self, ns: NamespaceState) -> int:
+        """The page bytes the disk tier's map holds, at this namespace's footprint per
+        page (the capacity is the LMDB file: hicache/tiers/disk_writer.py charges each
+        page its overflow pages and B-tree records, and turns away what would not fit)."""
+        page_bytes = ns.page_class.page_bytes
+        charge = footprint(page_bytes, ns.index.page_size)
+        return min(self.tier.capacity_bytes, self.tier.map_budget * page_bytes // charge)
+
+    def _used_bytes(self) -> int:
+        """The disk's page bytes as of now: the tier counts its deletions only once they
+        commit, the index as soon as it evicts (without this, one call would evict
+        everything while the first victims' deletions are still queued)."""
+        indexed = sum(ns.index.num_pages(Tier.DISK) * ns.page_class.page_bytes
+                      for ns in self.service.namespaces.values())
+        return min(self.tier.used_bytes, indexed)
+
     def _make_room(self, ns: NamespaceState, nbytes: int) -> bool:
         """Evict disk LRU leaves (any namespace) until nbytes more fit the budget."""
-        while self.tier.used_bytes + self.inflight_bytes + nbytes > self.capacity_bytes:
-            over = self.tier.used_bytes + self.inflight_bytes + nbytes - self.capacity_bytes
+        budget = self._page_budget(ns)
+        while (used := self._used_bytes()) + self.inflight_bytes + nbytes > budget:
+            over = used + self.inflight_bytes + nbytes - budget
             if self.service.evict_tier(Tier.DISK, over) == 0:
                 return False
         return True

@@ -48,7 +48,10 @@ def open_tier(config: Config) -> tuple[DiskTier, dict[bytes, list[tuple]], Quara
     quarantined: Quarantine | None = None
     while True:
         try:
-            tier = DiskTier.open(path, config.disk_capacity, reset=config.reset_disk,
+            # The capacity is the file: the map is allocated whole, and the pages with
+            # their LMDB records are kept within it (hicache/tiers/disk_writer.py).
+            tier = DiskTier.open(path, config.disk_capacity, map_size=config.disk_capacity,
+                                 reset=config.reset_disk,
                                  durability=config.durability,
                                  config=DiskTierConfig(max_queue_pages=config.disk_queue_pages))
         except DiskTierDamaged as e:

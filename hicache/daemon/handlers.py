@@ -25,6 +25,7 @@ from hicache import __version__
 from hicache.daemon.hybrid import state_layout_param
 from hicache.daemon.keyed import keyed_handlers
 from hicache.daemon.portable import portable_handlers
+from hicache.daemon.state_dir import allocated_bytes
 from hicache.daemon.tree_view import MAX_DEPTH, tree_summary
 from hicache.errors import LayoutError
 from hicache.index.keys import KEY_BYTES, Namespace
@@ -370,13 +371,16 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
             disk = {**tier.stats(), **daemon.disk.stats(), **await asyncio.to_thread(tier.reader_health),
                     "max_queue_pages": tier.config.max_queue_pages, "path": str(tier.path)}
         fs = await asyncio.to_thread(shutil.disk_usage, cfg.state_dir)
+        allocated, files = await asyncio.to_thread(allocated_bytes, cfg.state_dir)
         unlimited = resource.RLIM_INFINITY
         return {"pid": os.getpid(), "version": __version__, "uid": os.getuid(), "gid": os.getgid(),
                 "time": time.time(), "uptime_s": time.time() - daemon.started_at, "state_dir": str(cfg.state_dir),
                 "memlock_limit": [None if x == unlimited else x for x in (soft, hard)],
                 "host": {"capacity_bytes": host.capacity_bytes, "slab_bytes": host.slab_bytes,
                          "locked": host.arena.locked, "mlock": cfg.mlock},
-                "disk": disk, "state_fs": {"total_bytes": fs.total, "free_bytes": fs.free}}
+                "disk": disk, "state_fs": {"total_bytes": fs.total, "free_bytes": fs.free},
+                "state_usage": {"allocated_bytes": allocated, "files": files,
+                                "disk_capacity": cfg.disk_capacity if cfg.disk_enabled else 0}}
 
     return {"hello": hello, "register": register, "unregister": unregister, "match": match,
             "load": load, "load_done": load_done, "map_slabs": map_slabs, "release": release, "insert": insert,

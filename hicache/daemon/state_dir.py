@@ -64,3 +64,19 @@ def prepare_state_dir(state_dir: Path) -> None:
     if tightened:
         log.warning("state directory %s: tightened %d paths that others could read to owner-only: %s",
                     state_dir, len(tightened), ", ".join(tightened[:8]) + (" ..." if len(tightened) > 8 else ""))
+
+
+def allocated_bytes(state_dir: Path) -> tuple[int, int]:
+    """(bytes allocated on disk, files) under the state directory: ``st_blocks``, not the
+    apparent size, so a sparse file counts what it holds and a preallocated one all of
+    it. Symlinks are counted as links, never followed; entries that vanish are skipped."""
+    total = files = 0
+    for root, dirs, names in os.walk(state_dir, onerror=lambda e: None):
+        for name in [*names, *dirs]:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except OSError:
+                continue
+            total += st.st_blocks * 512
+            files += not stat.S_ISDIR(st.st_mode)
+    return total, files

@@ -33,9 +33,13 @@ Budget
   map or an LMDB error never kills the writer (see disk_writer.py). A batch
   that fails with an I/O or other non-budget error even op by op disables
   writes for ``write_retry_s`` (counted, logged once; reads go on).
-- ``map_size`` (default 1.5 x capacity + 64 MiB) leaves LMDB room for B-tree
-  pages and for pages freed by recent transactions (LMDB reuses a page freed
-  by transaction T only from T+2 on).
+- ``map_size`` is the file's size: the whole map is allocated at open. The
+  writer also charges every page its footprint in the map and turns away what
+  would not fit (disk_writer.py), so a small map rejects puts, never fills up.
+  The daemon opens the tier with ``map_size`` = its disk capacity, so the
+  file never exceeds that (hicache/daemon/disk_startup.py); here the default,
+  1.5 x capacity + 64 MiB, leaves room for the records of ``capacity_bytes``
+  of pages.
 
 Durability (``durability=``; the environment always uses ``writemap=True``)
 - ``"none"`` (default): ``sync=False, metasync=False``; the kernel writes the
@@ -171,7 +175,8 @@ class DiskTier:
         self._r = dict(hits=0, misses=0, corrupt_pages=0, bytes_read=0)  # gets = hits + misses
         self._readers = ThreadPoolExecutor(config.readers, thread_name_prefix="hicache-disk-read")
         self._writer = DiskWriter(env, self.path, pages=self._pages, meta=self._meta, info=info,
-                                  capacity_bytes=capacity_bytes, config=config, evict_hook=evict_hook,
+                                  capacity_bytes=capacity_bytes, map_size=opened.map_size, config=config,
+                                  evict_hook=evict_hook,
                                   used_bytes=opened.used_bytes, num_pages=opened.num_pages)
 
     # ----------------------------------------------------------------- open/close
@@ -404,7 +409,8 @@ class DiskTier:
             r = dict(self._r)
         r["gets"] = r["hits"] + r["misses"]
         return dict(used_bytes=w.used_bytes, capacity_bytes=self.capacity_bytes,
-                    num_pages=w.num_pages, map_size=self.map_size, durability=self.durability,
+                    num_pages=w.num_pages, map_size=self.map_size, map_bytes=w.map_bytes,
+                    map_budget=w.map_budget, durability=self.durability,
                     last_write_time=w.last_write_time, **q, **r, **w.write_counters(), **w.health())
 
     @property
@@ -426,6 +432,11 @@ class DiskTier:
     @property
     def used_bytes(self) -> int:
         return self._writer.used_bytes
+
+    @property
+    def map_budget(self) -> int:
+        """The map bytes stored pages may take in steady state (see disk_writer.py)."""
+        return self._writer.map_budget
 
     @property
     def num_pages(self) -> int:

@@ -13,7 +13,7 @@ Errors
   permissions, an I/O error, another owner), in one line naming the path and
   the cause. A failed open removes the files it created in a fresh directory,
   and cuts data.mdb back to its old size in an existing one: the map that
-  ``reserve`` allocates is 1.5x the budget, and a half-allocated one must not
+  ``reserve`` allocates is the whole disk capacity, and a half-allocated one must not
   stay behind on a full disk.
 
 Verification. LMDB answers most damage with an error, but some damaged B-trees
@@ -346,7 +346,7 @@ def _undo(path: str, data_file: str, fresh: bool, size_before: int | None) -> No
 def quarantine(path: str) -> str:
     """Move a damaged environment directory aside, to a sibling named
     ``<name>.corrupt-<UTC time>`` (0700), and return its new path. Only the newest
-    such copy is kept: an environment takes up to 1.5x the budget on disk, and a
+    such copy is kept: an environment takes its whole capacity on disk, and a
     disk that keeps failing must not fill the filesystem with copies."""
     path = os.path.abspath(path)
     parent, name = os.path.split(path)

@@ -81,6 +81,28 @@ GIL_FREE_COPY_BYTES = 128 << 10  # see copy_into
 HASH_DST_BYTES = 1 << 20  # see copy_verified: half of L2 here
 
 
+# LMDB's layout on 4 KiB pages (mdb.c): a 16-byte page header, 8-byte node headers, and a
+# value that makes its leaf node larger than NODE_MAX goes to overflow pages of its own.
+LMDB_PAGE_HEADER = 16
+_LMDB_NODE = 8
+_NODE_MAX = ((4096 - LMDB_PAGE_HEADER) // 2 & -2) - 2
+
+
+def _value_footprint(value_bytes: int, psize: int) -> int:
+    node = _LMDB_NODE + KEY_BYTES + value_bytes
+    if node <= _NODE_MAX:
+        return 2 * (node + 2)  # in a leaf, charged at half fill (a split leaves leaves half full)
+    return -(-(value_bytes + LMDB_PAGE_HEADER) // psize) * psize + 2 * (_LMDB_NODE + KEY_BYTES + 8 + 2)
+
+
+def footprint(page_bytes: int, num_tokens: int, psize: int = 4096) -> int:
+    """A bound on the map bytes one stored page takes: the page and its meta record,
+    each in a leaf at half fill or in whole overflow pages (a 64 KiB page takes 17
+    pages, and a 512-token meta record one more), with their keys' leaf nodes."""
+    return (_value_footprint(page_bytes, psize)
+            + _value_footprint(META_HEADER_BYTES + 4 * num_tokens, psize))
+
+
 @dataclass(slots=True)
 class DiskRecord:
     """One page's metadata, as yielded by ``DiskTier.iter_meta`` for the index rebuild."""

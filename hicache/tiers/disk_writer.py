@@ -13,7 +13,25 @@ transaction of hicache/tiers/disk.py, the queue that feeds it, and the budget.
   Measured on this 2-vCPU VM with nothing else running, puts / raw py-lmdb:
   inline everywhere 0.71-0.80 at 1-2 MiB; with the hasher 0.9 there (256 KiB
   pages lose more to the hand-off than they gain, so they stay inline).
-- The tier never picks victims. When a put does not fit ``capacity_bytes``,
+- Two budgets: ``capacity_bytes`` of page bytes, and the map. Each put is
+  charged its footprint in the map (``disk_format.footprint``: whole overflow
+  pages, B-tree leaves at half fill), and the pages in use are re-measured from
+  LMDB's own counts at every commit, so the estimate never drifts. A put goes
+  in only when the map holds, at once: the pages in use (those this
+  transaction deletes included), the pages the last two transactions freed
+  (LMDB reuses a page freed by T only from T+2 on, later if a reader is still
+  on an older snapshot), this transaction's new pages, copies of the B-tree
+  pages it and the last two touched, and a reserve of 1/16 of the map (a value
+  of several pages needs as many contiguous free pages; after an MDB_MAP_FULL
+  all the same, the reserve doubles, up to 1/4). A transaction puts or
+  deletes at most ``batch_ops`` keys (a long deletion is split), so its copies
+  are bounded: a deletion needs new pages too, and must never be what fills the
+  map. A put that would fit once the
+  freed pages are reusable ends the transaction early; two empty commits later
+  the rest of the batch goes on. Otherwise it is over budget (rejected,
+  counted), never an MDB_MAP_FULL. ``map_budget`` is what owners keep the
+  stored pages' footprint under, so that puts rarely wait for freed pages.
+- The tier never picks victims. When a put does not fit a budget,
   the writer asks ``evict_hook(bytes_needed)`` for keys (the radix index knows
   LRU leaf order) and deletes them in the same transaction; keys the hook
   returns are as good as deleted (a failed transaction retries them). With no
@@ -129,10 +147,11 @@ class DiskWriter:
     writer thread (others read them for stats)."""
 
     def __init__(self, env: lmdb.Environment, path: str, *, pages: object, meta: object, info: object,
-                 capacity_bytes: int, config: DiskTierConfig, evict_hook: EvictHook | None,
-                 used_bytes: int, num_pages: int) -> None:
+                 capacity_bytes: int, map_size: int, config: DiskTierConfig,
+                 evict_hook: EvictHook | None, used_bytes: int, num_pages: int) -> None:
         self.path = path
         self.capacity_bytes = capacity_bytes
+        self.map_size = map_size
         self.config = config
         self.evict_hook = evict_hook  # the owner may replace it at any time
         self._env = env
@@ -143,11 +162,25 @@ class DiskWriter:
         self._used_bytes_tx = used_bytes  # running totals inside the open write transaction
         self._put_in_tx: set[bytes] = set()  # keys put by the open transaction and not deleted since
         self._num_pages_tx = num_pages
+        self._psize = env.stat()["psize"]
+        self._main_db = env.open_db(None)  # counted too: it holds the other databases' records
+        with env.begin() as txn:
+            self.map_bytes, self._tree_bytes = self._measure(txn)  # pages in use; B-tree pages of them
+        self._map_bytes_tx = self.map_bytes
+        self._deleted_tx = 0  # footprint deleted by the open transaction: reusable two commits on
+        self._freed = (0, 0)  # bytes freed by the last two commits, newest first
+        self._deferred: list = []  # ops left for after the freed pages are reusable
+        self._may_defer = True
+        self._frag_divisor = 16  # the map's share kept for fragmentation: 1/16, more after an MDB_MAP_FULL
+        self._max_footprint = 0  # the largest page charged yet: a batch may end one page past its limit
+        # Batches scaled to the map: a small map cannot hold a 64 MiB batch and its frees.
+        self.batch_ops = max(1, min(config.batch_pages, map_size // (64 * self._psize)))
+        self.batch_limit = max(self._psize, min(config.batch_bytes, map_size // 16))
         self._doomed: dict[bytes, bool] = {}  # key -> evicted?; kept until a commit succeeds
         self._drops: dict[bytes, tuple[int, int] | None] = {}
         self._w = dict(pages_written=0, bytes_written=0, dedup_puts=0, rejected_budget=0,
                        rejected_errors=0, rejected_orphan=0, write_errors=0, evicted_pages=0,
-                       deleted_pages=0, batches=0)
+                       deleted_pages=0, batches=0, deferred_batches=0)
         # The fault state (see the module docstring); written on the writer thread.
         self._fault = ""
         self._faults = 0
@@ -295,13 +328,19 @@ class DiskWriter:
                     return [], False
             ops: list = []
             n_bytes = 0
-            while self._queue and len(ops) < cfg.batch_pages and n_bytes < cfg.batch_bytes:
+            n_keys = 0  # puts and deleted keys: each copies up to a B-tree path per database
+            while self._queue and n_keys < self.batch_ops and n_bytes < self.batch_limit:
                 op = self._queue.popleft()
+                if isinstance(op, _Delete) and n_keys + len(op.keys) > self.batch_ops:
+                    room = max(1, self.batch_ops - n_keys)  # the rest waits for the next transaction
+                    self._queue.appendleft(_Delete(op.keys[room:]))
+                    op = _Delete(op.keys[:room])
                 ops.append(op)
+                n_keys += len(op.keys) if isinstance(op, _Delete) else 1
                 if isinstance(op, _Put):
                     self._queued_pages -= 1
                     self._queued_bytes -= op.page.nbytes
-                    n_bytes += op.page.nbytes
+                    n_bytes += fmt.footprint(op.page.nbytes, len(op.tokens) // 4, self._psize)
                 elif isinstance(op, _Barrier):
                     break  # commit everything before it, then release the waiter
             return ops, self._closing and not self._queue
@@ -340,6 +379,10 @@ class DiskWriter:
             return self._commit(ops, force_touch)
         except lmdb.Error as e:  # MapFullError, or an I/O error from LMDB
             self._w["write_errors"] += 1
+            if isinstance(e, lmdb.MapFullError) and self._frag_divisor > 4:
+                self._frag_divisor //= 2  # the free pages were too scattered: keep more of them
+                log.warning("disk tier %s: the map filled up with pages free but scattered; keeping 1/%d of it "
+                            "free from now on", self.path, self._frag_divisor)
             self.warn("write failed (%s); evicting and retrying", e)
             self._make_room(sum(op.page.nbytes for op in ops if isinstance(op, _Put)))
             try:
@@ -397,10 +440,36 @@ class DiskWriter:
                       "retrying in %.0fs", self.path, type(e).__name__, e, self.config.write_retry_s)
         self._fault = f"{type(e).__name__}: {e}"
 
+    def _headroom(self) -> int:
+        """Copies of the B-tree pages a transaction touches (each put or deleted key up to
+        three levels in two databases; this transaction's and the copies the last two
+        replaced, not reusable yet), LMDB's meta pages and free list, and 1/16 of the map:
+        a value of several pages needs that many contiguous free pages."""
+        cow = min(self._tree_bytes, 6 * self.batch_ops * self._psize)
+        return 3 * cow + 8 * self._psize + self.map_size // self._frag_divisor
+
+    @property
+    def map_budget(self) -> int:
+        """The footprint stored pages may take in steady state (module docstring): the
+        map less the headroom and the frees of the last two batches."""
+        return self.map_size - self._headroom() - 2 * (self.batch_limit + self._max_footprint)
+
+    def _measure(self, txn: lmdb.Transaction) -> tuple[int, int]:
+        """(bytes of the pages the databases use, bytes of their B-tree pages), from
+        LMDB's counts: O(1), read from the databases' records."""
+        total = tree = 0
+        for db in (self._main_db, self._pages, self._meta, self._info):
+            st = txn.stat(db)
+            tree += (st["branch_pages"] + st["leaf_pages"]) * self._psize
+            total += (st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]) * self._psize
+        return total, tree
+
     def _commit(self, ops: list, force_touch: bool) -> list[tuple[_Put, bool]]:
         """Apply leftover deletions, then `ops` in order, then due touches, in
         ONE write transaction. Shared state changes only after the commit."""
         self._used_bytes_tx, self._num_pages_tx = self.used_bytes, self.num_pages
+        self._map_bytes_tx = self.map_bytes
+        self._deleted_tx = 0
         self._put_in_tx.clear()
         c = dict(evicted_pages=0, deleted_pages=0, pages_written=0, bytes_written=0, dedup_puts=0,
                  rejected_budget=0, rejected_orphan=0)
@@ -413,7 +482,7 @@ class DiskWriter:
                 self._drop(txn, k, checksum)
             remaining = sum(op.page.nbytes for op in ops if isinstance(op, _Put))
             hook_dry = False
-            for op in ops:
+            for i, op in enumerate(ops):
                 if isinstance(op, _Delete):
                     for k in op.keys:
                         c["deleted_pages"] += self._delete(txn, k)
@@ -422,6 +491,9 @@ class DiskWriter:
                 elif isinstance(op, _Put):
                     remaining -= op.page.nbytes
                     ok, hook_dry = self._put(txn, op, remaining, hook_dry, c)
+                    if ok is None:  # fits once the freed pages are reusable: after this commit
+                        self._deferred = ops[i:]
+                        break
                     results.append((op, ok))
             if self._touches and (force_touch or self._touch_due(False)):
                 with self._cond:
@@ -432,7 +504,11 @@ class DiskWriter:
                         txn.put(k, fmt.with_last_access(bytes(cur), t), db=self._meta)
             txn.put(fmt.INFO_TOTALS_KEY, fmt.pack_totals(self._used_bytes_tx, self._num_pages_tx),
                     db=self._info)
+            measured = self._measure(txn)
         # committed
+        freed = max(0, self._map_bytes_tx - measured[0])  # deleted pages and replaced B-tree pages
+        self._freed = (freed, self._freed[0])
+        self.map_bytes, self._tree_bytes = measured
         if self._fault:
             log.warning("disk tier %s: writes resumed after %s", self.path, self._fault)
             self._fault = ""
@@ -445,11 +521,22 @@ class DiskWriter:
             self._w[name] += n
         self._w["batches"] += 1
         self.last_write_time = time.time()
+        if self._deferred:
+            rest, self._deferred = self._deferred, []
+            self._w["deferred_batches"] += 1
+            self._commit([], False)  # T+1
+            self._commit([], False)  # T+2: the pages T freed are reusable
+            self._may_defer = False  # once: what does not fit now is over budget
+            try:
+                results += self._commit(rest, force_touch)
+            finally:
+                self._may_defer = True
         return results
 
     def _put(self, txn: lmdb.Transaction, p: _Put, remaining: int, hook_dry: bool,
-             c: dict[str, int]) -> tuple[bool, bool]:
-        """One put inside the writer's transaction; (accepted, hook_dry)."""
+             c: dict[str, int]) -> tuple[bool | None, bool]:
+        """One put inside the writer's transaction; (accepted, hook_dry), accepted None:
+        it fits only once pages freed by recent commits are reusable (module docstring)."""
         size = p.page.nbytes
         if (p.parent_required and p.parent is not None and p.parent not in self._put_in_tx
                 and txn.get(p.parent, db=self._meta) is None):
@@ -462,22 +549,31 @@ class DiskWriter:
                 c["dedup_puts"] += 1  # same key, same namespace: same content
                 return True, hook_dry
             self._delete(txn, p.key)
-        over = self._used_bytes_tx + size - self.capacity_bytes
+        charge = fmt.footprint(size, len(p.tokens) // 4, self._psize)
+        self._max_footprint = max(self._max_footprint, charge)
+        # footprint >= size: asking for the map's excess in page bytes frees at least that much
+        over = max(self._used_bytes_tx + size - self.capacity_bytes,
+                   self._map_bytes_tx - self._deleted_tx + charge - self.map_budget)
         if over > 0 and not hook_dry:
             # ask once for the rest of the batch too: one hook call per batch, typically
             keys = self._call_hook(over + remaining)
             hook_dry = not keys
             for k in keys:
                 c["evicted_pages"] += self._delete(txn, k)
-        if self._used_bytes_tx + size > self.capacity_bytes:
+        headroom = self._headroom()
+        if self._used_bytes_tx + size > self.capacity_bytes or \
+                self._map_bytes_tx - self._deleted_tx + charge + headroom > self.map_size:
             c["rejected_budget"] += 1
             return False, hook_dry
+        if self._map_bytes_tx + sum(self._freed) + charge + headroom > self.map_size and self._may_defer:
+            return None, hook_dry  # the pages deleted here or just before are not reusable yet
         txn.put(p.key, p.page, db=self._pages)  # the hasher works on this or later pages meanwhile
         if p.digest is None:
             p.digest = p.job.digest(p) if p.job is not None else fmt.checksum(p.page)
         txn.put(p.key, fmt.pack_meta(p.parent, p.salt, size, p.digest, time.time(), fmt.CHECKSUM_XXH3,
                                      p.tokens), db=self._meta)
         self._used_bytes_tx += size
+        self._map_bytes_tx += charge
         self._num_pages_tx += 1
         self._put_in_tx.add(p.key)  # a child later in the batch needs no lookup of it
         c["pages_written"] += 1
@@ -494,10 +590,13 @@ class DiskWriter:
         """Delete one entry inside the writer's transaction; the pages freed (0 or 1)."""
         self._put_in_tx.discard(key)
         page = txn.get(key, db=self._pages)
+        meta = txn.get(key, db=self._meta)
         had_meta = txn.delete(key, db=self._meta)
         if page is None:
             return int(had_meta)  # a page-less record (corruption): no bytes to account
         self._used_bytes_tx -= len(page)
+        n_tokens = (len(meta) - fmt.META_HEADER_BYTES) // 4 if meta is not None else 0
+        self._deleted_tx += fmt.footprint(len(page), n_tokens, self._psize)
         self._num_pages_tx -= 1
         txn.delete(key, db=self._pages)
         return 1

@@ -12,9 +12,11 @@ import pytest
 WORKER = [sys.executable, str(Path(__file__).with_name("engine_worker.py"))]
 
 
-def run_worker(socket: str, *ops: str, layout: str = "mha", extra_key: str = "", model: str = "test-model") -> list[dict]:
+def run_worker(socket: str, *ops: str, layout: str = "mha", extra_key: str = "", model: str = "test-model",
+               pool_pages: int = 256) -> list[dict]:
     out = subprocess.run([*WORKER, "--socket", socket, "--layout", layout, "--extra-key", extra_key,
-                          "--model", model, *ops], capture_output=True, text=True, timeout=120)
+                          "--model", model, "--pool-pages", str(pool_pages), *ops], capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0, out.stderr
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 

@@ -192,16 +192,17 @@ def _fill(path: Path) -> Path:
 
 
 def test_full_state_dir_at_run_time_degrades_and_the_daemon_keeps_serving(daemon_factory):
-    # a 512 KiB budget reserves a ~65 MiB map; the rest of the 96 MiB filesystem is filled later
-    d = daemon_factory("--host-capacity", "64MiB", "--disk-capacity", "512KiB", env=WAIT)
+    # a 1 MiB disk is a 1 MiB LMDB file; the rest of the 96 MiB filesystem is filled later
+    d = daemon_factory("--host-capacity", "64MiB", "--disk-capacity", "1MiB", env=WAIT)
     with tmpfs(Path(d.state_dir), "96m") as state:
         d.start()
         try:
             # more than the budget through the daemon: it evicts, it never fills the filesystem
-            run_worker(d.socket, *[f"store:{i}:400" for i in range(1, 9)])
+            run_worker(d.socket, *[f"store:{i}:400" for i in range(1, 9)])  # 800 pages: 600 KiB + records
             wait_for(lambda: disk_settled(d.socket, 1), 60, "pages on disk")
             st = stats(d.socket)["tiers"]["disk"]
-            assert st["used_bytes"] <= 512 << 10 < st["bytes_written"] and st["writable"]
+            assert st["used_bytes"] < st["bytes_written"] and st["writable"]  # it evicted
+            assert (Path(d.state_dir) / "disk" / "data.mdb").stat().st_size <= 1 << 20
 
             filler = _fill(state)  # someone else fills the filesystem
             # new namespaces through the daemon until its own writes hit ENOSPC
@@ -235,12 +236,12 @@ def test_full_state_dir_at_run_time_degrades_and_the_daemon_keeps_serving(daemon
 # ------------------------------------------------------------------ 14: parents first
 
 def test_a_page_whose_parent_never_reached_disk_is_never_acknowledged(daemon_factory):
-    # 40 pages of 768 B (30 KiB) do not fit a 16 KiB disk budget; 4 pages do
-    d = daemon_factory("--host-capacity", "64MiB", "--disk-capacity", "16KiB", env=WAIT).start()
+    # 800 pages of 768 B (600 KiB; 1.5 MiB with their LMDB records) do not fit a 1 MiB disk; 4 pages do
+    d = daemon_factory("--host-capacity", "64MiB", "--disk-capacity", "1MiB", env=WAIT).start()
     acks = DiskAcks(d.socket)
     try:
-        run_worker(d.socket, "store:1:160:160")  # one 40-page node: skipped, too big for the budget
-        run_worker(d.socket, "store:2:176:160")  # a 4-page child of it: its parent is not on disk
+        run_worker(d.socket, "store:1:3200:3200", pool_pages=1024)  # one 800-page node: skipped, too big
+        run_worker(d.socket, "store:2:3216:3200", pool_pages=1024)  # a 4-page child: its parent is not on disk
         run_worker(d.socket, "store:3:16")  # 4 pages under the root: fits
         salt = Namespace("test-model", LAYOUTS["mha"]).salt()
         alone = set(page_keys(salt, tokens_for(3, 16), PAGE_TOKENS))
@@ -259,10 +260,10 @@ def test_a_page_whose_parent_never_reached_disk_is_never_acknowledged(daemon_fac
 
 
 def test_every_page_acknowledged_on_disk_survives_kill9_under_write_load(daemon_factory):
-    # A 64 KiB disk budget (~85 pages of 768 B) keeps evicting under the writes in flight, and
-    # the 100-page prefix that half the conversations share never fits it: their own pages
-    # hang under a parent that is not on disk (today they are acknowledged all the same).
-    d = daemon_factory("--host-capacity", "64MiB", "--disk-capacity", "64KiB", env=WAIT).start()
+    # A 1 MiB disk (the smallest allowed: a few hundred pages of 768 B with their LMDB
+    # records) keeps evicting under the writes in flight, so some pages hang under a parent
+    # that left the disk meanwhile.
+    d = daemon_factory("--host-capacity", "64MiB", "--disk-capacity", "1MiB", env=WAIT).start()
     acks = DiskAcks(d.socket)
     workers = []
     try:

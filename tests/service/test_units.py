@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-UNITS = Path(__file__).resolve().parents[2] / "systemd"
+import hicache.data
+
+UNITS = Path(hicache.data.__file__).resolve().parent / "systemd"  # shipped in the package
 SERVICE = UNITS / "hicache.service"
 SOCKET = UNITS / "hicache.socket"
 ANALYZE = shutil.which("systemd-analyze")
