@@ -54,8 +54,10 @@ def venv(dist: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("venv") / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(root)], check=True, timeout=120)
     (wheel,) = dist.glob("*.whl")
+    # --ignore-installed: the venv sees the system's hicache (an editable install wherever setup
+    # ran), which pip would otherwise call "already satisfied" and not install
     out = subprocess.run([str(root / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                          str(wheel)], capture_output=True, text=True, timeout=300)
+                          "--ignore-installed", str(wheel)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     return root
 
