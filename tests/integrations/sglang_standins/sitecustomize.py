@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 from typing import Any
 
@@ -75,8 +76,6 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
         spec.loader.exec_module = exec_and_patch  # type: ignore[method-assign]
         return spec
 
-
-import importlib.util  # noqa: E402
 
 sys.meta_path.insert(0, _PatchAfterImport())
 
