@@ -72,11 +72,13 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
+DTYPE = "float16"  # every server's --dtype, so the KV's bytes per token are known here
+
+
 def _kv_bytes_per_token(model: Path) -> int:
     cfg = json.loads((model / "config.json").read_text())
-    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[cfg.get("torch_dtype") or cfg.get("dtype") or "float32"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * itemsize
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2  # K and V, float16
 
 
 def _stream(port: int, prompt: list[int], max_tokens: int) -> dict[str, Any]:
@@ -101,8 +103,8 @@ def _stream(port: int, prompt: list[int], max_tokens: int) -> dict[str, Any]:
 
 
 def _server_args(name: str, model: Path, port: int, args: argparse.Namespace, sock: str | None) -> list[str]:
-    out = ["--model-path", str(model), "--device", args.device, "--skip-tokenizer-init", "--page-size", "16",
-           "--max-total-tokens", str(args.device_tokens), "--port", str(port)]
+    out = ["--model-path", str(model), "--device", args.device, "--dtype", DTYPE, "--skip-tokenizer-init",
+           "--page-size", "16", "--max-total-tokens", str(args.device_tokens), "--port", str(port)]
     if name == BASE:
         return out
     out += ["--enable-hierarchical-cache", "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",

@@ -5,8 +5,9 @@ imports this first). They replace SGLang's own device<->host plumbing, never
 hicache's path, and fail loudly on anything they do not cover:
 
 - `sgl_kernel` (next to this file): the two ops SGLang calls on CPU without AMX.
-- Host pools ask for `pin_memory=True`, which registers the buffer with CUDA
-  (`pool_host/common.py`): here the buffer is ordinary memory.
+- The MHA host pool is built with `pin_memory=True`, which registers its buffer with
+  CUDA (`pool_host/common.py`) and pins the pages it allocates later (the `file`
+  backend's read buffers): here it is built with `pin_memory=False`.
 - torchvision (imported by SGLang's model configs) has no build for a CPU torch on the
   registry: hicache.integrations.sglang_cpu's placeholder (any use raises).
 - The host pool's `transfer_kv_direct` (the `direct` io backend's device<->host copy)
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-_PATCHED = {"sglang.srt.mem_cache.pool_host.common", "sglang.srt.mem_cache.pool_host.mha"}
+_PATCHED = {"sglang.srt.mem_cache.pool_host.mha"}
 
 
 def transfer_kv_direct(src_layers: list[torch.Tensor], dst_layers: list[torch.Tensor], src_indices: torch.Tensor,
@@ -42,19 +43,20 @@ def _unsupported(name: str) -> Any:
 
 
 def _patch(module: Any) -> None:
-    if module.__name__.endswith(".common"):
-        real = module.alloc_with_host_register
+    pool = module.MHATokenToKVPoolHost
+    init = pool.__init__
 
-        def alloc_unpinned(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
-            return real(*args, pin_memory=False, **kwargs)
+    def unpinned_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        if len(args) > 5:  # pin_memory passed by position: not how SGLang 0.5.23 builds it
+            raise RuntimeError("hicache's CPU test stand-in expects pin_memory as a keyword")
+        init(self, *args, **{**kwargs, "pin_memory": False})
 
-        module.alloc_with_host_register = alloc_unpinned
-    else:
-        module.transfer_kv_direct = transfer_kv_direct
-        for name in ("transfer_kv_per_layer", "transfer_kv_all_layer", "transfer_kv_per_layer_pf_lf",
-                     "transfer_kv_all_layer_lf_pf", "transfer_kv_per_layer_direct_pf_lf",
-                     "transfer_kv_all_layer_direct_lf_pf"):
-            setattr(module, name, _unsupported(name))
+    pool.__init__ = unpinned_init
+    module.transfer_kv_direct = transfer_kv_direct
+    for name in ("transfer_kv_per_layer", "transfer_kv_all_layer", "transfer_kv_per_layer_pf_lf",
+                 "transfer_kv_all_layer_lf_pf", "transfer_kv_per_layer_direct_pf_lf",
+                 "transfer_kv_all_layer_direct_lf_pf"):
+        setattr(module, name, _unsupported(name))
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
