@@ -20,13 +20,17 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 SGLANG_VERSION=0.5.23
 
-# module:pip-spec, for what `import sglang.srt.mem_cache.memory_pool_host` and the storage
-# modules pull in on a machine that has torch and hicache's own dependencies
+# module:pip-spec, for what `import sglang.srt.mem_cache.memory_pool_host`, the storage
+# modules and the server pull in on a machine that has torch and hicache's own dependencies
 REQUIREMENTS=(
     orjson:orjson psutil:psutil pybase64:pybase64 requests:requests PIL:pillow fastapi:fastapi
     msgspec:msgspec pydantic:pydantic zmq:pyzmq tqdm:tqdm IPython:IPython aiohttp:aiohttp dill:dill
     sentencepiece:sentencepiece tvm_ffi:apache-tvm-ffi gguf:gguf packaging:packaging
     transformers:transformers==5.19.0 compressed_tensors:compressed-tensors==0.17.0 triton:triton==3.9.0
+    # what `python -m sglang.launch_server` imports besides (tests/integrations/test_sglang_server.py)
+    soundfile:soundfile uvicorn:uvicorn uvloop:uvloop openai:openai setproctitle:setproctitle
+    partial_json_parser:partial-json-parser xgrammar:xgrammar einops:einops scipy:scipy
+    python_multipart:python-multipart tiktoken:tiktoken
 )
 
 ready() {

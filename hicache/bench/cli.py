@@ -9,6 +9,7 @@ import time
 
 from hicache.bench.plot import plot, plot_file, require_matplotlib
 from hicache.bench.report import print_rows
+from hicache.bench.sglang_serve_bench import add_arguments as sglang_serve_arguments
 from hicache.bench.soak_bench import add_arguments as soak_arguments
 from hicache.bench.trace_files import DEFAULT_TRACE
 from hicache.bench.vllm_bench import add_arguments as vllm_arguments
@@ -110,6 +111,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--target-mib", type=int, default=256)
     b.add_argument("--repeats", type=int, default=9, help="the first ~4 fill the host tier, the rest evict")
 
+    sglang_serve_arguments(bench("sglang-serve", "a real SGLang server on multi-turn chat: SGLang alone, its host "
+                                                 "tier, its file backend and hicache, each its own process"))
+
     b = bench("pauses", "match p99.9 / max with a large index under write load, managed gc vs CPython's")
     b.add_argument("--nodes", type=int, default=100_000, help="index nodes before the timed part")
     b.add_argument("--seconds", type=float, default=60.0,
@@ -177,6 +181,9 @@ def run(args: argparse.Namespace) -> int:
         from hicache.bench.sglang_bench import run as go
         rows = go(args.socket_path, tuple(args.layouts), tuple(args.page_sizes), target_bytes=args.target_mib << 20,
                   repeats=args.repeats)
+    elif args.bench == "sglang-serve":
+        from hicache.bench.sglang_serve_bench import run as go
+        rows = go(args)
     elif args.bench == "pauses":
         from hicache.bench.pause_bench import run as go
         rows = go(args.nodes, args.seconds, args.workdir)

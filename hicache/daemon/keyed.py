@@ -25,6 +25,11 @@ miss), LRU eviction of whole nodes, events. One round trip per batch:
                  and the disk tier writes them through.
 
 Pages a connection reserved and never committed are freed when its engine goes.
+
+The counters are the daemon's own, so `hicache stats`, the metrics and the hit
+rates see these pages like any other: an `exists` is a lookup (requested pages,
+and the leading stored run as hits of the tier each page is on), a fetch's
+pages are loaded pages, and a store is a host put (puts.py's counters).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from hicache.daemon.puts import PutCounters
 from hicache.daemon.service import CacheService, EngineRecord, NamespaceState, Pin
 from hicache.index.keys import PackedKeys
 from hicache.index.radix import Tier, TreeNode
@@ -63,8 +69,9 @@ class Reservation:
 
 
 class KeyedPages:
-    def __init__(self, service: CacheService) -> None:
+    def __init__(self, service: CacheService, puts: PutCounters) -> None:
         self.service = service
+        self.puts = puts
         self.reservations: dict[int, Reservation] = {}
         self._ids = itertools.count(1)
         self.stored_pages = 0
@@ -80,9 +87,14 @@ class KeyedPages:
 
     def exists(self, owner: object, engine_id: Any, keys: PackedKeys) -> int:
         ns = self.service.engine(owner, engine_id).ns
+        c = self.service.counters
+        c.matches += 1
+        c.requested_pages += len(keys)
         for i, key in enumerate(keys):
-            if self._stored(ns, key) is None:
+            node = self._stored(ns, key)
+            if node is None:
                 return i
+            c.matched_pages["host" if node.host is not None else "disk"] += 1
         return len(keys)
 
     async def fetch(self, owner: object, engine_id: Any, keys: PackedKeys, disk: Any) -> tuple[Pin, np.ndarray]:
@@ -137,6 +149,7 @@ class KeyedPages:
         if pin.pin_id not in svc.pins:
             raise RpcError(Code.NOT_FOUND, "the connection went while reading from disk")
         svc.reap(ns)
+        svc.counters.loaded_pages += int((slots >= 0).sum())
         return pin, slots
 
     # -- stores -------------------------------------------------------------------
@@ -154,8 +167,11 @@ class KeyedPages:
         if missing:
             got = svc.alloc_host(ns, len(missing))
             if got is None:
+                self.puts.skipped_no_space += 1
                 return None
             slots[missing] = got
+        self.puts.puts += 1
+        self.puts.put_pages += len(missing)
         res = Reservation(next(self._ids), rec, key_list, tokens.copy(), slots)
         self.reservations[res.res_id] = res
         return res
@@ -172,6 +188,7 @@ class KeyedPages:
         mine = res.slots >= 0
         if not ok:
             ns.page_class.free(res.slots[mine])
+            self.puts.failed += 1
             return 0
         ps = ns.index.page_size
         stored: list[TreeNode] = []
@@ -188,6 +205,7 @@ class KeyedPages:
         if spare:
             ns.page_class.free(np.asarray(spare, dtype=np.int64))
         self.stored_pages += len(stored)
+        self.puts.committed_pages += len(stored)
         if stored:
             svc.emit_nodes("stored", Tier.HOST, res.engine, stored)
             if svc.on_host_stored is not None:
@@ -208,7 +226,8 @@ def keyed_handlers(daemon: DaemonContext, keys_of: Any) -> dict[str, Any]:
     """RPC methods over KeyedPages; `keys_of` checks and splits a request's packed keys."""
     svc = daemon.service
     assert svc is not None
-    pages = KeyedPages(svc)
+    assert daemon.puts is not None
+    pages = KeyedPages(svc, daemon.puts.counters)
 
     def batch(p: dict) -> PackedKeys:
         keys = keys_of(p)

@@ -6,7 +6,13 @@
 
 Extra-config keys read here: "socket" (the daemon's socket; default as for any
 client), "namespace" (an extra salt: a LoRA, a model revision, a tenant),
-"model" (when SGLang's storage config carries no model name).
+"model" (the model's name in the namespace).
+
+The model's name: "model" when given, else what SGLang passes, its served
+model name (`--served-model-name`, which defaults to `--model-path`). A path
+names a mount, not a model: the same weights at another path share nothing, so
+give a name (either flag) where instances mount the model at different paths.
+It is not guessed from the path (two models at `.../model` would share KV).
 
 What SGLang's keys lack, the namespace adds. A key is a chained SHA-256 of
 token ids only, so the namespace (hicache.index.keys.Namespace) names the model,
@@ -28,14 +34,25 @@ Failure model: the daemon away, hung or refusing -> every call is a miss or
 False within one call deadline, then at once while the client reconnects in
 the background (hicache/client/client.py). A page whose disk copy fails its
 checksum is a miss. Bad input (indices that are not whole pages, a page of
-the wrong size) raises ValueError. SGLang calls from several threads at once
-(prefetch, backup, its IO pool): each thread has its own connection.
+the wrong size) raises ValueError.
+
+Connections: SGLang calls from several threads at once (prefetch, its IO
+thread, backup) and replaces those threads on every `/flush_cache`
+(HiCacheController.reset stops and restarts them; the backend is not told).
+So connections are pooled, not per thread: a call takes a free connection and
+gives it back, and a new one is opened only when every one is busy. Their
+number is bounded by SGLang's concurrency, whatever the flushes, and a new
+thread's first call does not pay a connect (the first is opened when the host
+pool is registered).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -116,6 +133,20 @@ class PoolPages:
         return raw[:(raw.numel() // pb) * pb].view(-1, pb).view(self.dtype).view(-1, *self.pages.shape[1:])
 
 
+def _load_sglang_key_hash() -> None:
+    """Load SGLang's page-key hash (a C++ extension) now, during SGLang's start-up. Otherwise the
+    first storage query of the process loads it (11 s measured here with the extension already
+    built, minutes when it must build) on SGLang's prefetch thread, while the scheduler, not
+    waiting for it, serves that first request with no hit."""
+    try:
+        from sglang.srt.mem_cache.utils import get_hash_str
+    except ImportError:  # another SGLang layout: its queries load whatever it uses
+        return
+    t0 = time.monotonic()
+    get_hash_str([0], None, page_size=1)
+    log.info("hicache: SGLang's page-key hash loaded in %.1fs", time.monotonic() - t0)
+
+
 class HiCacheStore(HiCacheStorage):
     """SGLang HiCacheStorage over the hicache daemon. Built by SGLang's dynamic factory as
     `HiCacheStore(storage_config, kwargs)`; serves nothing until SGLang registers its host
@@ -123,7 +154,7 @@ class HiCacheStore(HiCacheStorage):
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
         extra = dict(storage_config.extra_config or {})
-        model = storage_config.model_name or extra.get("model")
+        model = extra.get("model") or storage_config.model_name
         if not model:
             raise ValueError("hicache needs the model's name for its namespace: SGLang's storage config has none; "
                              'pass "model" in --hicache-storage-backend-extra-config')
@@ -138,8 +169,8 @@ class HiCacheStore(HiCacheStorage):
                       f"dcp={c.dcp_rank}/{c.dcp_size}")
         self.user_namespace = str(extra.get("namespace", ""))
         self.pool: PoolPages | None = None
-        self._local = threading.local()
-        self._clients: list[HiCacheClient] = []
+        self._free: list[KeyedPagesClient] = []  # connections no call is using
+        self._clients: list[HiCacheClient] = []  # every connection opened, for close()
         self._lock = threading.Lock()
         self._closed = False
 
@@ -151,26 +182,47 @@ class HiCacheStore(HiCacheStorage):
             raise ValueError(f"hicache needs --page-size >= 4 (a page's key travels in its token slots), "
                              f"got {pool.page_size}")
         self.pool = pool
-        extra_key = f"sglang;{pool.layout_name};{self.shard};{self.user_namespace}"
+        # a host pool with a page format of its own (SGLang's storage_format_tag) is another byte order
+        tag = getattr(mem_pool_host, "storage_format_tag", None)
+        extra_key = f"sglang;{pool.layout_name};{tag or ''};{self.shard};{self.user_namespace}"
         self.namespace = Namespace(self.model, pool.layout, self.tp_rank, self.tp_size, extra_key)
         self.salt = self.namespace.salt()
-        self._keyed()  # connect now, on SGLang's thread: a miss (and a background retry) if no daemon
+        log.info("hicache: SGLang namespace model %r, %s", self.model, pool.layout)
+        kc = self._open()  # connect now, on SGLang's thread: a miss (and a background retry) if no daemon
+        with self._lock:
+            self._free.append(kc)
+        _load_sglang_key_hash()
 
-    def _keyed(self) -> KeyedPagesClient | None:
-        """This thread's connection (SGLang calls from several threads at once)."""
-        if self._closed:  # after close(): misses, and no reconnect probe started again
-            return None
-        kc = getattr(self._local, "keyed", None)
-        if kc is not None or self.pool is None:
-            return kc
+    def _open(self) -> KeyedPagesClient:
         ns = self.namespace
         client = HiCacheClient(ns.layout, 1, model=ns.model, socket_path=self.socket_path, tp_rank=ns.tp_rank,
                                tp_size=ns.tp_size, extra_key=ns.extra_key, deadlines=DEADLINES)
         client.connect()
         with self._lock:
             self._clients.append(client)
-        kc = self._local.keyed = KeyedPagesClient(client)
-        return kc
+        return KeyedPagesClient(client)
+
+    @contextmanager
+    def _keyed(self) -> Iterator[KeyedPagesClient | None]:
+        """A connection for one call, used by no other call meanwhile; None after close()
+        (misses, and no reconnect probe started again) or before the host pool is registered."""
+        with self._lock:
+            usable = not self._closed and self.pool is not None
+            kc = self._free.pop() if usable and self._free else None
+        if not usable:
+            yield None
+            return
+        if kc is None:  # every connection is busy
+            kc = self._open()
+        try:
+            yield kc
+        finally:
+            with self._lock:
+                closed = self._closed
+                if not closed:
+                    self._free.append(kc)
+            if closed:
+                kc.client.close()
 
     def _page_keys(self, keys: list[str]) -> tuple[list[bytes], np.ndarray]:
         assert self.pool is not None
@@ -180,10 +232,10 @@ class HiCacheStore(HiCacheStorage):
     # -- existence -------------------------------------------------------------------------
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """How many leading keys are stored (host or disk): one round trip."""
-        kc = self._keyed()
-        if kc is None or not keys:
-            return 0
-        return kc.exists(self._page_keys(keys)[0])
+        with self._keyed() as kc:
+            if kc is None or not keys:
+                return 0
+            return kc.exists(self._page_keys(keys)[0])
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -192,7 +244,12 @@ class HiCacheStore(HiCacheStorage):
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Copy each stored page into its host-pool page; per key whether it was."""
-        kc, pool = self._keyed(), self.pool
+        with self._keyed() as kc:
+            return self._batch_get_v1(kc, keys, host_indices, extra_info)
+
+    def _batch_get_v1(self, kc: KeyedPagesClient | None, keys: list[str], host_indices: torch.Tensor,
+                      extra_info: HiCacheStorageExtraInfo | None) -> list[bool]:
+        pool = self.pool
         if kc is None or pool is None or not keys:
             return [False] * len(keys)
         pages = pool.page_ids(keys, host_indices)
@@ -213,7 +270,12 @@ class HiCacheStore(HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Copy each host-pool page into the daemon's arena and publish it; per key whether
         it is stored now (already stored counts)."""
-        kc, pool = self._keyed(), self.pool
+        with self._keyed() as kc:
+            return self._batch_set_v1(kc, keys, host_indices, extra_info)
+
+    def _batch_set_v1(self, kc: KeyedPagesClient | None, keys: list[str], host_indices: torch.Tensor,
+                      extra_info: HiCacheStorageExtraInfo | None) -> list[bool]:
+        pool = self.pool
         if kc is None or pool is None or not keys:
             return [False] * len(keys)
         pages = pool.page_ids(keys, host_indices)
@@ -245,7 +307,12 @@ class HiCacheStore(HiCacheStorage):
         return t.view(-1).view(torch.uint8)
 
     def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[Any]:
-        kc, pool = self._keyed(), self.pool
+        with self._keyed() as kc:
+            return self._batch_get(kc, keys, target_locations, target_sizes)
+
+    def _batch_get(self, kc: KeyedPagesClient | None, keys: list[str], target_locations: Any,
+                   target_sizes: Any) -> list[Any]:
+        pool = self.pool
         if kc is None or pool is None or not keys:
             return [None] * len(keys)
         if target_locations is None:
@@ -273,7 +340,12 @@ class HiCacheStore(HiCacheStorage):
 
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
-        kc, pool = self._keyed(), self.pool
+        with self._keyed() as kc:
+            return self._batch_set(kc, keys, values, target_locations, target_sizes)
+
+    def _batch_set(self, kc: KeyedPagesClient | None, keys: list[str], values: Any, target_locations: Any,
+                   target_sizes: Any) -> bool:
+        pool = self.pool
         if kc is None or pool is None or values is None or not keys:
             return False
         if len(values) != len(keys):

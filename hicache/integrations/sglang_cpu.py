@@ -76,14 +76,20 @@ def _torchvision_loads() -> bool:
         return False
 
 
-def import_host_pools() -> tuple[type, type]:
-    """(MHATokenToKVPoolHost, MLATokenToKVPoolHost), with the placeholder if it is needed."""
+def install_torchvision_placeholder() -> None:
+    """The placeholder, only when torchvision cannot be imported (also what a CPU SGLang
+    server needs: its model configs import torchvision)."""
     if not _torchvision_loads() and not any(isinstance(f, _PlaceholderFinder) for f in sys.meta_path):
         # transformers decides once (cached) whether torchvision is there; ask before the
         # placeholder exists, so it keeps its own torchvision-free paths.
         from transformers.utils import import_utils
         import_utils.is_torchvision_available()
         sys.meta_path.append(_PlaceholderFinder())
+
+
+def import_host_pools() -> tuple[type, type]:
+    """(MHATokenToKVPoolHost, MLATokenToKVPoolHost), with the placeholder if it is needed."""
+    install_torchvision_placeholder()
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
     return MHATokenToKVPoolHost, MLATokenToKVPoolHost

@@ -33,7 +33,10 @@ EXTRA = {"backend_name": "hicache", "module_path": "hicache.integrations.sglang"
 
 
 def storage_config(socket: str, *, model: str | None = "tiny-llama", tp_rank: int = 0, tp_size: int = 1,
-                   mla: bool = False, **extra: Any) -> HiCacheStorageConfig:
+                   mla: bool = False, model_extra: str | None = None, **extra: Any) -> HiCacheStorageConfig:
+    """`model` is what SGLang passes (its served model name); `model_extra` the extra-config "model"."""
+    if model_extra is not None:
+        extra["model"] = model_extra
     return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
                                 attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=False,
                                 is_page_first_layout=True, model_name=model,

@@ -3,6 +3,8 @@ dynamic backend factory, key function and host pools, and real daemon processes.
 
 from __future__ import annotations
 
+import asyncio
+import re
 import signal
 import threading
 import time
@@ -16,8 +18,10 @@ from tests.integrations.sglang_util import (
     PAGE_SIZE, StorageBackendFactory, HiCacheStorage, backend, content, fill, host_pool, matches, page_keys,
     run_instance, storage_config,
 )
+from tests.daemon.disk_faults_util import free_port, metrics_text
 from tests.wait import wait_until
 
+from hicache.client.async_client import AsyncRpcConnection
 from hicache.client.connection import RpcConnection
 from hicache.client.keyed import named_page
 from hicache.integrations.sglang import HiCacheStore
@@ -312,3 +316,125 @@ def test_sglangs_threads_run_at_once_with_one_round_trip_per_batch(daemon, monke
     assert not errors, errors
     b1.close()
     b2.close()
+
+
+# ------------------------------------------------------------------ what a real server showed (issue 27)
+
+def test_sglang_traffic_feeds_stats_metrics_and_events(daemon_factory):
+    """Keyed pages count like any other: lookups, hit rate, loads, puts, metrics, events."""
+    port = free_port()
+    d = daemon_factory("--host-capacity", "64MiB", "--no-disk", "--metrics-port", str(port)).start()
+    p1, p2 = host_pool(), host_pool()
+    b1, b2 = backend(d.socket, p1), backend(d.socket, p2)
+    keys = page_keys(6, seed=12)
+    more = page_keys(4, seed=13, prior=keys[-1])
+
+    def traffic() -> None:
+        src = p1.alloc(6 * PAGE_SIZE)
+        fill(p1, src, seed=12)
+        assert b1.batch_set_v1(keys, src) == [True] * 6
+        assert b2.batch_exists(keys + more) == 6  # 10 asked for, the first 6 on host
+        assert b2.batch_get_v1(keys, p2.alloc(6 * PAGE_SIZE)) == [True] * 6
+
+    async def watched() -> list[dict]:
+        sub = await AsyncRpcConnection.connect(d.socket)
+        await sub.subscribe()
+        await asyncio.to_thread(traffic)
+        events: list[dict] = []
+        try:
+            while True:
+                events.append(await asyncio.wait_for(sub.next_event(), 2.0))
+        except asyncio.TimeoutError:
+            pass
+        await sub.close()
+        return events
+
+    events = asyncio.run(watched())
+    stored = [k for e in events if e["type"] == "stored" and e["tier"] == "host" for k in e["keys"]]
+    assert sorted(stored) == sorted(named_page(b1.salt, k.encode(), PAGE_SIZE)[0] for k in keys)
+    st = admin(d.socket, "stats")
+    assert st["requests"]["matches"] == 1 and st["requests"]["requested_pages"] == 10
+    assert st["requests"]["loaded_pages"] == 6
+    assert st["tiers"]["host"]["hit_rate"] == pytest.approx(0.6)
+    assert (st["puts"]["puts"], st["puts"]["put_pages"], st["puts"]["committed_pages"]) == (1, 6, 6)
+    wait_until(lambda: re.search(r'hicache_hits_total\{tier="host"\} 6\.0', metrics_text(port))
+               and re.search(r"hicache_misses_total 4\.0", metrics_text(port)), 30, "hits and misses in the metrics")
+    b1.close()
+    b2.close()
+
+
+def engines_of(sock: str) -> int:
+    return len(admin(sock, "stats")["engines"])
+
+
+def test_restarted_sglang_threads_reuse_connections_instead_of_leaking_them(daemon):
+    """/flush_cache makes SGLang stop its storage threads and start new ones (HiCacheController.reset),
+    without telling the backend: connections must not pile up, and a new thread's first call
+    must not open one (a connect on the prefetch path could outlast SGLang's prefetch timeout)."""
+    pool = host_pool()
+    b = backend(daemon.socket, pool)
+    keys = page_keys(4, seed=14)
+    src = pool.alloc(4 * PAGE_SIZE)
+    fill(pool, src, seed=14)
+    assert b.batch_set_v1(keys, src) == [True] * 4
+    dst = pool.alloc(4 * PAGE_SIZE)
+    opened = engines_of(daemon.socket)
+    errors: list[BaseException] = []
+
+    def storage_thread(kind: str) -> None:  # what SGLang's prefetch / IO / backup threads call
+        try:
+            for _ in range(3):
+                if kind == "prefetch":
+                    assert b.batch_exists(keys) == 4
+                elif kind == "io":
+                    assert b.batch_get_v1(keys, dst) == [True] * 4
+                else:
+                    assert b.batch_set_v1(keys, src) == [True] * 4
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    for _ in range(5):  # five flushes: the threads stop and are replaced each time
+        threads = [threading.Thread(target=storage_thread, args=(k,)) for k in ("prefetch", "io", "backup")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert not errors, errors
+    assert engines_of(daemon.socket) <= 3  # at most one per concurrent caller, whatever the flushes
+    calls: list[str] = []
+    real_call = RpcConnection.call
+
+    def counted(self, method, *args, **kwargs):
+        calls.append(method)
+        return real_call(self, method, *args, **kwargs)
+
+    RpcConnection.call = counted
+    try:
+        t = threading.Thread(target=lambda: calls.append(str(b.batch_exists(keys))))
+        t.start()
+        t.join(30)
+    finally:
+        RpcConnection.call = real_call
+    assert calls == ["exists", "4"]  # a new thread's first call: no connect, no registration
+    b.close()
+    assert engines_of(daemon.socket) == 0 and opened >= 1
+
+
+def test_the_extra_config_model_names_the_namespace_whatever_the_model_path(daemon):
+    """SGLang passes its served model name (--model-path unless --served-model-name is given):
+    the extra-config "model" overrides it, so one model at two paths shares its pages."""
+    sock = daemon.socket
+    p1, p2 = host_pool(), host_pool()
+    a = backend(sock, p1, model="/mnt/node-a/llama", model_extra="tiny-llama")
+    b = backend(sock, p2, model="/mnt/node-b/llama", model_extra="tiny-llama")
+    other = backend(sock, host_pool(), model="/mnt/node-b/llama")  # no override: the path names it
+    keys = page_keys(3, seed=15)
+    src = p1.alloc(3 * PAGE_SIZE)
+    fill(p1, src, seed=15)
+    assert a.batch_set_v1(keys, src) == [True] * 3
+    assert b.batch_exists(keys) == 3 and other.batch_exists(keys) == 0
+    dst = p2.alloc(3 * PAGE_SIZE)
+    assert b.batch_get_v1(keys, dst) == [True] * 3 and matches(p2, dst, seed=15) == [True] * 3
+    assert {e["model"] for e in admin(sock, "stats")["engines"]} == {"tiny-llama", "/mnt/node-b/llama"}
+    for x in (a, b, other):
+        x.close()
