@@ -30,16 +30,16 @@ def hicache_extra_config(socket: str, **more: Any) -> str:
 
 
 def server_args(model: str, port: int, socket: str | None, *, device: str = "cpu", max_total_tokens: int = 4096,
-                hicache_ratio: float = 2.0) -> list[str]:
-    """The command line of the server tests (README's SGLang section shows it); socket None: no
-    storage backend."""
+                hicache_ratio: float = 2.0, extra: dict[str, Any] | None = None) -> list[str]:
+    """The command line of the server tests (docs/integrations/sglang.md shows it); socket None: no
+    storage backend; `extra`: more keys of the backend's extra config."""
     args = ["--model-path", model, "--device", device, "--skip-tokenizer-init", "--page-size", "16",
             "--max-total-tokens", str(max_total_tokens), "--port", str(port), "--enable-hierarchical-cache",
             "--hicache-ratio", f"{hicache_ratio:g}", "--hicache-io-backend", "direct",
             "--hicache-mem-layout", "layer_first"]
     if socket is not None:
         args += ["--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config",
-                 hicache_extra_config(socket)]
+                 hicache_extra_config(socket, **(extra or {}))]
     return args
 
 

@@ -12,7 +12,7 @@ time it needs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from hicache.errors import ConfigError
 
@@ -41,9 +41,10 @@ class CallDeadlines:
         return cls(timeout_s, timeout_s, timeout_s, timeout_s, timeout_s)
 
     @classmethod
-    def from_config(cls, value: object) -> CallDeadlines:
+    def from_config(cls, value: object, base: CallDeadlines | None = None) -> CallDeadlines:
         """Deadlines from an engine's configuration: a number (every call) or a mapping of
-        call kinds to seconds (the rest keep their defaults); a clear error for anything else."""
+        call kinds to seconds (the rest keep `base`'s, default the defaults); a clear error
+        for anything else."""
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return cls.uniform(float(value))
         if not isinstance(value, dict):
@@ -52,4 +53,4 @@ class CallDeadlines:
         unknown = sorted(set(value) - known)
         if unknown:
             raise ConfigError(f"unknown deadline(s) {unknown}; known: {sorted(known)}")
-        return cls(**value)
+        return replace(base or cls(), **value)

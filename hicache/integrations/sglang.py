@@ -71,6 +71,8 @@ log = logging.getLogger(__name__)
 # answers again. fetch may wait for the disk tier, so it gets longer than the rest.
 DEADLINES = CallDeadlines(connect_s=0.5, match_s=0.5, load_s=2.0, update_s=0.5, admin_s=5.0)
 
+
+
 # token axis (pools indexed by token slot) or page axis (indexed by page) of each host layout
 _TOKEN_AXIS = {("mha", "layer_first"): 2, ("mha", "page_first"): 1, ("mla", "layer_first"): 1,
                ("mla", "page_first"): 0}
@@ -168,6 +170,8 @@ class HiCacheStore(HiCacheStorage):
         self.shard = (f"pp={c.pp_rank}/{c.pp_size};cp={c.attn_cp_rank}/{c.attn_cp_size};"
                       f"dcp={c.dcp_rank}/{c.dcp_size}")
         self.user_namespace = str(extra.get("namespace", ""))
+        dl = extra.get("deadlines")  # seconds, or per call kind (hicache/client/deadlines.py)
+        self.deadlines = DEADLINES if dl is None else CallDeadlines.from_config(dl, base=DEADLINES)
         self.pool: PoolPages | None = None
         self._free: list[KeyedPagesClient] = []  # connections no call is using
         self._clients: list[HiCacheClient] = []  # every connection opened, for close()
@@ -196,7 +200,7 @@ class HiCacheStore(HiCacheStorage):
     def _open(self) -> KeyedPagesClient:
         ns = self.namespace
         client = HiCacheClient(ns.layout, 1, model=ns.model, socket_path=self.socket_path, tp_rank=ns.tp_rank,
-                               tp_size=ns.tp_size, extra_key=ns.extra_key, deadlines=DEADLINES)
+                               tp_size=ns.tp_size, extra_key=ns.extra_key, deadlines=self.deadlines)
         client.connect()
         with self._lock:
             self._clients.append(client)

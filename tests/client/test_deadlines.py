@@ -23,3 +23,9 @@ def test_a_mapping_overrides_only_the_kinds_it_names() -> None:
 def test_bad_deadlines_are_refused_clearly(bad: object) -> None:
     with pytest.raises(ConfigError):
         CallDeadlines.from_config(bad)
+
+
+def test_a_mapping_keeps_the_base_for_the_kinds_it_does_not_name() -> None:
+    base = CallDeadlines(match_s=0.5, load_s=2.0)
+    d = CallDeadlines.from_config({"update_s": 3.0}, base=base)
+    assert (d.match_s, d.load_s, d.update_s) == (0.5, 2.0, 3.0)

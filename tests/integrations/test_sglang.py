@@ -24,6 +24,7 @@ from tests.wait import wait_until
 from hicache.client.async_client import AsyncRpcConnection
 from hicache.client.connection import RpcConnection
 from hicache.client.keyed import named_page
+from hicache.errors import ConfigError
 from hicache.integrations.sglang import HiCacheStore
 from hicache.tiers import disk_format as fmt
 
@@ -438,3 +439,15 @@ def test_the_extra_config_model_names_the_namespace_whatever_the_model_path(daem
     assert {e["model"] for e in admin(sock, "stats")["engines"]} == {"tiny-llama", "/mnt/node-b/llama"}
     for x in (a, b, other):
         x.close()
+
+
+def test_the_extra_config_deadlines_reach_every_connection_and_bad_ones_are_refused(daemon):
+    b = backend(daemon.socket, host_pool(), deadlines={"match_s": 3.0})
+    keys = page_keys(2, seed=16)
+    assert b.batch_exists(keys) == 0  # a call opened the pooled connection with them
+    assert {c.deadlines.match_s for c in b._clients} == {3.0}
+    assert {c.deadlines.load_s for c in b._clients} == {2.0}  # the backend's own default kept
+    b.close()
+    with pytest.raises(ConfigError, match="unknown deadline"):
+        storage = storage_config(daemon.socket, deadlines={"lookup": 1.0})
+        StorageBackendFactory.create_backend("dynamic", storage, host_pool())
