@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -21,3 +22,16 @@ def wait_until(cond: Callable[[], T], timeout_s: float = 30.0, what: str = "the 
         if time.monotonic() >= deadline:
             raise TimeoutError(f"{what} did not hold within {timeout_s:g}s")
         time.sleep(interval_s)
+
+
+async def events_until_quiet(sub: Any, quiet_s: float = 2.0) -> list[dict]:
+    """Every event a subscription delivers until none comes for `quiet_s` (the traffic that
+    raises them has ended), then the subscription is closed."""
+    events: list[dict] = []
+    try:
+        while True:
+            events.append(await asyncio.wait_for(sub.next_event(), quiet_s))
+    except asyncio.TimeoutError:
+        pass
+    await sub.close()
+    return events

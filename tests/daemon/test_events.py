@@ -9,6 +9,7 @@ from hicache.index.keys import Namespace, page_keys
 
 from tests.daemon.engine_worker import LAYOUTS, tokens_for
 from tests.daemon.test_cycle import run_worker
+from tests.wait import events_until_quiet
 
 
 def test_subscriber_sees_stored_and_removed_events(daemon):
@@ -22,14 +23,7 @@ def test_subscriber_sees_stored_and_removed_events(daemon):
         admin = await AsyncRpcConnection.connect(daemon.socket)
         await admin.call("flush", {"tier": "host"})
         await admin.close()
-        events = []
-        try:
-            while True:
-                events.append(await asyncio.wait_for(sub.next_event(), 2.0))
-        except asyncio.TimeoutError:
-            pass
-        await sub.close()
-        return events
+        return await events_until_quiet(sub)
 
     events = asyncio.run(scenario())
     salt = Namespace("test-model", LAYOUTS["mha"]).salt()

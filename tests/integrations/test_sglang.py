@@ -19,7 +19,7 @@ from tests.integrations.sglang_util import (
     run_instance, storage_config,
 )
 from tests.daemon.disk_faults_util import free_port, metrics_text
-from tests.wait import wait_until
+from tests.wait import events_until_quiet, wait_until
 
 from hicache.client.async_client import AsyncRpcConnection
 from hicache.client.connection import RpcConnection
@@ -341,14 +341,7 @@ def test_sglang_traffic_feeds_stats_metrics_and_events(daemon_factory):
         sub = await AsyncRpcConnection.connect(d.socket)
         await sub.subscribe()
         await asyncio.to_thread(traffic)
-        events: list[dict] = []
-        try:
-            while True:
-                events.append(await asyncio.wait_for(sub.next_event(), 2.0))
-        except asyncio.TimeoutError:
-            pass
-        await sub.close()
-        return events
+        return await events_until_quiet(sub)
 
     events = asyncio.run(watched())
     stored = [k for e in events if e["type"] == "stored" and e["tier"] == "host" for k in e["keys"]]
