@@ -71,8 +71,6 @@ log = logging.getLogger(__name__)
 # answers again. fetch may wait for the disk tier, so it gets longer than the rest.
 DEADLINES = CallDeadlines(connect_s=0.5, match_s=0.5, load_s=2.0, update_s=0.5, admin_s=5.0)
 
-
-
 # token axis (pools indexed by token slot) or page axis (indexed by page) of each host layout
 _TOKEN_AXIS = {("mha", "layer_first"): 2, ("mha", "page_first"): 1, ("mla", "layer_first"): 1,
                ("mla", "page_first"): 0}
