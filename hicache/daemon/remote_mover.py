@@ -251,13 +251,14 @@ class RemoteMover:
                      outs: list[np.ndarray]) -> tuple[int, np.ndarray, int, dict[str, int]]:
         """On the worker: the records, verified into their slots. Returns (pages verified
         in order, their tokens, bytes read, corrupt records by reason)."""
+        layout = ns.namespace.layout
+        size = remote_record.record_bytes(layout.page_size, ns.page_class.page_bytes)
         try:
-            blobs = await asyncio.wait_for(self.store.get(pages), self.config.remote_timeout_s)
+            blobs = await asyncio.wait_for(self.store.get(pages, size), self.config.remote_timeout_s)
         except Exception as e:
             self.worker.failure(e)
             raise
         self.worker.success()
-        layout = ns.namespace.layout
         return await self.worker.run_cpu(_verify, ns.salt, layout.fingerprint(), layout.page_size,
                                          pages, parent, blobs, outs, self.auth)
 
