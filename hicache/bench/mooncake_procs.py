@@ -81,6 +81,7 @@ class LocalMooncake:
     root: Path
     storage: int = 1  # storage processes, one per simulated machine
     segment_mib: int = 256
+    client_ttl_s: int = 10  # how long the master trusts a storage process it no longer hears from
     rpc_port: int = 0
     metadata_port: int = 0
     metrics_port: int = 0
@@ -117,7 +118,7 @@ class LocalMooncake:
         args = [mooncake_binary("mooncake_master"), f"--rpc_address={HOST}", f"--rpc_port={self.rpc_port}",
                 "--enable_http_metadata_server=true", f"--http_metadata_server_host={HOST}",
                 f"--http_metadata_server_port={self.metadata_port}", f"--metrics_host={HOST}",
-                f"--metrics_port={self.metrics_port}"]
+                f"--metrics_port={self.metrics_port}", f"--client_ttl={self.client_ttl_s}"]
         log = open(self.root / "master.log", "ab")
         self.master = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=mc_env(),
                                        start_new_session=True)
@@ -135,9 +136,10 @@ class LocalMooncake:
         self.wait_capacity()
 
     def wait_capacity(self, timeout_s: float = 30.0) -> None:
-        """Until the master counts the memory of every running storage process."""
+        """Until the master counts the memory of every running storage process, and only
+        theirs (a killed one's is dropped `client_ttl_s` after its last heartbeat)."""
         want = sum(1 for c in self.clients if c is not None and c.poll() is None) * self.segment_mib << 20
-        _wait(lambda: (self.metric("master_total_capacity_bytes") or 0) >= want, timeout_s,
+        _wait(lambda: self.metric("master_total_capacity_bytes") == want, timeout_s + self.client_ttl_s,
               f"{want >> 20} MiB of mooncake storage to mount")
 
     def metric(self, name: str) -> float | None:
