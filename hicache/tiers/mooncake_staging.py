@@ -2,7 +2,7 @@
 
 A put or get reserves one contiguous extent for its records and frees it when the
 helper is done with it. First fit over a sorted free list, neighbours merged on free:
-a few dozen calls are outstanding at most (MAX_IN_FLIGHT), so a list is enough.
+a handful of calls are outstanding at most (HELPER_THREADS), so a list is enough.
 A request that does not fit now waits until enough is freed (its caller's deadline
 bounds the wait). Used on one event loop only: not thread-safe.
 """

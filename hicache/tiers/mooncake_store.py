@@ -13,9 +13,9 @@ runs it; this class talks to it over a socketpair and shares a memfd with it, th
 staging area: records are copied in before a put and out after a get (the copies the
 Redis backend makes into and out of its socket buffers), and the helper moves them
 with zero-copy calls on that area, registered once. Every call is bounded by the
-caller's deadline (a cancelled call leaves its staging space reserved until the helper
-answers), and at most MAX_IN_FLIGHT calls are outstanding: a master that blocks each
-call for ~4 s gets an immediate "busy" failure, not a pile-up of threads.
+caller's deadline (a cancelled call leaves its staging space and its slot reserved until
+the helper answers), and at most HELPER_THREADS calls are outstanding, a few slots kept
+for probes: a master that blocks each call for ~4 s piles up no threads and no queue.
 
 Semantics against Redis:
 - Writes use `upsert` (overwrite), so a damaged or forged record is replaced by the
@@ -53,8 +53,13 @@ log = logging.getLogger(__name__)
 
 DEFAULT_METADATA_PORT = 8080
 DEFAULT_STAGING_MIB = 64
-HELPER_THREADS = 4
-MAX_IN_FLIGHT = 2 * HELPER_THREADS
+# Calls outstanding in the helper at most, per kind: probes (exists, ping) never queue
+# behind transfers, and together they never exceed the helper's threads, so nothing
+# waits inside the helper; a caller beyond them waits here, bounded by its deadline.
+MAX_PROBES = 4
+MAX_TRANSFERS = 4
+HELPER_THREADS = MAX_PROBES + MAX_TRANSFERS
+PROBE_OPS = ("exists",)
 RESPAWN_AFTER_S = 30.0  # a helper that has failed every ping this long is replaced
 NOT_FOUND = -704
 NO_SPACE = -200  # NO_AVAILABLE_HANDLE: no segment has room
@@ -128,7 +133,9 @@ class MooncakeStore(RemoteStore):
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
         self._ready: asyncio.Future | None = None
-        self._pending: dict[int, tuple[asyncio.Future, tuple[int, int] | None]] = {}
+        self._pending: dict[int, tuple[asyncio.Future, tuple[int, int] | None, asyncio.Semaphore]] = {}
+        self._probe_slots: asyncio.Semaphore | None = None  # made on the worker's loop (connect)
+        self._transfer_slots: asyncio.Semaphore | None = None
         self._next_id = 1
         self._failing_since = 0.0
         self.helper_starts = 0
@@ -158,6 +165,7 @@ class MooncakeStore(RemoteStore):
             theirs.close()
         self.helper_starts += 1
         reader, self._writer = await asyncio.open_unix_connection(sock=ours)
+        self._probe_slots, self._transfer_slots = asyncio.Semaphore(MAX_PROBES), asyncio.Semaphore(MAX_TRANSFERS)
         self._ready = asyncio.get_running_loop().create_future()
         self._reader_task = asyncio.get_running_loop().create_task(self._read_replies(reader))
 
@@ -173,7 +181,9 @@ class MooncakeStore(RemoteStore):
                         else:
                             self._ready.set_exception(RemoteStoreError(f"mooncake helper: {result}"))
                     continue
-                fut, extent = self._pending.pop(rid, (None, None))
+                fut, extent, slots = self._pending.pop(rid, (None, None, None))
+                if slots is not None:
+                    slots.release()
                 if fut is not None and fut.cancelled() and extent is not None:
                     self.staging.free(*extent)  # its caller is gone; a live caller frees its own
                 if fut is not None and not fut.done():
@@ -191,7 +201,8 @@ class MooncakeStore(RemoteStore):
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(RemoteStoreError(why))
         pending, self._pending = self._pending, {}
-        for fut, extent in pending.values():
+        for fut, extent, slots in pending.values():
+            slots.release()
             if fut.cancelled() and extent is not None:
                 self.staging.free(*extent)
             elif not fut.done():
@@ -215,20 +226,25 @@ class MooncakeStore(RemoteStore):
         """One request to the helper; the caller's deadline cancels the wait, not the call.
         `extent` (staging space the call uses) is freed once the helper is done with it:
         here after `then(result)` (the copy out), or on the helper's late reply when the
-        caller was cancelled."""
-        if not self._alive() or self._ready is None or not self._ready.done() or self._ready.exception():
-            error = "not connected"
-        elif len(self._pending) >= MAX_IN_FLIGHT:
-            error = f"busy: {len(self._pending)} calls to the mooncake helper outstanding"
-        else:
-            error = ""
-        if error:
+        caller was cancelled. The slot goes back with the helper's reply."""
+        try:
+            if not self._usable():
+                raise RemoteStoreError("not connected")
+            slots = self._probe_slots if op in PROBE_OPS else self._transfer_slots
+            assert slots is not None
+            await slots.acquire()
+        except BaseException:
             if extent is not None:
                 self.staging.free(*extent)
-            raise RemoteStoreError(error)
+            raise
+        if not self._usable() or slots not in (self._probe_slots, self._transfer_slots):
+            slots.release()  # the helper was lost (or replaced) while this call waited
+            if extent is not None:
+                self.staging.free(*extent)
+            raise RemoteStoreError("not connected")
         rid, self._next_id = self._next_id, self._next_id + 1
         fut = asyncio.get_running_loop().create_future()
-        self._pending[rid] = (fut, extent)
+        self._pending[rid] = (fut, extent, slots)
         assert self._writer is not None
         self._writer.write(frame([rid, op, *args]))
         try:
@@ -238,9 +254,13 @@ class MooncakeStore(RemoteStore):
             if extent is not None and not fut.cancelled():
                 self.staging.free(*extent)
 
+    def _usable(self) -> bool:
+        return (self._alive() and self._ready is not None and self._ready.done()
+                and self._ready.exception() is None)
+
     # -- the interface ---------------------------------------------------------------
     async def connect(self) -> None:
-        if self._alive() and self._ready is not None and self._ready.done() and not self._ready.exception():
+        if self._usable():
             # a set-up client reconnects to a restarted master by itself; replace it only
             # when it has failed for long (a new one would block in setup() meanwhile)
             if not self._failing_since or time.monotonic() - self._failing_since < RESPAWN_AFTER_S:
@@ -257,7 +277,7 @@ class MooncakeStore(RemoteStore):
 
     async def ping(self) -> None:
         try:
-            codes = await self._call("exists", ["hc1:ping"])
+            codes = await self._call("exists", ["hc1:ping"])  # fails at once with the master down
             if codes[0] < 0:
                 raise RemoteStoreError(f"mooncake: exists returned {codes[0]} (master unreachable?)")
         except BaseException:
