@@ -266,7 +266,7 @@ class Daemon:
                     m.add_remote(what, delta(f"remote.{what}", r[what]))
                 for op, seconds in self.remote.take_latencies():
                     m.observe_remote(op, seconds)
-                m.set_remote_up(r["available"])
+                m.set_remote_up(r["available"], r["kind"])
                 m.set_queue_depth("remote_write", r["queue_pages"])
             m.set_engines(len(st["engines"]))
             m.set_namespaces(self._namespace_usage())
