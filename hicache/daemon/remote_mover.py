@@ -127,6 +127,7 @@ class RemoteMover:
         self._negative: OrderedDict[bytes, float] = OrderedDict()
         self._latencies: list[tuple[str, float]] = []
         self._buffers = remote_record.BufferPool()
+        self.publisher: Any = None  # RemotePublisher, with a disk tier
         # Chain behind the disk tier's write-through: both hear of new host pages, and
         # pages fetched from the store go on to the disk tier through the saved hook only.
         self._disk_hook = service.on_host_stored
@@ -400,6 +401,20 @@ class RemoteMover:
                 raise error
             await asyncio.sleep(BACKOFF_S[0])
 
+    # -- hooks of the disk publisher (hicache/daemon/remote_publish.py) -------------------
+    def exists(self, pages: list[PageAddress]) -> concurrent.futures.Future:
+        """Which of `pages` the store holds (on the worker, bounded by the op timeout)."""
+        return self.worker.submit(self._probe(pages))
+
+    def publish(self, ns: NamespaceState, pages: list) -> concurrent.futures.Future:
+        """Write records of pages held outside the arena, given as write_through builds
+        them; their buffers must outlive the future (its result: stored, bytes, dropped)."""
+        job = _PutJob(ns, [], pages, locked=False)
+        self.queued_pages += len(pages)
+        fut = self.worker.submit(self._put(job))
+        self._post(fut, self._put_done, job)
+        return fut
+
     def _count_retries(self, n: int) -> None:
         self.counters.write_retries += n
 
@@ -436,7 +451,7 @@ class RemoteMover:
 
     def stats(self) -> dict[str, Any]:
         c, w = self.counters, self.worker
-        return {**self.store.describe(), "state": w.state, "available": w.available, "last_error": w.last_error,
+        return {**self.store.describe(), **(self.publisher.stats() if self.publisher is not None else {}), "state": w.state, "available": w.available, "last_error": w.last_error,
                 "auth": self.auth.describe() if self.auth is not None else "none (unauthenticated records)",
                 "errors": w.errors, "breaker_opens": w.breaker_opens,
                 "consecutive_failures": w.breaker.consecutive, "queue_pages": self.queued_pages,
@@ -450,6 +465,8 @@ class RemoteMover:
                 "ttl_s": self.config.remote_ttl_s, "lookup_timeout_s": self.config.remote_lookup_timeout_s}
 
     def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
         self.worker.close()
 
 
