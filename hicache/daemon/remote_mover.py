@@ -401,18 +401,15 @@ class RemoteMover:
                 raise error
             await asyncio.sleep(BACKOFF_S[0])
 
-    # -- hooks of the disk publisher (hicache/daemon/remote_publish.py) -------------------
-    def exists(self, pages: list[PageAddress]) -> concurrent.futures.Future:
-        """Which of `pages` the store holds (on the worker, bounded by the op timeout)."""
+    def exists(self, pages: list[PageAddress]) -> concurrent.futures.Future:  # for remote_publish.py
         return self.worker.submit(self._probe(pages))
 
     def publish(self, ns: NamespaceState, pages: list) -> concurrent.futures.Future:
-        """Write records of pages held outside the arena, given as write_through builds
-        them; their buffers must outlive the future (its result: stored, bytes, dropped)."""
+        """Write pages held outside the arena (remote_publish.py), given as write_through
+        builds them; their buffers must outlive the future (result: stored, bytes, dropped)."""
         job = _PutJob(ns, [], pages, locked=False)
         self.queued_pages += len(pages)
-        fut = self.worker.submit(self._put(job))
-        self._post(fut, self._put_done, job)
+        self._post(fut := self.worker.submit(self._put(job)), self._put_done, job)
         return fut
 
     def _count_retries(self, n: int) -> None:

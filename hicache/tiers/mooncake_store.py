@@ -167,9 +167,9 @@ class MooncakeStore(RemoteStore):
         reader, self._writer = await asyncio.open_unix_connection(sock=ours)
         self._probe_slots, self._transfer_slots = asyncio.Semaphore(MAX_PROBES), asyncio.Semaphore(MAX_TRANSFERS)
         self._ready = asyncio.get_running_loop().create_future()
-        self._reader_task = asyncio.get_running_loop().create_task(self._read_replies(reader))
+        self._reader_task = asyncio.get_running_loop().create_task(self._read_replies(reader, self.helper_starts))
 
-    async def _read_replies(self, reader: asyncio.StreamReader) -> None:
+    async def _read_replies(self, reader: asyncio.StreamReader, generation: int) -> None:
         try:
             while True:
                 head = await reader.readexactly(FRAME.size)
@@ -194,7 +194,8 @@ class MooncakeStore(RemoteStore):
         except (asyncio.IncompleteReadError, OSError):
             pass
         finally:
-            self._lost("the mooncake helper process exited")
+            if generation == self.helper_starts:  # a replaced helper's reader must not touch the new one
+                self._lost("the mooncake helper process exited")
 
     def _lost(self, why: str) -> None:
         """The helper is gone: fail every outstanding call, release the staging area."""

@@ -21,7 +21,7 @@ from hicache.tiers import remote_record as rr
 from hicache.tiers.mooncake_store import MooncakeStore
 from hicache.tiers.remote_auth import RecordAuth
 from hicache.tiers.remote_record import HEADER_BYTES
-from hicache.tiers.remote_store import PageAddress, address, open_store
+from hicache.tiers.remote_store import PageAddress, RemoteStoreError, address, open_store
 from tests.daemon.test_isolation import LAYOUT, engine, load_exact, store, tokens
 from tests.remote.test_auth import ATTACKER, SECRET, _secret_file
 from tests.remote.util import DAEMON_FLAGS, admin, remote_env, remote_stats, wait_remote_up, wait_written
@@ -69,6 +69,26 @@ def test_store_calls_and_their_semantics(mooncake):
 
     desc = _on_store(mooncake.url, calls)
     assert desc["kind"] == "mooncake" and desc["master"] == mooncake.master_address and desc["helper_starts"] == 1
+
+
+def test_a_dead_helper_fails_its_calls_and_the_next_connect_starts_another(mooncake):
+    page = PageAddress(b"h" * 16, b"k" * 16, bytes(16))
+
+    async def scenario(st):
+        assert await st.put([(page, memoryview(b"x" * 100))], 0) == 1
+        first = st._proc
+        first.kill()  # as the OOM killer might
+        with pytest.raises(RemoteStoreError):
+            for _ in range(100):  # until the reader has seen the socket close
+                await st.exists([page])
+                await asyncio.sleep(0.05)
+        await st.connect()  # what the remote worker's health loop does
+        assert st._proc is not first and st.helper_starts == 2
+        assert await st.exists([page]) == [True]  # the record lives in the storage process
+        assert bytes((await st.get([page], 4096))[0]) == b"x" * 100
+        assert st.staging.used == 0
+
+    _on_store(mooncake.url, scenario)
 
 
 @pytest.mark.parametrize("url", ["mooncake://", "mooncake://h", "mooncake://h:1?bogus=1", "mooncake://u:pw@h:1",
