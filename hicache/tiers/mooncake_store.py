@@ -307,7 +307,8 @@ class MooncakeStore(RemoteStore):
         offsets = [offset + i * record_bytes for i in range(len(pages))]
         nbytes = record_bytes * len(pages)
         codes, blobs = await self._call("get", [record_key(p) for p in pages], offsets, [record_bytes] * len(pages),
-                                        extent=(offset, nbytes), then=lambda codes: (codes, self._copy_out(offsets, codes)))
+                                        extent=(offset, nbytes),
+                                        then=lambda codes: (codes, self._copy_out(offsets, codes)))
         failed = [c for c in codes if c < 0 and c != NOT_FOUND]
         if failed and len(failed) == len(codes):
             raise RemoteStoreError(f"mooncake: get returned {failed[0]}")
