@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which pages each tier evicts first (default frecency; lru for comparison)")
     s.add_argument("--metrics-port", type=int)
     s.add_argument("--remote-url", help="remote tier on Redis/Valkey (standalone or any node of a Cluster): "
-                                        "redis://[user:password@]host:port, rediss://..., unix:///path")
+                                        "redis://[user:password@]host:port, rediss://..., unix:///path; "
+                                        "or on Mooncake Store: mooncake://master_host:port[?metadata=URL&...]")
     s.add_argument("--remote-password-file", help="the remote store's password, from a file (wins over the URL's)")
     s.add_argument("--remote-secret-file", help="cluster secret(s) that sign remote records, one per line: the "
                                                 "first signs, all verify (without it records are unauthenticated)")
@@ -162,7 +163,7 @@ def _print_stats(st: dict) -> None:
               f"{t.get('evicted_pages', 0):>10}")
     rt = st["tiers"].get("remote")
     if rt is not None:
-        print(f"remote  {rt['url']} ({rt['mode']}, {rt['state']})  written {rt['written_pages']}  "
+        print(f"remote  {rt.get('kind', 'redis')} {rt['url']} ({rt['mode']}, {rt['state']})  written {rt['written_pages']}  "
               f"hits {rt['hit_pages']}  misses {rt['miss_pages']}  corrupt {rt['corrupt_records']}  "
               f"auth {rt.get('auth', '-')}  "
               f"errors {rt['errors']}  dropped {rt['dropped_pages']}  "

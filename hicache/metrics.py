@@ -146,6 +146,8 @@ class Metrics:
             "dropped_pages, failed_writes, corrupt_records, errors).", ("what",)
         )
         self._remote_up = gauge("hicache_remote_up", "1 while the remote store answers (circuit breaker closed).")
+        self._remote_backend = gauge("hicache_remote_backend", "1 for the remote tier's store kind (redis, "
+                                     "mooncake).", ("backend",))
         self._disk_degraded = gauge("hicache_disk_degraded", "1 while the disk tier is degraded (writes refused).")
         self._engines = gauge("hicache_engines_connected", "Engine connections currently open.")
         self._queue_depth = gauge("hicache_queue_depth", "Items waiting in a daemon work queue.", ("queue",))
@@ -255,8 +257,11 @@ class Metrics:
         _check_label(what)
         self._remote_pages.labels(what).inc(_count(n))
 
-    def set_remote_up(self, up: bool) -> None:
+    def set_remote_up(self, up: bool, backend: str = "") -> None:
         self._remote_up.set(1 if up else 0)
+        if backend:
+            _check_label(backend)
+            self._remote_backend.labels(backend).set(1)
 
     # --- daemon state -----------------------------------------------------
 

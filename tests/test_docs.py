@@ -36,6 +36,8 @@ FENCE = re.compile(r"^```(\w+)([^\n]*)\n(.*?)^```", re.S | re.M)
 # they are not run here. A new one must be added on purpose.
 OUTSIDE_TOOLS = {
     "pip": "installs hicache and its extras",
+    "mooncake_master": "Mooncake Store's master (tests/remote/test_mooncake.py starts it with these flags)",
+    "mooncake_client": "a Mooncake Store storage process (the same test starts two)",
     "vllm": "vLLM's server (tests/integrations/test_vllm_serve.py runs it with the JSON shown)",
     "useradd": "the service user (docs/operations/systemd.md)",
     "usermod": "the service group",
@@ -47,6 +49,8 @@ OUTSIDE_TOOLS = {
 OUTSIDE_MODULES = {
     "sglang.launch_server": "SGLang's server (no GPU here: its storage backend is tested)",
     "pip": "installs hicache and its extras",
+    "mooncake_master": "Mooncake Store's master (tests/remote/test_mooncake.py starts it with these flags)",
+    "mooncake_client": "a Mooncake Store storage process (the same test starts two)",
     "venv": "a fresh virtualenv for the package",
     "build": "builds the sdist and wheel",
 }

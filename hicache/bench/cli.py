@@ -92,6 +92,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     _add_plot(b, "hit rate against capacity: hicache, OPT, LRU and the other policies")
 
     b = bench("remote", "remote tier put / get GB/s and lookup latency vs plain redis-py on the same store")
+    b.add_argument("--backend", choices=["redis", "mooncake"], default="redis",
+                   help="mooncake: the tier on a local Mooncake Store vs raw batch_put_from/batch_get_into "
+                        "and vs the tier on Redis (--url: that Redis)")
     b.add_argument("--url", help="an existing Redis / Valkey (default: start a 3-master cluster on loopback)")
     b.add_argument("--page-kib", type=int, nargs="+", default=[64, 1024])
     b.add_argument("--total-mib", type=int, default=128, help="bytes moved per repeat and page size")
@@ -169,7 +172,10 @@ def run(args: argparse.Namespace) -> int:
         from hicache.bench.trace_bench import run as go
         rows = go(args)
     elif args.bench == "remote":
-        from hicache.bench.remote_bench import run as go
+        if args.backend == "mooncake":
+            from hicache.bench.mooncake_bench import run as go
+        else:
+            from hicache.bench.remote_bench import run as go
         rows = go(args.url, tuple(args.page_kib), args.total_mib, args.repeats)
     elif args.bench == "soak":
         from hicache.bench.soak_bench import run as go

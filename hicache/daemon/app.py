@@ -178,6 +178,12 @@ class Daemon:
 
             # after the disk tier: chains behind it
             self.remote = RemoteMover.start(cfg, self.service, remote_store, remote_auth)
+            if self.disk is not None:  # pages only on disk are offered to the store too
+                from hicache.daemon.remote_publish import RemotePublisher
+
+                self.remote.publisher = RemotePublisher(self.remote, self.service, self.disk.tier,
+                                                        cfg.remote_publish_pages, cfg.remote_queue_pages)
+                self.remote.publisher.start()
         allowed_uids = set(cfg.allowed_uids) or {os.getuid(), 0}
         self.server = RpcServer(build_handlers(self), max_frame_bytes=cfg.max_frame_bytes,
                                 max_buffer_bytes=cfg.max_buffer_bytes, max_inflight=cfg.max_inflight,
@@ -266,7 +272,7 @@ class Daemon:
                     m.add_remote(what, delta(f"remote.{what}", r[what]))
                 for op, seconds in self.remote.take_latencies():
                     m.observe_remote(op, seconds)
-                m.set_remote_up(r["available"])
+                m.set_remote_up(r["available"], r["kind"])
                 m.set_queue_depth("remote_write", r["queue_pages"])
             m.set_engines(len(st["engines"]))
             m.set_namespaces(self._namespace_usage())

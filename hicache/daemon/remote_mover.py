@@ -127,6 +127,7 @@ class RemoteMover:
         self._negative: OrderedDict[bytes, float] = OrderedDict()
         self._latencies: list[tuple[str, float]] = []
         self._buffers = remote_record.BufferPool()
+        self.publisher: Any = None  # RemotePublisher, with a disk tier
         # Chain behind the disk tier's write-through: both hear of new host pages, and
         # pages fetched from the store go on to the disk tier through the saved hook only.
         self._disk_hook = service.on_host_stored
@@ -251,13 +252,14 @@ class RemoteMover:
                      outs: list[np.ndarray]) -> tuple[int, np.ndarray, int, dict[str, int]]:
         """On the worker: the records, verified into their slots. Returns (pages verified
         in order, their tokens, bytes read, corrupt records by reason)."""
+        layout = ns.namespace.layout
+        size = remote_record.record_bytes(layout.page_size, ns.page_class.page_bytes)
         try:
-            blobs = await asyncio.wait_for(self.store.get(pages), self.config.remote_timeout_s)
+            blobs = await asyncio.wait_for(self.store.get(pages, size), self.config.remote_timeout_s)
         except Exception as e:
             self.worker.failure(e)
             raise
         self.worker.success()
-        layout = ns.namespace.layout
         return await self.worker.run_cpu(_verify, ns.salt, layout.fingerprint(), layout.page_size,
                                          pages, parent, blobs, outs, self.auth)
 
@@ -399,6 +401,17 @@ class RemoteMover:
                 raise error
             await asyncio.sleep(BACKOFF_S[0])
 
+    def exists(self, pages: list[PageAddress]) -> concurrent.futures.Future:  # for remote_publish.py
+        return self.worker.submit(self._probe(pages))
+
+    def publish(self, ns: NamespaceState, pages: list) -> concurrent.futures.Future:
+        """Write pages held outside the arena (remote_publish.py), given as write_through
+        builds them; their buffers must outlive the future (result: stored, bytes, dropped)."""
+        job = _PutJob(ns, [], pages, locked=False)
+        self.queued_pages += len(pages)
+        self._post(fut := self.worker.submit(self._put(job)), self._put_done, job)
+        return fut
+
     def _count_retries(self, n: int) -> None:
         self.counters.write_retries += n
 
@@ -435,7 +448,7 @@ class RemoteMover:
 
     def stats(self) -> dict[str, Any]:
         c, w = self.counters, self.worker
-        return {**self.store.describe(), "state": w.state, "available": w.available, "last_error": w.last_error,
+        return {**self.store.describe(), **(self.publisher.stats() if self.publisher is not None else {}), "state": w.state, "available": w.available, "last_error": w.last_error,
                 "auth": self.auth.describe() if self.auth is not None else "none (unauthenticated records)",
                 "errors": w.errors, "breaker_opens": w.breaker_opens,
                 "consecutive_failures": w.breaker.consecutive, "queue_pages": self.queued_pages,
@@ -449,6 +462,8 @@ class RemoteMover:
                 "ttl_s": self.config.remote_ttl_s, "lookup_timeout_s": self.config.remote_lookup_timeout_s}
 
     def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
         self.worker.close()
 
 

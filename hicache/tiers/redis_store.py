@@ -154,7 +154,7 @@ class RedisStore(RemoteStore):
                 pipe.execute_command("EXISTS", record_key(page))
             return [bool(n) for n in _raise_first(await pipe.execute(raise_on_error=False))]
 
-    async def get(self, pages: Sequence[PageAddress]) -> list[bytes | None]:
+    async def get(self, pages: Sequence[PageAddress], record_bytes: int = 0) -> list[bytes | None]:
         client = self._require()
         runs = _runs(pages)
         async with client.pipeline(transaction=False) as pipe:

@@ -2,9 +2,8 @@
 
 A backend moves opaque records under page addresses; it knows nothing of the
 index, the arena or the record format (hicache/tiers/remote_record.py), so a
-second store — Mooncake Store's `batch_is_exist` / `batch_get_into` /
-`batch_put_from`, wrapped in `asyncio.to_thread` — is one more subclass and
-no change to the daemon.
+second store (Mooncake Store: hicache/tiers/mooncake_store.py) is one more
+subclass and no change to the daemon.
 
 Contract:
 - Every method is a coroutine run on the remote worker's own event loop
@@ -29,13 +28,14 @@ from dataclasses import dataclass
 
 from hicache.errors import ConfigError, HiCacheError
 
-# URL scheme -> "module:class" of the backend serving it. A new store (Mooncake Store,
-# say) is a module with a RemoteStore subclass and a line here; the daemon opens
+# URL scheme -> "module:class" of the backend serving it. A new store is a module
+# with a RemoteStore subclass and a line here; the daemon opens
 # whatever `remote_url` names through open_store() and knows no backend.
 BACKENDS = {
     "redis": "hicache.tiers.redis_store:RedisStore",
     "rediss": "hicache.tiers.redis_store:RedisStore",
     "unix": "hicache.tiers.redis_store:RedisStore",
+    "mooncake": "hicache.tiers.mooncake_store:MooncakeStore",
 }
 
 
@@ -102,8 +102,10 @@ class RemoteStore(ABC):
         """Which pages the store holds now (one round trip; the answer may be stale)."""
 
     @abstractmethod
-    async def get(self, pages: Sequence[PageAddress]) -> list[bytes | None]:
-        """The records of `pages`, None where missing."""
+    async def get(self, pages: Sequence[PageAddress], record_bytes: int = 0) -> list[bytes | None]:
+        """The records of `pages`, None where missing. `record_bytes` is the largest record
+        the caller accepts (0: any): a store that reads into preallocated buffers sizes
+        them by it."""
 
     @abstractmethod
     async def put(self, records: Sequence[tuple[PageAddress, memoryview]], ttl_s: float) -> int:

