@@ -163,7 +163,8 @@ def _print_stats(st: dict) -> None:
               f"{t.get('evicted_pages', 0):>10}")
     rt = st["tiers"].get("remote")
     if rt is not None:
-        print(f"remote  {rt.get('kind', 'redis')} {rt['url']} ({rt['mode']}, {rt['state']})  written {rt['written_pages']}  "
+        print(f"remote  {rt.get('kind', 'redis')} {rt['url']} ({rt['mode']}, {rt['state']})  "
+              f"written {rt['written_pages']}  "
               f"hits {rt['hit_pages']}  misses {rt['miss_pages']}  corrupt {rt['corrupt_records']}  "
               f"auth {rt.get('auth', '-')}  "
               f"errors {rt['errors']}  dropped {rt['dropped_pages']}  "

@@ -448,7 +448,9 @@ class RemoteMover:
 
     def stats(self) -> dict[str, Any]:
         c, w = self.counters, self.worker
-        return {**self.store.describe(), **(self.publisher.stats() if self.publisher is not None else {}), "state": w.state, "available": w.available, "last_error": w.last_error,
+        published = self.publisher.stats() if self.publisher is not None else {}
+        return {**self.store.describe(), **published, "state": w.state, "available": w.available,
+                "last_error": w.last_error,
                 "auth": self.auth.describe() if self.auth is not None else "none (unauthenticated records)",
                 "errors": w.errors, "breaker_opens": w.breaker_opens,
                 "consecutive_failures": w.breaker.consecutive, "queue_pages": self.queued_pages,

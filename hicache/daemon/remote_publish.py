@@ -147,7 +147,8 @@ class RemotePublisher:
 
     def stats(self) -> dict[str, Any]:
         return {"publish_sweeps": self.sweeps, "publish_sweeps_done": self.sweeps_done,
-                "publish_probed_pages": self.probed_pages, "publish_present_pages": self.present_pages, "published_pages": self.published_pages,
+                "publish_probed_pages": self.probed_pages, "publish_present_pages": self.present_pages,
+                "published_pages": self.published_pages,
                 "publish_disk_misses": self.disk_misses, "publish_budget_pages": self.budget_pages}
 
     def close(self) -> None:
