@@ -353,6 +353,23 @@ class HiCacheClient:
         self._check_slabs(reply)
         return reply
 
+    def _post(self, method: str, params: dict) -> None:
+        """Send a call whose answer the engine does not need, without waiting for it: a
+        starved daemon then costs the engine's step nothing, and a missed deadline cannot
+        drop the connection (which would turn the next lookups into misses while it
+        reconnects). Order is kept: the daemon handles the next call after this one. A
+        call of an earlier epoch is void (the daemon that issued its ids is gone); a
+        refusal is logged when its answer is read (RpcConnection.post)."""
+        if not self.connected:
+            if not self._adopt_ready():
+                self._open("not connected")
+            return
+        assert self.conn is not None
+        try:
+            self.conn.post(method, params, self.deadlines.update_s)
+        except DaemonUnavailable as e:
+            self._open(e.message)
+
     def close(self) -> None:
         if self._reconnector is not None:
             self._reconnector.close()
@@ -417,8 +434,12 @@ class HiCacheClient:
             return None
         return bytes_to_ids(r["free_pages"])
 
-    def release(self, match: Match) -> None:
+    def release(self, match: Match, *, wait: bool = True) -> None:
+        """Unpin `match`. `wait=False` sends it without waiting for the answer (see `_post`)."""
         if match.pin is None or match.epoch != self.epoch:
+            return
+        if not wait:
+            self._post("release", {"pin": match.pin})
             return
         try:
             self._call("release", {"pin": match.pin}, self.deadlines.update_s)
@@ -480,10 +501,14 @@ class HiCacheClient:
         return PutPlan(None if put is None else int(put), int(r["present"]), bytes_to_ids(r["host_pages"]),
                        int(r["slabs"]), self.epoch)
 
-    def put_done(self, plan: PutPlan, ok: bool = True) -> int | None:
+    def put_done(self, plan: PutPlan, ok: bool = True, *, wait: bool = True) -> int | None:
         """The copies of `plan` are in place (or failed: `ok` False). Returns the pages the
-        host tier gained, None when the daemon is not reachable (the put then expires)."""
+        host tier gained, None when the daemon is not reachable (the put then expires) or
+        with `wait=False`, which sends it without waiting for the answer (see `_post`)."""
         if plan.put is None or plan.epoch != self.epoch:
+            return None
+        if not wait:
+            self._post("put_done", {"engine": self.engine_id, "put": plan.put, "ok": ok})
             return None
         try:
             r = self._call("put_done", {"engine": self.engine_id, "put": plan.put, "ok": ok},
