@@ -168,6 +168,8 @@ class HiCacheClient:
         self.misses_while_away = 0
         self.refusals = 0
         self.outages = 0  # times the breaker opened
+        self.round_trips = 0  # calls that waited for the daemon's answer (hello and slab mapping aside)
+        self.posted = 0  # calls sent without waiting (`_post`)
         self._reconnector: Reconnector[_Handshake] | None = None
 
     # -- connection management -------------------------------------------------
@@ -341,6 +343,7 @@ class HiCacheClient:
                 self._open("not connected")
             raise DaemonUnavailable("daemon unavailable" if not self.connected else "daemon reconnected")
         assert self.conn is not None
+        self.round_trips += 1
         try:
             reply = self.conn.call(method, params, timeout_s)
         except DaemonUnavailable as e:
@@ -365,6 +368,7 @@ class HiCacheClient:
                 self._open("not connected")
             return
         assert self.conn is not None
+        self.posted += 1
         try:
             self.conn.post(method, params, self.deadlines.update_s)
         except DaemonUnavailable as e:
