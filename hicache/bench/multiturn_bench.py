@@ -194,6 +194,9 @@ def run(args: Any) -> list[dict]:
         rows.append(row(f"{s.name}: TTFT p50", float(np.median(ttft)), "ms", baseline=float(np.median(base_ttft)),
                         baseline_name="no cache"))
         if s is not base:
+            c = s.engine.cache.client  # type: ignore[union-attr]
+            rows.append(row(f"{s.name}: daemon round trips per request", c.round_trips / len(s.gens), "calls",
+                            posted=round(c.posted / len(s.gens), 2)))
             same = sum(g.output_ids == b.output_ids for g, b in zip(s.gens, base.gens))
             rows.append(row(f"{s.name}: outputs equal to no cache", same / max(1, len(s.gens)), "fraction"))
     rows.append(row("wall time (4 setups in lockstep)", info["seconds"], "s"))

@@ -168,6 +168,8 @@ class HiCacheClient:
         self.misses_while_away = 0
         self.refusals = 0
         self.outages = 0  # times the breaker opened
+        self.round_trips = 0  # calls that waited for the daemon's answer (hello and slab mapping aside)
+        self.posted = 0  # calls sent without waiting (`_post`)
         self._reconnector: Reconnector[_Handshake] | None = None
 
     # -- connection management -------------------------------------------------
@@ -341,6 +343,7 @@ class HiCacheClient:
                 self._open("not connected")
             raise DaemonUnavailable("daemon unavailable" if not self.connected else "daemon reconnected")
         assert self.conn is not None
+        self.round_trips += 1
         try:
             reply = self.conn.call(method, params, timeout_s)
         except DaemonUnavailable as e:
@@ -352,6 +355,24 @@ class HiCacheClient:
             raise DaemonUnavailable(f"{method} refused: {e}") from e
         self._check_slabs(reply)
         return reply
+
+    def _post(self, method: str, params: dict) -> None:
+        """Send a call whose answer the engine does not need, without waiting for it: a
+        starved daemon then costs the engine's step nothing, and a missed deadline cannot
+        drop the connection (which would turn the next lookups into misses while it
+        reconnects). Order is kept: the daemon handles the next call after this one. A
+        call of an earlier epoch is void (the daemon that issued its ids is gone); a
+        refusal is logged when its answer is read (RpcConnection.post)."""
+        if not self.connected:
+            if not self._adopt_ready():
+                self._open("not connected")
+            return
+        assert self.conn is not None
+        self.posted += 1
+        try:
+            self.conn.post(method, params, self.deadlines.update_s)
+        except DaemonUnavailable as e:
+            self._open(e.message)
 
     def close(self) -> None:
         if self._reconnector is not None:
@@ -417,8 +438,12 @@ class HiCacheClient:
             return None
         return bytes_to_ids(r["free_pages"])
 
-    def release(self, match: Match) -> None:
+    def release(self, match: Match, *, wait: bool = True) -> None:
+        """Unpin `match`. `wait=False` sends it without waiting for the answer (see `_post`)."""
         if match.pin is None or match.epoch != self.epoch:
+            return
+        if not wait:
+            self._post("release", {"pin": match.pin})
             return
         try:
             self._call("release", {"pin": match.pin}, self.deadlines.update_s)
@@ -480,10 +505,14 @@ class HiCacheClient:
         return PutPlan(None if put is None else int(put), int(r["present"]), bytes_to_ids(r["host_pages"]),
                        int(r["slabs"]), self.epoch)
 
-    def put_done(self, plan: PutPlan, ok: bool = True) -> int | None:
+    def put_done(self, plan: PutPlan, ok: bool = True, *, wait: bool = True) -> int | None:
         """The copies of `plan` are in place (or failed: `ok` False). Returns the pages the
-        host tier gained, None when the daemon is not reachable (the put then expires)."""
+        host tier gained, None when the daemon is not reachable (the put then expires) or
+        with `wait=False`, which sends it without waiting for the answer (see `_post`)."""
         if plan.put is None or plan.epoch != self.epoch:
+            return None
+        if not wait:
+            self._post("put_done", {"engine": self.engine_id, "put": plan.put, "ok": ok})
             return None
         try:
             r = self._call("put_done", {"engine": self.engine_id, "put": plan.put, "ok": ok},

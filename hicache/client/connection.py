@@ -39,6 +39,7 @@ REFUSED_CODES = {"FORBIDDEN"}  # a daemon that says why it refuses this peer
 MAX_FDS = 253  # the most one SCM_RIGHTS message carries (the kernel's SCM_MAX_FD)
 RECV_CHUNK = 256 << 10  # the reusable receive buffer; larger frames get their own
 TIMEOUT_SLACK_S = 0.002  # how far past its deadline an exchange may wait
+MAX_POSTED = 64  # requests sent without waiting whose replies are not read yet; beyond, a post waits
 _TIMEVAL = struct.Struct("@ll")
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,8 @@ class RpcConnection:
         self._view = memoryview(self._buf)
         self._start = self._end = 0
         self._so_timeout = -1.0  # the SO_RCVTIMEO / SO_SNDTIMEO set now (-1: not yet)
+        self._posted: dict[int, str] = {}  # id -> method of requests sent by post(), reply not read yet
+        self.posted_refusals = 0  # posted requests the daemon answered with an error
         sock.settimeout(None)  # blocking: the kernel's socket timeouts bound each read and write
         self._set_so_timeout(timeout_s)
 
@@ -145,11 +148,41 @@ class RpcConnection:
                 self.events.append(msg["event"])
                 continue
             if msg.get("id") != req_id:
-                continue  # an answer to a request we gave up on
+                self._settle_posted(msg)  # a posted request's answer, or one we gave up on
+                continue
             if "error" in msg:
                 err = msg["error"]
                 raise ClientError(str(err.get("code")), str(err.get("message")))
             return msg.get("result")
+
+    def post(self, method: str, params: dict[str, Any] | None = None, timeout_s: float | None = None) -> None:
+        """Send a request and return without its reply: for calls whose answer the caller
+        does not need (a pin's release, a finished put), so a slow daemon costs the engine's
+        step nothing and cannot drop the connection by missing a deadline. The daemon
+        handles a connection's requests in order, so a later call sees the posted one done;
+        its reply is read (and a refusal logged) by whichever read comes next. Past
+        MAX_POSTED unread replies this waits for its own, which reads the earlier ones too."""
+        if len(self._posted) >= MAX_POSTED:
+            try:
+                self.call(method, params, timeout_s)
+            except ClientError as e:
+                self._refused(method, e.code, e.message)
+            return
+        if self.closed:
+            raise DaemonUnavailable("connection closed")
+        req_id = next(self._ids)
+        self._send({"id": req_id, "method": method, "params": params or {}}, self._deadline(timeout_s))
+        self._posted[req_id] = method
+
+    def _settle_posted(self, msg: dict) -> None:
+        method = self._posted.pop(msg.get("id"), None)  # type: ignore[arg-type]
+        if method is not None and "error" in msg:
+            err = msg["error"]
+            self._refused(method, err.get("code"), err.get("message"))
+
+    def _refused(self, method: str, code: Any, message: Any) -> None:
+        self.posted_refusals += 1
+        log.warning("hicache daemon refused %s (sent without waiting): %s: %s", method, code, message)
 
     def read_event(self) -> dict:
         if self.events:
@@ -158,6 +191,7 @@ class RpcConnection:
             msg = self._read_message()
             if "event" in msg:
                 return msg["event"]
+            self._settle_posted(msg)
 
     def close(self) -> None:
         if not self.closed:

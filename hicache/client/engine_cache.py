@@ -240,7 +240,7 @@ class EngineCache:
             prefix.load.wait()  # never free pages a copy is still writing
             prefix.private.append(prefix.loaded_pages)
             prefix.load = None
-        self.client.release(prefix.match)
+        self.client.release(prefix.match, wait=False)  # nothing here needs the answer: no round trip
         for pages in prefix.cached:
             self.refs[pages] -= 1
         for pages in prefix.private:

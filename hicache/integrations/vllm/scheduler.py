@@ -14,6 +14,10 @@ running keeps its blocks until the workers say they are done.
 
 The daemon away, restarting or hung costs one deadline then nothing: the client's
 circuit breaker answers misses and skips stores at once while it reconnects.
+Releases and finished puts are sent without waiting for their answers (the
+client's `wait=False`): the step waits only for lookups (`match`, `load`) and for
+reservations (`put`), two round trips for a request served from host or missed,
+and a daemon slow to answer a call nobody needs cannot drop the connection.
 
 Hybrid models (several KV cache groups): a request's blocks are kept per group,
 and a page is stored only when every group still holds its block (vLLM frees
@@ -114,7 +118,7 @@ class SchedulerSide:
 
     def _release(self, st: _Req) -> None:
         for r, m in st.matches.items():
-            self.clients[r].release(m)
+            self.clients[r].release(m, wait=False)
         st.matches = {}
         st.load = None
 
@@ -256,7 +260,7 @@ class SchedulerSide:
                 # A sliding window freed a block of a page the host lacks: no whole page to store.
                 # Typically the pages before it are still in another request's put: ask again
                 # for a few steps, when they may be stored and the put starts past the freed blocks.
-                c.put_done(plan, False)
+                c.put_done(plan, False, wait=False)
                 retry = st.save_retries < SAVE_RETRIES
                 continue
             meta.saves.append(SaveSpec(req_id, r, plan.put, blocks, plan.host_pages.tolist()))
@@ -296,7 +300,7 @@ class SchedulerSide:
                 continue
             st, rank, plan = found
             del st.puts[put_id]
-            self.clients[rank].put_done(plan, ok)
+            self.clients[rank].put_done(plan, ok, wait=False)
         for req_id in [r for r, st in self.reqs.items() if st.finished and not st.puts]:
             del self.reqs[req_id]
 
