@@ -121,6 +121,27 @@ def test_streaming_page_copies_equal_the_twin(monkeypatch, name):
     _compare_backends(LAYOUTS[name], 13, ("memcpy", "torch"))
 
 
+def test_streaming_is_chosen_by_the_whole_transfer(monkeypatch):
+    """A per-layer load streams when all its layers together pass the threshold."""
+    monkeypatch.setattr(kcopy, "STREAM_MIN_BYTES", 1 << 20)
+    assert not kcopy.use_streaming(64 << 10)
+    assert kcopy.use_streaming(1 << 20)
+    assert kcopy.use_streaming(64 << 10, transfer_bytes=32 * (64 << 10))  # 32 layers of 64 KiB
+    assert not kcopy.use_streaming(16 << 10, transfer_bytes=32 * (16 << 10))
+
+
+@needs_native
+def test_layer_loads_of_a_large_plan_stream_and_match_the_twin(monkeypatch):
+    """The threshold between one layer's bytes and the whole plan's: every layer
+    streams, and the pages still match the twin."""
+    from tests.kernels.test_copy_kernels import LAYOUTS, _compare_backends
+    layout = LAYOUTS["mha-fp16"]
+    threshold = 13 * layout.page_bytes // 2  # one layer of 13 pages below it, all layers above
+    assert 13 * layout.layer_page_bytes < threshold
+    monkeypatch.setattr(kcopy, "STREAM_MIN_BYTES", threshold)
+    _compare_backends(layout, 13, ("memcpy", "torch"))
+
+
 @needs_native
 def test_a_cache_others_can_write_is_not_used(monkeypatch, tmp_path):
     shared = tmp_path / "shared"
