@@ -253,6 +253,31 @@ def coalesce(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> tuple[np.n
     return src[starts], dst[starts], np.add.reduceat(nbytes, starts)
 
 
+def strided_runs(view: torch.Tensor) -> tuple[np.ndarray, int]:
+    """`view`'s bytes in C order as equal contiguous runs: (byte offsets of the runs
+    from ``view.data_ptr()``, bytes per run). One run for a contiguous view; e.g.
+    one per layer and K/V for a page of a layer-first pool."""
+    item = view.element_size()
+    shape, strides = list(view.shape), list(view.stride())
+    run, d = 1, len(shape)
+    while d > 0 and (shape[d - 1] == 1 or strides[d - 1] == run):  # merge the contiguous tail
+        run *= shape[d - 1]
+        d -= 1
+    offsets = np.zeros(1, dtype=np.int64)
+    for n, stride in zip(shape[:d], strides[:d]):
+        offsets = (offsets[:, None] + np.arange(n, dtype=np.int64)[None, :] * stride).reshape(-1)
+    return offsets * item, run * item
+
+
+def page_run_chunks(page_ptrs: np.ndarray, run_offsets: np.ndarray, run_bytes: int, flat_ptrs: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(strided, flat, nbytes) chunk tables pairing each strided page (`page_ptrs`, its
+    runs at `run_offsets`) with the flat page at the same position of `flat_ptrs`."""
+    strided = (page_ptrs[:, None] + run_offsets[None, :]).reshape(-1)
+    flat = (flat_ptrs[:, None] + np.arange(len(run_offsets), dtype=np.int64)[None, :] * run_bytes).reshape(-1)
+    return strided, flat, np.full(len(strided), run_bytes, dtype=np.int64)
+
+
 _memmove = ctypes.memmove  # a CFUNCTYPE: releases the GIL for the copy
 
 
