@@ -83,7 +83,10 @@ the producer's thread, and GIL hand-offs (py-lmdb drops the GIL in every
 call; the writer's txn.put of a 64 KiB page averaged ~13 us, waiting for the
 producer, against ~6 us for raw's whole put); per byte, the XXH3 pass (~60
 GB/s, against raw puts at 12-16 GB/s from cache-hot sources: 20-25% more CPU
-for 1-4 MiB pages on its own).
+for 1-4 MiB pages on its own). On a busy machine the GIL hand-offs dominate small
+pages (16 KiB puts ~0.2 of raw, 2026-11-26); cold gets run at the device's
+random-read rate (disk_bench's ``random_pread`` row): reads outside the map and
+``madvise``/``fadvise`` readahead measured no faster (docs/benchmarks.md).
 
 The environment is meant for one owner process: ``open`` takes an exclusive
 ``flock`` on ``hicache-disk.lock`` and a second opener gets ``DiskTierError``.
