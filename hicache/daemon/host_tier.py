@@ -167,6 +167,7 @@ class HostTier:
             self.slabs_reassigned += 1
         self.owner_of[slab] = last[slab] = cls.owner
         self._versions[cls.owner] = self._versions.get(cls.owner, 0) + 1
+        self.arena.prefault_async(slab, allocate=True)  # its memory, off the request path (unless mlocked)
         return slab
 
     def return_slab(self, slab: int) -> None:

@@ -27,7 +27,10 @@ import fcntl
 import logging
 import mmap
 import os
+import queue
 import resource
+import threading
+import weakref
 
 import numpy as np
 
@@ -48,6 +51,11 @@ _libc.mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 _libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+# Linux 5.14+; Python 3.11's mmap module lacks the names. Older kernels answer EINVAL.
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_populate_supported = True
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _PROT_NONE = 0
 _MAP_FIXED = 0x10
@@ -110,6 +118,9 @@ class HostArena:
         self.num_slabs = num_slabs
         self.slab_bytes = slab_bytes
         self.nbytes = num_slabs * slab_bytes
+        # Pre-faulting (see `prefault`): one background thread, started on first use.
+        self._fault_lock = threading.Lock()  # held by a pre-fault; close() takes it before unmapping
+        self._fault_queue: queue.SimpleQueue[tuple[int, bool] | None] | None = None
         span = -(-self.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
         # The reservation costs address space only; slabs are mapped over it. Python's
         # mmap is asked for a writable mapping (its buffer is read-only otherwise), which
@@ -219,6 +230,7 @@ class HostArena:
         if not keep_fd:
             os.close(fd)
         self._gens[slab] = gen
+        self.prefault_async(slab)  # the engine's first copy into it must not fault per 4 KiB
 
     def unmap_slab(self, slab: int) -> None:
         """(An engine) drop a slab that is no longer ours; its range faults again."""
@@ -239,6 +251,46 @@ class HostArena:
         self.backed[slab] = True
         if self.cuda_registered:
             self._register_slab(slab)
+
+    def prefault(self, slab: int, *, allocate: bool = False) -> bool:
+        """Put backed slab `slab` into this process's page tables now, contents unchanged.
+        A first write into a fresh mapping takes a page fault per 4 KiB otherwise.
+
+        ``allocate`` (the daemon, whose memfd pages may not exist yet): MADV_POPULATE_WRITE,
+        one fault and a zeroed page per 4 KiB, done once. Else (an engine mapping pages the
+        daemon allocated): MADV_POPULATE_READ, where the kernel's fault-around maps 16
+        resident pages per fault, writable at once (a shared memfd mapping needs no write
+        notification). Measured on a loaded 2-core VM, 64 MiB of allocated slab: a copy
+        into the fresh mapping 92 ms (16384 faults), POPULATE_READ 18 ms (1025 faults) and
+        then the copy 27 ms with no fault; POPULATE_WRITE 40 ms.
+        False where the kernel lacks it (before 5.14), or the slab is not backed."""
+        global _populate_supported
+        advice = MADV_POPULATE_WRITE if allocate else MADV_POPULATE_READ
+        with self._fault_lock:
+            if not _populate_supported or self._array is None or not self.backed[slab]:
+                return False
+            if _libc.madvise(self.slab_address(slab), self.slab_bytes, advice) == 0:
+                return True
+            err = ctypes.get_errno()
+        if err == errno.EINVAL:
+            _populate_supported = False
+            log.info("this kernel cannot pre-fault host slabs (MADV_POPULATE_*: %s); the first "
+                     "copy into a slab faults its pages in", os.strerror(err))
+        else:  # ENOMEM (out of memory), EFAULT (a slab remapped meanwhile): the copy faults instead
+            log.debug("pre-faulting host slab %d failed: %s", slab, os.strerror(err))
+        return False
+
+    def prefault_async(self, slab: int, *, allocate: bool = False) -> None:
+        """`prefault` on this arena's background thread, off the caller's path (slabs in
+        the order asked). A copy that gets there first faults as usual."""
+        with self._fault_lock:
+            if self._array is None or not _populate_supported:
+                return
+            if self._fault_queue is None:
+                self._fault_queue = queue.SimpleQueue()
+                threading.Thread(target=_prefault_loop, args=(weakref.ref(self), self._fault_queue),
+                                 name="hicache-prefault", daemon=True).start()
+            self._fault_queue.put((slab, allocate))
 
     def covers(self, slots: np.ndarray, page_bytes: int) -> bool:
         """Whether every page slot lies in a backed slab (so copies may touch it)."""
@@ -333,13 +385,16 @@ class HostArena:
         if self._array is None:
             return
         self.unregister_cuda()
-        self._array = None
-        assert self._mmap is not None
-        try:
-            self._mmap.close()  # the whole range, slabs included
-        except BufferError:
-            log.debug("host arena still viewed; it is unmapped when the last view is dropped")
-        self._mmap = None
+        with self._fault_lock:  # a pre-fault in progress ends before the range goes
+            self._array = None
+            if self._fault_queue is not None:
+                self._fault_queue.put(None)
+            assert self._mmap is not None
+            try:
+                self._mmap.close()  # the whole range, slabs included
+            except BufferError:
+                log.debug("host arena still viewed; it is unmapped when the last view is dropped")
+            self._mmap = None
         for i, fd in enumerate(self._fds):
             if fd >= 0:
                 os.close(fd)
@@ -354,6 +409,17 @@ class HostArena:
     def __del__(self) -> None:
         if getattr(self, "_array", None) is not None:
             self.close()
+
+
+def _prefault_loop(arena_ref: weakref.ref[HostArena], jobs: queue.SimpleQueue[tuple[int, bool] | None]) -> None:
+    """The pre-fault thread: holds its arena only while working on a slab (a weak
+    reference otherwise, so an arena nobody closes is still collected)."""
+    while (job := jobs.get()) is not None:
+        arena = arena_ref()
+        if arena is None:
+            return
+        arena.prefault(job[0], allocate=job[1])
+        del arena
 
 
 def _punch(fd: int, nbytes: int) -> None:

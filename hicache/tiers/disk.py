@@ -83,7 +83,10 @@ the producer's thread, and GIL hand-offs (py-lmdb drops the GIL in every
 call; the writer's txn.put of a 64 KiB page averaged ~13 us, waiting for the
 producer, against ~6 us for raw's whole put); per byte, the XXH3 pass (~60
 GB/s, against raw puts at 12-16 GB/s from cache-hot sources: 20-25% more CPU
-for 1-4 MiB pages on its own).
+for 1-4 MiB pages on its own). On a busy machine the GIL hand-offs dominate small
+pages (16 KiB puts ~0.2 of raw, 2026-11-26); cold gets run at the device's
+random-read rate (disk_bench's ``random_pread`` row): reads outside the map and
+``madvise``/``fadvise`` readahead measured no faster (docs/benchmarks.md).
 
 The environment is meant for one owner process: ``open`` takes an exclusive
 ``flock`` on ``hicache-disk.lock`` and a second opener gets ``DiskTierError``.
@@ -115,6 +118,8 @@ log = logging.getLogger(__name__)
 _xxh3 = fmt.xxh3_64
 _XXH3 = fmt.CHECKSUM_XXH3
 _HASH_DST_BYTES = fmt.HASH_DST_BYTES
+_INT32 = np.dtype("<i4")
+_UINT8 = np.dtype(np.uint8)
 
 __all__ = ["DiskTier", "DiskTierConfig", "DiskRecord", "Durability", "DEFAULT_DURABILITY"]
 
@@ -252,15 +257,23 @@ class DiskTier:
         after any crash, and a page queued under a parent whose write failed is
         refused too. Pass False for records whose ``parent_key`` only anchors
         them (state checkpoints name a KV page of another salt)."""
-        _check_key("salt", salt)
-        _check_key("key", key)
+        if type(salt) is not bytes or type(key) is not bytes or len(salt) != 16 or len(key) != 16:
+            _check_key("salt", salt)  # the message (this path is hot: one test when all is well)
+            _check_key("key", key)
         if parent_key is not None:
             _check_key("parent_key", parent_key)
-        tok = np.asarray(tokens)
-        if tok.ndim != 1 or tok.dtype.kind not in "iu":
-            raise ValueError("tokens must be a one-dimensional integer array")
-        tok_bytes = tok.astype("<i4", copy=False).tobytes()
-        mv = _readable_bytes(page)
+        if type(tokens) is np.ndarray and tokens.dtype == _INT32 and tokens.ndim == 1:
+            tok_bytes = tokens.tobytes()  # the common case: no conversion
+        else:
+            tok = np.asarray(tokens)
+            if tok.ndim != 1 or tok.dtype.kind not in "iu":
+                raise ValueError("tokens must be a one-dimensional integer array")
+            tok_bytes = tok.astype("<i4", copy=False).tobytes()
+        if type(page) is np.ndarray and page.dtype == _UINT8 and page.ndim == 1 and page.size \
+                and page.flags.c_contiguous:
+            mv = memoryview(page)  # the common case: already flat bytes
+        else:
+            mv = _readable_bytes(page)
         return self._writer.put(salt, key, parent_key, tok_bytes, mv, on_done, parent_required)
 
     def delete_async(self, keys: Iterable[bytes]) -> None:

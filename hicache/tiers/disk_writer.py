@@ -87,6 +87,7 @@ class _Put:
     parent_required: bool = True
     digest: tuple[int, int] | None = None  # kept for a retry of the batch
     job: _HashJob | None = None  # computes `digest` on the hasher thread
+    charge: int = 0  # footprint in the map (disk_format.footprint), set when a batch takes it
 
 
 HASH_OFFLOAD_BYTES = 1 << 20  # smaller pages are hashed inline: the hand-off costs more
@@ -168,6 +169,8 @@ class DiskWriter:
             self.map_bytes, self._tree_bytes = self._measure(txn)  # pages in use; B-tree pages of them
         self._map_bytes_tx = self.map_bytes
         self._deleted_tx = 0  # footprint deleted by the open transaction: reusable two commits on
+        self._headroom_tx = 0  # set by each _commit
+        self._now_tx = 0.0
         self._freed = (0, 0)  # bytes freed by the last two commits, newest first
         self._deferred: list = []  # ops left for after the freed pages are reusable
         self._may_defer = True
@@ -340,7 +343,8 @@ class DiskWriter:
                 if isinstance(op, _Put):
                     self._queued_pages -= 1
                     self._queued_bytes -= op.page.nbytes
-                    n_bytes += fmt.footprint(op.page.nbytes, len(op.tokens) // 4, self._psize)
+                    op.charge = fmt.footprint(op.page.nbytes, len(op.tokens) // 4, self._psize)
+                    n_bytes += op.charge
                 elif isinstance(op, _Barrier):
                     break  # commit everything before it, then release the waiter
             return ops, self._closing and not self._queue
@@ -471,6 +475,10 @@ class DiskWriter:
         self._map_bytes_tx = self.map_bytes
         self._deleted_tx = 0
         self._put_in_tx.clear()
+        # Constant for the transaction: the headroom's inputs change only at a commit (and the
+        # map budget with the largest footprint seen, which _put updates), one clock reading.
+        self._headroom_tx = self._headroom()
+        self._now_tx = time.time()
         c = dict(evicted_pages=0, deleted_pages=0, pages_written=0, bytes_written=0, dedup_puts=0,
                  rejected_budget=0, rejected_orphan=0)
         results: list[tuple[_Put, bool]] = []
@@ -549,18 +557,20 @@ class DiskWriter:
                 c["dedup_puts"] += 1  # same key, same namespace: same content
                 return True, hook_dry
             self._delete(txn, p.key)
-        charge = fmt.footprint(size, len(p.tokens) // 4, self._psize)
-        self._max_footprint = max(self._max_footprint, charge)
+        charge = p.charge or fmt.footprint(size, len(p.tokens) // 4, self._psize)
+        if charge > self._max_footprint:
+            self._max_footprint = charge
+        headroom = self._headroom_tx
+        map_budget = self.map_size - headroom - 2 * (self.batch_limit + self._max_footprint)  # = map_budget
         # footprint >= size: asking for the map's excess in page bytes frees at least that much
         over = max(self._used_bytes_tx + size - self.capacity_bytes,
-                   self._map_bytes_tx - self._deleted_tx + charge - self.map_budget)
+                   self._map_bytes_tx - self._deleted_tx + charge - map_budget)
         if over > 0 and not hook_dry:
             # ask once for the rest of the batch too: one hook call per batch, typically
             keys = self._call_hook(over + remaining)
             hook_dry = not keys
             for k in keys:
                 c["evicted_pages"] += self._delete(txn, k)
-        headroom = self._headroom()
         if self._used_bytes_tx + size > self.capacity_bytes or \
                 self._map_bytes_tx - self._deleted_tx + charge + headroom > self.map_size:
             c["rejected_budget"] += 1
@@ -570,7 +580,7 @@ class DiskWriter:
         txn.put(p.key, p.page, db=self._pages)  # the hasher works on this or later pages meanwhile
         if p.digest is None:
             p.digest = p.job.digest(p) if p.job is not None else fmt.checksum(p.page)
-        txn.put(p.key, fmt.pack_meta(p.parent, p.salt, size, p.digest, time.time(), fmt.CHECKSUM_XXH3,
+        txn.put(p.key, fmt.pack_meta(p.parent, p.salt, size, p.digest, self._now_tx, fmt.CHECKSUM_XXH3,
                                      p.tokens), db=self._meta)
         self._used_bytes_tx += size
         self._map_bytes_tx += charge

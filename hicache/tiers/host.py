@@ -230,8 +230,10 @@ class HostKVCache:
         if len(plan.host_np) == 0:
             return
         if self.backend == "memcpy":
+            # streaming stores are chosen by the whole load's bytes (see kcopy.STREAM_MIN_BYTES)
             self._copier.copy(*kcopy.load_layer_chunks(self._base, int(views.k_ptrs[layer_id]), v_ptr,
-                                                       plan.host_np, plan.device_np, layer_id, self.geom))
+                                                       plan.host_np, plan.device_np, layer_id, self.geom),
+                              transfer_bytes=len(plan.host_np) * self.page_bytes)
         elif self.backend == "triton":
             copy_triton.load_layer_triton(self._host, views.k[layer_id], dev_v, plan.host_t, plan.device_t,
                                           layer_id, self.geom)

@@ -10,6 +10,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 from hicache.kernels import copy as kcopy
 from hicache.kernels import native_copy
@@ -121,6 +122,27 @@ def test_streaming_page_copies_equal_the_twin(monkeypatch, name):
     _compare_backends(LAYOUTS[name], 13, ("memcpy", "torch"))
 
 
+def test_streaming_is_chosen_by_the_whole_transfer(monkeypatch):
+    """A per-layer load streams when all its layers together pass the threshold."""
+    monkeypatch.setattr(kcopy, "STREAM_MIN_BYTES", 1 << 20)
+    assert not kcopy.use_streaming(64 << 10)
+    assert kcopy.use_streaming(1 << 20)
+    assert kcopy.use_streaming(64 << 10, transfer_bytes=32 * (64 << 10))  # 32 layers of 64 KiB
+    assert not kcopy.use_streaming(16 << 10, transfer_bytes=32 * (16 << 10))
+
+
+@needs_native
+def test_layer_loads_of_a_large_plan_stream_and_match_the_twin(monkeypatch):
+    """The threshold between one layer's bytes and the whole plan's: every layer
+    streams, and the pages still match the twin."""
+    from tests.kernels.test_copy_kernels import LAYOUTS, _compare_backends
+    layout = LAYOUTS["mha-fp16"]
+    threshold = 13 * layout.page_bytes // 2  # one layer of 13 pages below it, all layers above
+    assert 13 * layout.layer_page_bytes < threshold
+    monkeypatch.setattr(kcopy, "STREAM_MIN_BYTES", threshold)
+    _compare_backends(layout, 13, ("memcpy", "torch"))
+
+
 @needs_native
 def test_a_cache_others_can_write_is_not_used(monkeypatch, tmp_path):
     shared = tmp_path / "shared"
@@ -131,3 +153,29 @@ def test_a_cache_others_can_write_is_not_used(monkeypatch, tmp_path):
     assert lib.parent != shared and lib.exists()  # built in a private temporary directory instead
     assert not list(shared.glob("*.so"))
     shutil.rmtree(lib.parent)
+
+
+@pytest.mark.parametrize("perm,index", [((0, 1, 2, 3), 2), ((2, 0, 1, 3), 1), ((1, 3, 0, 2), 0)])
+def test_strided_pages_copy_to_flat_pages_in_c_order(perm, index):
+    """Pages that are strided views (a layer-first pool's page) go to flat pages in
+    the byte order of ``page.flatten()`` and come back unchanged."""
+    buf = torch.arange(4 * 6 * 5 * 8, dtype=torch.int16).reshape(4, 6, 5, 8).permute(*perm)
+    pages = buf.movedim(index, 0)  # pages[p]: a view, in general not contiguous
+    offsets, run = kcopy.strided_runs(pages[0])
+    assert run % pages.element_size() == 0 and len(offsets) * run == pages[0].numel() * pages.element_size()
+    ids = np.array([3, 0, 2][:pages.shape[0]], dtype=np.int64) % pages.shape[0]
+    flat = torch.zeros(len(ids), pages[0].numel(), dtype=torch.int16)
+    page_ptrs = pages.data_ptr() + ids * pages.stride(0) * pages.element_size()
+    flat_ptrs = flat.data_ptr() + np.arange(len(ids), dtype=np.int64) * flat.stride(0) * flat.element_size()
+    strided, dense, nbytes = kcopy.page_run_chunks(page_ptrs, offsets, run, flat_ptrs)
+    kcopy.ChunkCopier().copy(strided, dense, nbytes)
+    for i, p in enumerate(ids.tolist()):
+        assert torch.equal(flat[i], pages[p].flatten())
+    back = torch.zeros_like(buf)  # the same strides as buf
+    assert back.stride() == buf.stride()
+    back_pages = back.movedim(index, 0)
+    back_ptrs = back_pages.data_ptr() + ids * back_pages.stride(0) * back_pages.element_size()
+    strided, dense, nbytes = kcopy.page_run_chunks(back_ptrs, offsets, run, flat_ptrs)
+    kcopy.ChunkCopier().copy(dense, strided, nbytes)
+    for p in ids.tolist():
+        assert torch.equal(back_pages[p], pages[p])

@@ -171,6 +171,47 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+def _minor_faults() -> int:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def test_prefault_maps_an_engines_slab_without_a_fault_per_page_and_keeps_its_bytes():
+    slab = 1 << 20
+    daemon = HostArena.create(2 * slab, mlock=False, slab_bytes=slab)
+    assert daemon.prefault(0, allocate=True)  # allocates: contents stay what they were
+    assert not daemon.array[:slab].any()
+    daemon.array[:2 * slab] = np.arange(2 * slab, dtype=np.uint64).astype(np.uint8)
+    engine = HostArena.reserve(2, slab)
+    assert not engine.prefault(0)  # not backed here: nothing to map
+    engine.map_slab(0, os.dup(daemon.slab_fd(0)), daemon.slab_gen(0))
+    assert engine.prefault(0)  # (map_slab queued it too; a second pass is harmless)
+    before = _minor_faults()
+    view = engine.array[:slab]
+    view[::4096] += 1  # one write per 4 KiB page: each would fault in an unpopulated mapping
+    assert _minor_faults() - before < slab // 4096 // 4
+    assert np.array_equal(daemon.array[:slab], (np.arange(slab, dtype=np.uint64).astype(np.uint8)
+                                                + (np.arange(slab) % 4096 == 0)).astype(np.uint8))
+    engine.close()
+    daemon.close()
+
+
+def test_prefault_async_is_harmless_around_unmap_and_close():
+    slab = 1 << 20
+    daemon = HostArena.create(2 * slab, mlock=False, slab_bytes=slab)
+    daemon.array[:] = 7
+    engine = HostArena.reserve(2, slab)
+    for s in (0, 1):
+        engine.map_slab(s, os.dup(daemon.slab_fd(s)), daemon.slab_gen(s))
+    engine.unmap_slab(1)  # its queued pre-fault finds it gone
+    engine.prefault_async(0)
+    engine.close()  # waits for a pre-fault in progress, then unmaps
+    engine.prefault_async(0)  # after close: nothing happens
+    assert not engine.prefault(0)
+    assert (daemon.array == 7).all()
+    daemon.close()
+
+
 def test_second_process_shares_the_arena():
     layout = mha("bfloat16")
     arena = HostArena.create(8 * layout.page_bytes, mlock=False)
