@@ -58,6 +58,7 @@ from hicache.config import Config
 from hicache.daemon.service import CacheService, NamespaceState, Pin, path_with_offsets
 from hicache.daemon.disk_startup import Quarantine, open_tier
 from hicache.daemon.state_dir import prepare_state_dir
+from hicache.index.admission import admission_key
 from hicache.index.keys import Namespace
 from hicache.index.radix import Tier, TreeNode
 from hicache.layout import KVLayout
@@ -282,8 +283,20 @@ class DiskMover:
                 return False
         return True
 
+    def _admit(self, ns: NamespaceState, node: TreeNode) -> bool:
+        """The admission's verdict on writing `node` (hicache/index/admission.py)."""
+        adm = self.service.admission
+        if adm is None:
+            return True
+        nbytes = node.n_pages * ns.page_class.page_bytes
+        room = self._used_bytes() + self.inflight_bytes + nbytes <= self._page_budget(ns)
+        return adm.admit(admission_key(node.keys[0]), node.n_pages, room)
+
     def write_through(self, ns: NamespaceState, nodes: list[TreeNode]) -> None:
+        if self.config.disk_placement != "inclusive":
+            return  # non-inclusive: pages go down as the host evicts them (demote)
         todo = [n for n in nodes if not n.on_disk and n.host is not None]
+        todo = [n for n in todo if self._admit(ns, n)]  # a page turned away may still go down on eviction
         if not todo:
             return
         if not self._remember(ns):
@@ -393,6 +406,7 @@ class DiskMover:
     def demote(self, ns: NamespaceState, num_pages: int) -> None:
         """Before host eviction: copy victims that are not on disk yet into the write queue."""
         victims = [v for v in ns.index.select_victims(Tier.HOST, num_pages) if not v.on_disk]
+        victims = [v for v in victims if self._admit(ns, v)]  # the rest leave the cache
         if not victims or not self._remember(ns):
             self.skipped_writes += sum(v.n_pages for v in victims)
             return
@@ -526,7 +540,8 @@ class DiskMover:
         return {"capacity_bytes": self.capacity_bytes, "used_bytes": st["used_bytes"], "pages": st["num_pages"],
                 "queue_depth": st["queue_depth"],
                 "skipped_writes": self.skipped_writes + st["skipped_queue_full"] + st["skipped_disabled"],
-                "demoted_pages": self.demoted_pages, "prefetched_pages": self.prefetched_pages,
+                "demoted_pages": self.demoted_pages, "placement": self.config.disk_placement,
+                "admission": self.service.admission.stats() if self.service.admission is not None else None, "prefetched_pages": self.prefetched_pages,
                 "prefetch_misses": self.prefetch_misses, "corrupt_pages": st["corrupt_pages"],
                 "bytes_written": st["bytes_written"], "bytes_read": st["bytes_read"],
                 "evicted_pages": st["evicted_pages"], "last_write_time": st["last_write_time"],

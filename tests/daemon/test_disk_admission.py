@@ -1,0 +1,57 @@
+"""Disk admission through a real daemon: once the disk is full, a page is written only
+when it is expected back (hicache/index/admission.py)."""
+
+from __future__ import annotations
+
+from hicache.client.connection import RpcConnection
+from tests.daemon.test_cycle import run_worker
+
+FLOOD = [f"store:{seed}:160" for seed in range(1, 61)]  # 60 one-shot prompts of 40 pages
+
+
+def disk_stats(socket: str) -> dict:
+    conn = RpcConnection.connect(socket, timeout_s=30)
+    conn.hello()
+    assert conn.call("settle", {"timeout_s": 30})["settled"]
+    st = conn.call("stats")["tiers"]["disk"]
+    conn.close()
+    return st
+
+
+def flood_after_a_reused_prompt(daemon_factory, admission: str) -> tuple[dict, dict, int]:
+    """store 100 twice -- 60 one-shot prompts -- load 100: (disk stats before the load,
+    the load's result, pages the load read from disk)."""
+    d = daemon_factory("--host-capacity", "1MiB", "--disk-capacity", "1MiB",
+                       env={"HICACHE_LOAD_POLICY": "wait_complete", "HICACHE_DISK_ADMISSION": admission}).start()
+    run_worker(d.socket, "store:100:160", "store:100:160")  # seen twice: reused
+    run_worker(d.socket, *FLOOD)  # far more than host (1 MiB) and disk (1 MiB) hold
+    st = disk_stats(d.socket)
+    (back,) = run_worker(d.socket, "load:100:160")
+    from_disk = disk_stats(d.socket)["prefetched_pages"] - st["prefetched_pages"]
+    d.stop()
+    return st, back, from_disk
+
+
+def test_a_full_disk_takes_the_reused_prompt_and_turns_one_shot_prompts_away(daemon_factory):
+    st, back, from_disk = flood_after_a_reused_prompt(daemon_factory, "reuse")
+    adm = st["admission"]
+    assert adm["mode"] == "reuse" and adm["rejected_pages"] > 0 and adm["admitted_pages"] > 0
+    # the reused prompt outlived the flood on disk and comes back from there byte-exact
+    assert back["loaded"] == 40 and back["bad_pages"] == 0, back
+    assert from_disk == 40
+
+    st_all, _, _ = flood_after_a_reused_prompt(daemon_factory, "all")
+    assert st_all["admission"]["rejected_pages"] == 0
+    # the pages turned away were never written: fewer bytes went to LMDB
+    assert st["bytes_written"] < st_all["bytes_written"]
+
+
+def test_bad_admission_settings_are_refused(daemon_factory, tmp_path):
+    import pytest
+
+    from hicache.config import Config, ConfigError
+
+    with pytest.raises(ConfigError, match="disk_admission"):
+        Config(state_dir=tmp_path, disk_admission="sometimes")
+    with pytest.raises(ConfigError, match="disk_placement"):
+        Config(state_dir=tmp_path, disk_placement="exclusive")
