@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from heapq import heappop, heappush
 
 from hicache.bench.policy_sim import BlockTrace, CachePolicy
+from hicache.bench.report import row
 from hicache.index.admission import AdmissionConfig, DiskAdmission
 from hicache.index.policy import frecency
 
@@ -44,7 +45,7 @@ class TieredResult:
 
     @property
     def writes_per_disk_hit(self) -> float:
-        return self.disk_writes / self.disk_hits if self.disk_hits else float("inf")
+        return self.disk_writes / max(1, self.disk_hits)  # no disk hit: all the writes
 
 
 class _Pool:
@@ -160,9 +161,7 @@ class TieredSim(CachePolicy):
 
 
 def simulate_tiered(trace: BlockTrace, sim: TieredSim) -> TieredResult:
-    hit = 0
-    pos = 0
-    disk_before = 0
+    hit = pos = 0
     for ids in trace.requests:
         k = 0
         for b in ids:
@@ -172,9 +171,8 @@ def simulate_tiered(trace: BlockTrace, sim: TieredSim) -> TieredResult:
         hit += k
         sim.request(ids, pos)
         pos += len(ids)
-    disk_before = sim.disk_hits
     scale = trace.block_tokens / trace.prompt_tokens if trace.prompt_tokens else 0.0
-    return TieredResult(sim.name, hit * scale, disk_before * scale, sim.disk_writes, sim.disk_hits)
+    return TieredResult(sim.name, hit * scale, sim.disk_hits * scale, sim.disk_writes, sim.disk_hits)
 
 
 # The ablation `bench trace` prints: today's placement, each placement with every
@@ -187,9 +185,8 @@ VARIANTS: dict[str, tuple[str, AdmissionConfig]] = {
     "exclusive + admission": ("exclusive", AdmissionConfig()),
     "non-inclusive + admission (hicache)": ("non-inclusive", AdmissionConfig()),
     "  plus the tail signal": ("non-inclusive", AdmissionConfig(tail=True)),
-    "  less the next-turn signal": ("non-inclusive", AdmissionConfig(next_turn=False)),
+    "  less the next-turn signal (sketch only)": ("non-inclusive", AdmissionConfig(next_turn=False)),
     "  less admit-while-room": ("non-inclusive", AdmissionConfig(when_room=False)),
-    "  sketch only (no signals)": ("non-inclusive", AdmissionConfig(next_turn=False)),
 }
 
 
@@ -200,3 +197,19 @@ def simulate_variants(trace: BlockTrace, host: int, disk: int, names: Sequence[s
         placement, adm = VARIANTS[name]
         out[name] = simulate_tiered(trace, TieredSim(host, disk, placement, adm, name))
     return out
+
+
+def ablation_rows(trace: BlockTrace, label: str, host: int, disk: int, opt: float, lru: float) -> list[dict]:
+    """`bench trace`'s ablation: each variant's hit rate against LRU of the same total
+    capacity (and its share of the LRU-to-OPT gap), and its disk writes per disk hit
+    against the placement before admission."""
+    res = simulate_variants(trace, host, disk)
+    before = res[next(iter(VARIANTS))]
+    rows = [row(f"tiers @ {label}: host + disk capacity", host + disk, "blocks", host_blocks=host, disk_blocks=disk)]
+    for name, r in res.items():
+        gap = f"gap closed {(r.hit_rate - lru) / (opt - lru):+.3f}" if opt > lru else ""
+        rows.append(row(f"tiers @ {label}: {name.strip()}: hit rate", r.hit_rate, "fraction", baseline=lru,
+                        baseline_name="LRU", note=gap))
+        rows.append(row(f"tiers @ {label}: {name.strip()}: disk writes per disk hit", r.writes_per_disk_hit,
+                        "blocks", baseline=before.writes_per_disk_hit, baseline_name="before"))
+    return rows

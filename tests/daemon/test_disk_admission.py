@@ -55,3 +55,17 @@ def test_bad_admission_settings_are_refused(daemon_factory, tmp_path):
         Config(state_dir=tmp_path, disk_admission="sometimes")
     with pytest.raises(ConfigError, match="disk_placement"):
         Config(state_dir=tmp_path, disk_placement="exclusive")
+
+
+def test_non_inclusive_placement_writes_a_page_only_as_the_host_evicts_it(daemon_factory):
+    d = daemon_factory("--host-capacity", "1MiB", "--disk-capacity", "64MiB",
+                       env={"HICACHE_LOAD_POLICY": "wait_complete", "HICACHE_DISK_PLACEMENT": "non-inclusive"}).start()
+    run_worker(d.socket, "store:7:160")
+    st = disk_stats(d.socket)
+    assert st["placement"] == "non-inclusive" and st["bytes_written"] == 0  # on host only: no write-through
+    run_worker(d.socket, *FLOOD)  # 2400 one-shot pages push 7 out of the 1 MiB host
+    st = disk_stats(d.socket)
+    assert st["demoted_pages"] >= 40 and st["bytes_written"] > 0
+    (back,) = run_worker(d.socket, "load:7:160")
+    assert back["loaded"] == 40 and back["bad_pages"] == 0, back
+    assert disk_stats(d.socket)["prefetched_pages"] - st["prefetched_pages"] == 40
