@@ -37,7 +37,7 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 DURABILITY = ("none", "batch", "sync")
 EVICTION_POLICIES = ("lru", "lfu", "frecency")  # hicache.index.policy.POLICIES
 DISK_ADMISSION = ("all", "reuse")  # hicache.index.admission.ADMISSION_MODES
-DISK_PLACEMENTS = ("inclusive", "non-inclusive")
+DISK_PLACEMENTS = ("inclusive", "non-inclusive", "exclusive")  # hicache/daemon/disk_mover.py
 # Page ids travel as int32; engines' pools are far smaller, and the daemon sizes work by them.
 MAX_DEVICE_PAGES_LIMIT = 1 << 30
 
@@ -151,7 +151,8 @@ class Config:
     # only while the disk has room or when it is expected back; "all" writes every one.
     disk_admission: str = "reuse"
     # "inclusive": written through as they reach the host (they survive a restart);
-    # "non-inclusive": written only as the host evicts them (more distinct pages, fewer writes)
+    # "non-inclusive": written only as the host evicts them (more distinct pages, fewer writes);
+    # "exclusive": that, and a page read back from disk leaves it (the most distinct pages)
     disk_placement: str = "inclusive"
     # "wall": access times in unix seconds (disk records keep them across restarts);
     # "logical": one tick per index operation, so a replay evicts the same pages every

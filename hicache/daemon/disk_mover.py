@@ -15,6 +15,15 @@ reader pool only move bytes and report back through `post` (batched
   evicted until the tier's bytes plus the bytes in flight fit the budget.
 - Prefetch: a match whose prefix continues on disk starts reading that part
   into fresh host pages at once; `load` waits for it per the load policy.
+- Placement (`disk_placement`): "inclusive" writes pages through as they reach
+  the host (so they survive a restart) and demotes the rest; "non-inclusive"
+  only demotes, so the disk holds pages the host does not and the two tiers
+  hold more distinct pages; "exclusive" also drops the disk copy of pages read
+  back to host, once the reading request releases them, deepest first and only
+  while nothing below a page is on disk (parents first stays true on disk).
+- Admission (hicache/index/admission.py, `service.admission`): a page is
+  written through or demoted only when the policy expects it back; a page
+  turned away at write-through may still go down when the host evicts it.
 - Rebuild: at startup the disk part of every namespace's tree is restored from
   page metadata; the namespaces themselves (model, layout, ...) come from a
   small sidecar file written (and fsynced) before a namespace's first page is
@@ -60,6 +69,7 @@ from hicache.daemon.disk_startup import Quarantine, open_tier
 from hicache.daemon.state_dir import prepare_state_dir
 from hicache.index.admission import admission_key
 from hicache.index.keys import Namespace
+from hicache.index.node import DISK_LANE
 from hicache.index.radix import Tier, TreeNode
 from hicache.layout import KVLayout
 from hicache.state_layout import StateLayout
@@ -106,6 +116,7 @@ class Prefetch:
     done: bool = False
     last_node: TreeNode | None = None
     started: float = field(default_factory=time.monotonic)
+    promoted: list[TreeNode] = field(default_factory=list)  # exclusive placement: disk copies to drop
 
 
 class DiskMover:
@@ -123,6 +134,7 @@ class DiskMover:
         self.demoted_pages = 0
         self.prefetched_pages = 0
         self.prefetch_misses = 0
+        self.promoted_pages = 0  # exclusive placement: disk copies dropped as they were read back
         self._latencies: list[tuple[str, float]] = []  # (op, seconds) for the metrics sampler
         self._posted: deque[tuple[Callable[..., None], tuple]] = deque()  # see post()
         self._post_lock = threading.Lock()
@@ -137,6 +149,8 @@ class DiskMover:
         service.before_host_evict = self.demote
         service.on_disk_freed = self.delete
         service.on_match = self.prefetch
+        self._next_pin_dropped = service.on_pin_dropped  # the hybrid states' hook, called first
+        service.on_pin_dropped = self._pin_dropped
 
     def post(self, fn: Callable[..., None], *args: Any) -> None:
         """Run fn(*args) on the event loop; callable from the disk threads. Completions
@@ -294,7 +308,7 @@ class DiskMover:
 
     def write_through(self, ns: NamespaceState, nodes: list[TreeNode]) -> None:
         if self.config.disk_placement != "inclusive":
-            return  # non-inclusive: pages go down as the host evicts them (demote)
+            return  # (non-)exclusive: pages go down as the host evicts them (demote)
         todo = [n for n in nodes if not n.on_disk and n.host is not None]
         todo = [n for n in todo if self._admit(ns, n)]  # a page turned away may still go down on eviction
         if not todo:
@@ -517,6 +531,33 @@ class DiskMover:
             pin.locks.append((last, Tier.HOST, None))
         if stored:
             self.service.emit_nodes("stored", Tier.HOST, None, stored, ns)
+            if self.config.disk_placement == "exclusive":
+                pf.promoted = stored
+
+    def _pin_dropped(self, pin: Pin) -> None:
+        """Exclusive placement: the pages a request read back from disk leave it, now that
+        its locks are gone: deepest first, stopping at a page that is locked (another
+        request reads it) or has a page below it on disk (a page is on disk only under
+        its parent)."""
+        if self._next_pin_dropped is not None:
+            self._next_pin_dropped(pin)
+        pf = pin.prefetch
+        if pf is None or not pf.promoted:
+            return
+        ns = pin.engine.ns
+        dropped: list[TreeNode] = []
+        for node in reversed(pf.promoted):
+            if (node.removed or not node.on_disk or node.host is None or node.lock_ref[Tier.DISK]
+                    or node.child_lanes.get(DISK_LANE)):
+                break
+            keys = list(node.keys)
+            ns.index.set_disk(node, False)
+            self.tier.delete_async(keys)
+            self.promoted_pages += len(keys)
+            dropped.append(node)
+        pf.promoted = []
+        if dropped:
+            self.service.emit_nodes("removed", Tier.DISK, None, dropped, ns)
 
     async def wait_prefetch(self, pin: Pin, policy: str, timeout_s: float) -> None:
         pf = pin.prefetch
@@ -541,6 +582,7 @@ class DiskMover:
                 "queue_depth": st["queue_depth"],
                 "skipped_writes": self.skipped_writes + st["skipped_queue_full"] + st["skipped_disabled"],
                 "demoted_pages": self.demoted_pages, "placement": self.config.disk_placement,
+                "promoted_pages": self.promoted_pages,
                 "admission": self.service.admission.stats() if self.service.admission is not None else None, "prefetched_pages": self.prefetched_pages,
                 "prefetch_misses": self.prefetch_misses, "corrupt_pages": st["corrupt_pages"],
                 "bytes_written": st["bytes_written"], "bytes_read": st["bytes_read"],

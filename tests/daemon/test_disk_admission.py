@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from hicache.client.connection import RpcConnection
 from tests.daemon.test_cycle import run_worker
+from tests.wait import wait_until
 
 FLOOD = [f"store:{seed}:160" for seed in range(1, 61)]  # 60 one-shot prompts of 40 pages
 
@@ -69,3 +70,29 @@ def test_non_inclusive_placement_writes_a_page_only_as_the_host_evicts_it(daemon
     (back,) = run_worker(d.socket, "load:7:160")
     assert back["loaded"] == 40 and back["bad_pages"] == 0, back
     assert disk_stats(d.socket)["prefetched_pages"] - st["prefetched_pages"] == 40
+
+
+def test_exclusive_placement_moves_a_page_read_back_off_the_disk_and_down_again(daemon_factory):
+    d = daemon_factory("--host-capacity", "1MiB", "--disk-capacity", "64MiB",
+                       env={"HICACHE_LOAD_POLICY": "wait_complete", "HICACHE_DISK_PLACEMENT": "exclusive"}).start()
+    run_worker(d.socket, "store:7:160")
+    run_worker(d.socket, *FLOOD)  # 7 goes down to disk as the host evicts it
+    before = disk_stats(d.socket)
+    assert before["bytes_written"] > 0 and before["promoted_pages"] == 0
+    (back,) = run_worker(d.socket, "load:7:160")
+    assert back["loaded"] == 40 and back["bad_pages"] == 0, back
+    after = disk_stats(d.socket)
+    assert after["prefetched_pages"] - before["prefetched_pages"] == 40
+    # read back to host, its disk copy is gone (a leaf: nothing below it on disk)
+    assert after["promoted_pages"] == 40
+    page_bytes = 768  # tests/daemon/engine_worker.py's mha layout
+
+    def deleted() -> bool:  # the load's own host evictions wrote other pages down meanwhile
+        st = disk_stats(d.socket)
+        return st["pages"] == before["pages"] + (st["bytes_written"] - before["bytes_written"]) // page_bytes - 40
+    wait_until(deleted, what="the disk copy deleted")
+    run_worker(d.socket, *[f"store:{seed}:160" for seed in range(200, 260)])  # a second flood
+    again = disk_stats(d.socket)
+    (back,) = run_worker(d.socket, "load:7:160")  # written down again, and read back again
+    assert back["loaded"] == 40 and back["bad_pages"] == 0, back
+    assert disk_stats(d.socket)["prefetched_pages"] - again["prefetched_pages"] == 40
