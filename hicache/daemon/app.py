@@ -164,8 +164,8 @@ class Daemon:
                                     eviction_policy=make_policy(cfg.eviction_policy))
         self.puts = HostPuts(self.service, lease_s=cfg.put_lease_s)
         if cfg.disk_enabled:
-            self.service.admission = DiskAdmission(AdmissionConfig(mode=cfg.disk_admission),
-                                                   admission_capacity_pages(self.host.capacity_bytes + cfg.disk_capacity))
+            pages = admission_capacity_pages(self.host.capacity_bytes + cfg.disk_capacity)
+            self.service.admission = DiskAdmission(AdmissionConfig(mode=cfg.disk_admission), pages)
         # before the disk tier: its rebuild hands state checkpoint records to HybridStates
         self.hybrid = HybridStates(self.service, disk_capacity=cfg.disk_capacity if cfg.disk_enabled else 0,
                                    load_policy=cfg.load_policy, prefetch_timeout_s=cfg.prefetch_timeout_s)
