@@ -17,11 +17,12 @@ expects it back:
   for free predicts reuse: the page is new in a request that extended an
   earlier request's whole prompt (a conversation's next turn: its pages start
   the turn after). Measured on the shared trace and the generated workloads
-  (`hicache bench trace` ablation rows, docs/design.md): the next-turn signal
-  pays everywhere (without it the Mooncake trace loses 0.05 of hit rate at
-  15% capacity); "the page ended a request" (its tail) helps chat but costs
-  RAG and agent traffic, so it is off; depth in the prompt and fan-out are
-  what the sketch already sees (a shared head is a reused page) and are not used.
+  (`hicache bench trace` ablation rows, docs/benchmarks.md): the next-turn
+  signal pays on Mooncake and chat (without it the Mooncake trace loses 0.05 of
+  hit rate at 15% capacity) and never costs; "the page ended a request" (its
+  tail) helps chat but costs RAG, so it is off; depth in the prompt is not an
+  input (it separates reuse less than the next turn on Mooncake) and fan-out is
+  a count the sketch already keeps.
 - Adaptive: while the disk has room for the page without evicting anything,
   every page is admitted (a write then costs no hit), so light pressure
   behaves as plain write-everything; the filter acts only when a write would
