@@ -3,7 +3,10 @@ when it is expected back (hicache/index/admission.py)."""
 
 from __future__ import annotations
 
+import pytest
+
 from hicache.client.connection import RpcConnection
+from hicache.config import Config, ConfigError
 from tests.daemon.test_cycle import run_worker
 from tests.wait import wait_until
 
@@ -47,15 +50,11 @@ def test_a_full_disk_takes_the_reused_prompt_and_turns_one_shot_prompts_away(dae
     assert st["bytes_written"] < st_all["bytes_written"]
 
 
-def test_bad_admission_settings_are_refused(daemon_factory, tmp_path):
-    import pytest
-
-    from hicache.config import Config, ConfigError
-
+def test_bad_admission_settings_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="disk_admission"):
         Config(state_dir=tmp_path, disk_admission="sometimes")
     with pytest.raises(ConfigError, match="disk_placement"):
-        Config(state_dir=tmp_path, disk_placement="exclusive")
+        Config(state_dir=tmp_path, disk_placement="mirror")
 
 
 def test_non_inclusive_placement_writes_a_page_only_as_the_host_evicts_it(daemon_factory):
