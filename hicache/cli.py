@@ -17,7 +17,8 @@ import sys
 from typing import Any, NoReturn
 
 from hicache import __version__
-from hicache.config import EVICTION_POLICIES, admin_socket_path, format_size, load_config
+from hicache.config import (DISK_ADMISSION, DISK_PLACEMENTS, EVICTION_POLICIES, admin_socket_path, format_size,
+                            load_config)
 from hicache.errors import DaemonRefused, DaemonUnavailable, DaemonUntrusted, HiCacheError
 
 ADMIN_TIMEOUT_S = 10.0
@@ -96,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--load-policy", choices=["best_effort", "wait_complete", "timeout"])
     s.add_argument("--eviction-policy", choices=list(EVICTION_POLICIES),
                    help="which pages each tier evicts first (default frecency; lru for comparison)")
+    s.add_argument("--disk-admission", choices=list(DISK_ADMISSION),
+                   help="which host pages the disk takes once it is full (default reuse: those expected back)")
+    s.add_argument("--disk-placement", choices=list(DISK_PLACEMENTS),
+                   help="host-disk placement (default inclusive: written through, so they survive a restart)")
     s.add_argument("--metrics-port", type=int)
     s.add_argument("--remote-url", help="remote tier on Redis/Valkey (standalone or any node of a Cluster): "
                                         "redis://[user:password@]host:port, rediss://..., unix:///path; "
@@ -213,7 +218,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     overrides = {k: getattr(args, k) for k in ("socket_path", "state_dir", "host_capacity", "disk_capacity",
                                                "disk_enabled", "reset_disk", "write_policy", "load_policy",
-                                               "eviction_policy",
+                                               "eviction_policy", "disk_admission", "disk_placement",
                                                "metrics_port", "remote_url", "remote_password_file",
                                                "remote_secret_file")}
     config = load_config(args.config_file, overrides)

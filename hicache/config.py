@@ -36,6 +36,8 @@ LOAD_POLICIES = ("best_effort", "wait_complete", "timeout")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 DURABILITY = ("none", "batch", "sync")
 EVICTION_POLICIES = ("lru", "lfu", "frecency")  # hicache.index.policy.POLICIES
+DISK_ADMISSION = ("all", "reuse")  # hicache.index.admission.ADMISSION_MODES
+DISK_PLACEMENTS = ("inclusive", "non-inclusive", "exclusive")  # hicache/daemon/disk_mover.py
 # Page ids travel as int32; engines' pools are far smaller, and the daemon sizes work by them.
 MAX_DEVICE_PAGES_LIMIT = 1 << 30
 
@@ -145,6 +147,13 @@ class Config:
     write_hit_threshold: int = 2  # write_through_selective: back up after this many hits
     load_policy: str = "best_effort"
     eviction_policy: str = "frecency"  # lru | lfu | frecency (hicache/index/policy.py)
+    # Which host pages are written to disk (hicache/index/admission.py): "reuse" writes a page
+    # only while the disk has room or when it is expected back; "all" writes every one.
+    disk_admission: str = "reuse"
+    # "inclusive": written through as they reach the host (they survive a restart);
+    # "non-inclusive": written only as the host evicts them (more distinct pages, fewer writes);
+    # "exclusive": that, and a page read back from disk leaves it (the most distinct pages)
+    disk_placement: str = "inclusive"
     # "wall": access times in unix seconds (disk records keep them across restarts);
     # "logical": one tick per index operation, so a replay evicts the same pages every
     # time (benches comparing policies; disk access times are then not comparable
@@ -191,6 +200,10 @@ class Config:
             raise ConfigError(f"load_policy must be one of {LOAD_POLICIES}, got {self.load_policy!r}")
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ConfigError(f"eviction_policy must be one of {EVICTION_POLICIES}, got {self.eviction_policy!r}")
+        if self.disk_admission not in DISK_ADMISSION:
+            raise ConfigError(f"disk_admission must be one of {DISK_ADMISSION}, got {self.disk_admission!r}")
+        if self.disk_placement not in DISK_PLACEMENTS:
+            raise ConfigError(f"disk_placement must be one of {DISK_PLACEMENTS}, got {self.disk_placement!r}")
         if self.index_clock not in ("wall", "logical"):
             raise ConfigError(f"index_clock must be 'wall' or 'logical', got {self.index_clock!r}")
         if self.durability not in DURABILITY:

@@ -13,7 +13,7 @@ from hicache.bench.sglang_serve_bench import add_arguments as sglang_serve_argum
 from hicache.bench.soak_bench import add_arguments as soak_arguments
 from hicache.bench.trace_files import DEFAULT_TRACE
 from hicache.bench.vllm_bench import add_arguments as vllm_arguments
-from hicache.config import EVICTION_POLICIES
+from hicache.config import DISK_ADMISSION, DISK_PLACEMENTS, EVICTION_POLICIES
 
 
 
@@ -89,6 +89,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="only the simulated policies (OPT, LRU, ...): no daemon, no replay")
     b.add_argument("--eviction-policy", choices=list(EVICTION_POLICIES), default="frecency",
                    help="the started daemon's eviction policy (lru for comparison)")
+    b.add_argument("--disk-admission", choices=list(DISK_ADMISSION), default="reuse",
+                   help="the started daemon's disk admission (all: every page, as before admission)")
+    b.add_argument("--disk-placement", choices=list(DISK_PLACEMENTS), default="inclusive",
+                   help="the started daemon's host-disk placement")
+    b.add_argument("--ablation-fractions", type=float, nargs="*", default=[0.15, 0.4],
+                   help="simulate placement and admission variants at these fractions of the unique blocks")
     _add_plot(b, "hit rate against capacity: hicache, OPT, LRU and the other policies")
 
     b = bench("remote", "remote tier put / get GB/s and lookup latency vs plain redis-py on the same store")

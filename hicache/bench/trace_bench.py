@@ -15,6 +15,12 @@ capacity of the host tier and of all tiers (host + disk pages, an upper bound
 on the distinct blocks hicache can hold), plus at `--sim-fractions` of the
 trace's unique blocks. `--sim-only` skips the daemon and prints just those.
 `--workload` replaces the trace file by a generated one (hicache/bench/workloads.py).
+
+Disk admission and placement: the daemon's disk writes per disk hit (pages written
+to LMDB over pages served from disk), and an ablation simulated on the same blocks
+(hicache/bench/tiered_sim.py) at `--ablation-fractions` of the unique blocks, host
+and disk split as the daemon's: each placement, admission on and off, and the
+chosen policy less each ingredient, next to LRU of the same total capacity.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from hicache.bench.policy_sim import (
     simulate_all,
 )
 from hicache.bench.report import row
+from hicache.bench.tiered_sim import ablation_rows
 from hicache.bench.trace_files import open_trace
 from hicache.bench.workloads import generate
 from hicache.client.client import HiCacheClient
@@ -193,10 +200,27 @@ def load_requests(args: Any) -> list[dict]:
     return load_trace(args.trace, args.limit)
 
 
+def ablation(args: Any, btrace: BlockTrace, sims: dict[str, dict[str, SimResult]]) -> list[dict]:
+    """tiered_sim's ablation rows at `--ablation-fractions`, host:disk split as the daemon's."""
+    host = parse_size(args.host_capacity)
+    disk = parse_size(args.disk_capacity)
+    host_share = host / (host + disk) if host + disk else 1 / 3
+    unique = btrace.unique_blocks()
+    rows = []
+    for f in args.ablation_fractions:
+        total = max(2, int(f * unique))
+        label = f"{f:g} of unique"
+        res = sims.get(label) or simulate_all(btrace, total, ("OPT", "LRU"))
+        h = max(1, round(total * host_share))
+        rows += ablation_rows(btrace, label, h, total - h, res["OPT"].hit_rate, res["LRU"].hit_rate)
+    return rows
+
+
 def run(args: Any) -> list[dict]:
     trace = load_requests(args)
     btrace = block_trace(trace, BLOCK)
     srows, sims = sim_rows(btrace, capacities(args, btrace.unique_blocks()))
+    srows += ablation(args, btrace, sims)
     if args.sim_only:
         return [row("requests", len(trace), "count"), *srows]
     opt_hit, _ = optimum_hit_blocks(trace)
@@ -209,7 +233,8 @@ def run(args: Any) -> list[dict]:
             flags += ["--disk-capacity", args.disk_capacity] if parse_size(args.disk_capacity) else ["--no-disk"]
             # A logical index clock: the same trace evicts the same pages in every replay.
             env = {"HICACHE_LOAD_POLICY": "wait_complete", "HICACHE_INDEX_CLOCK": "logical",
-                   "HICACHE_EVICTION_POLICY": args.eviction_policy}
+                   "HICACHE_EVICTION_POLICY": args.eviction_policy, "HICACHE_DISK_ADMISSION": args.disk_admission,
+                   "HICACHE_DISK_PLACEMENT": args.disk_placement}
             daemon = LocalDaemon(tmp, *flags, env=env).start()
             sock = daemon.socket
         try:
@@ -232,6 +257,7 @@ def run(args: Any) -> list[dict]:
         row("tokens recomputed", t["prompt"] - hit, "tokens", baseline=t["prompt"] - opt_tokens,
             baseline_name="infinite cache"),
         *hicache_vs_sims(t, sims, opt_tokens / prompt),
+        *disk_write_rows(res["stats"], t["disk"] // BLOCK, page_bytes),
         row("requests skipped (longer than the device pool)", t["skipped"], "count"),
         row("replay time per request, p50", float(np.median(res["ttft"])) * 1e3 if len(res["ttft"]) else 0, "ms"),
         row("replay wall time", res["seconds"], "s"),
@@ -259,3 +285,15 @@ def hicache_vs_sims(t: dict, sims: dict[str, dict[str, SimResult]], infinite: fl
             rows.append(row(f"share of the LRU-to-OPT gap closed @ {label}", (ours - lru) / (opt - lru),
                             "fraction"))
     return rows
+
+
+def disk_write_rows(stats: dict, disk_hit_pages: int, page_bytes: int) -> list[dict]:
+    """What the disk tier wrote for what it served: admission's measure."""
+    disk = stats.get("tiers", {}).get("disk")
+    if not disk:
+        return []
+    written = disk["bytes_written"] // page_bytes
+    adm = disk.get("admission") or {}
+    return [row("disk pages written", written, "pages", placement=disk.get("placement"), admission=adm.get("mode")),
+            row("disk pages written per disk hit", written / max(1, disk_hit_pages), "pages"),
+            row("disk admission: pages turned away", adm.get("rejected_pages", 0), "pages")]

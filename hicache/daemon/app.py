@@ -30,6 +30,7 @@ from hicache.daemon.hybrid import HybridStates
 from hicache.daemon.puts import HostPuts
 from hicache.daemon.service import CacheService
 from hicache.errors import HiCacheError
+from hicache.index.admission import AdmissionConfig, DiskAdmission, admission_capacity_pages
 from hicache.index.policy import make_policy
 from hicache.index.radix import Tier
 from hicache.rpc.server import Connection, RpcServer
@@ -162,6 +163,9 @@ class Daemon:
                                     max_device_pages=cfg.max_device_pages,
                                     eviction_policy=make_policy(cfg.eviction_policy))
         self.puts = HostPuts(self.service, lease_s=cfg.put_lease_s)
+        if cfg.disk_enabled:
+            pages = admission_capacity_pages(self.host.capacity_bytes + cfg.disk_capacity)
+            self.service.admission = DiskAdmission(AdmissionConfig(mode=cfg.disk_admission), pages)
         # before the disk tier: its rebuild hands state checkpoint records to HybridStates
         self.hybrid = HybridStates(self.service, disk_capacity=cfg.disk_capacity if cfg.disk_enabled else 0,
                                    load_policy=cfg.load_policy, prefetch_timeout_s=cfg.prefetch_timeout_s)

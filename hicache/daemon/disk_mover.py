@@ -15,6 +15,15 @@ reader pool only move bytes and report back through `post` (batched
   evicted until the tier's bytes plus the bytes in flight fit the budget.
 - Prefetch: a match whose prefix continues on disk starts reading that part
   into fresh host pages at once; `load` waits for it per the load policy.
+- Placement (`disk_placement`): "inclusive" writes pages through as they reach
+  the host (so they survive a restart) and demotes the rest; "non-inclusive"
+  only demotes, so the disk holds pages the host does not and the two tiers
+  hold more distinct pages; "exclusive" also drops the disk copy of pages read
+  back to host, once the reading request releases them, deepest first and only
+  while nothing below a page is on disk (parents first stays true on disk).
+- Admission (hicache/index/admission.py, `service.admission`): a page is
+  written through or demoted only when the policy expects it back; a page
+  turned away at write-through may still go down when the host evicts it.
 - Rebuild: at startup the disk part of every namespace's tree is restored from
   page metadata; the namespaces themselves (model, layout, ...) come from a
   small sidecar file written (and fsynced) before a namespace's first page is
@@ -58,7 +67,9 @@ from hicache.config import Config
 from hicache.daemon.service import CacheService, NamespaceState, Pin, path_with_offsets
 from hicache.daemon.disk_startup import Quarantine, open_tier
 from hicache.daemon.state_dir import prepare_state_dir
+from hicache.index.admission import admission_key
 from hicache.index.keys import Namespace
+from hicache.index.node import DISK_LANE
 from hicache.index.radix import Tier, TreeNode
 from hicache.layout import KVLayout
 from hicache.state_layout import StateLayout
@@ -105,6 +116,7 @@ class Prefetch:
     done: bool = False
     last_node: TreeNode | None = None
     started: float = field(default_factory=time.monotonic)
+    promoted: list[TreeNode] = field(default_factory=list)  # exclusive placement: disk copies to drop
 
 
 class DiskMover:
@@ -122,6 +134,7 @@ class DiskMover:
         self.demoted_pages = 0
         self.prefetched_pages = 0
         self.prefetch_misses = 0
+        self.promoted_pages = 0  # exclusive placement: disk copies dropped as they were read back
         self._latencies: list[tuple[str, float]] = []  # (op, seconds) for the metrics sampler
         self._posted: deque[tuple[Callable[..., None], tuple]] = deque()  # see post()
         self._post_lock = threading.Lock()
@@ -136,6 +149,8 @@ class DiskMover:
         service.before_host_evict = self.demote
         service.on_disk_freed = self.delete
         service.on_match = self.prefetch
+        self._next_pin_dropped = service.on_pin_dropped  # the hybrid states' hook, called first
+        service.on_pin_dropped = self._pin_dropped
 
     def post(self, fn: Callable[..., None], *args: Any) -> None:
         """Run fn(*args) on the event loop; callable from the disk threads. Completions
@@ -282,8 +297,20 @@ class DiskMover:
                 return False
         return True
 
+    def _admit(self, ns: NamespaceState, node: TreeNode) -> bool:
+        """The admission's verdict on writing `node` (hicache/index/admission.py)."""
+        adm = self.service.admission
+        if adm is None:
+            return True
+        nbytes = node.n_pages * ns.page_class.page_bytes
+        room = self._used_bytes() + self.inflight_bytes + nbytes <= self._page_budget(ns)
+        return adm.admit(admission_key(node.keys[0]), node.n_pages, room)
+
     def write_through(self, ns: NamespaceState, nodes: list[TreeNode]) -> None:
+        if self.config.disk_placement != "inclusive":
+            return  # (non-)exclusive: pages go down as the host evicts them (demote)
         todo = [n for n in nodes if not n.on_disk and n.host is not None]
+        todo = [n for n in todo if self._admit(ns, n)]  # a page turned away may still go down on eviction
         if not todo:
             return
         if not self._remember(ns):
@@ -393,6 +420,7 @@ class DiskMover:
     def demote(self, ns: NamespaceState, num_pages: int) -> None:
         """Before host eviction: copy victims that are not on disk yet into the write queue."""
         victims = [v for v in ns.index.select_victims(Tier.HOST, num_pages) if not v.on_disk]
+        victims = [v for v in victims if self._admit(ns, v)]  # the rest leave the cache
         if not victims or not self._remember(ns):
             self.skipped_writes += sum(v.n_pages for v in victims)
             return
@@ -503,6 +531,33 @@ class DiskMover:
             pin.locks.append((last, Tier.HOST, None))
         if stored:
             self.service.emit_nodes("stored", Tier.HOST, None, stored, ns)
+            if self.config.disk_placement == "exclusive":
+                pf.promoted = stored
+
+    def _pin_dropped(self, pin: Pin) -> None:
+        """Exclusive placement: the pages a request read back from disk leave it, now that
+        its locks are gone: deepest first, stopping at a page that is locked (another
+        request reads it) or has a page below it on disk (a page is on disk only under
+        its parent)."""
+        if self._next_pin_dropped is not None:
+            self._next_pin_dropped(pin)
+        pf = pin.prefetch
+        if pf is None or not pf.promoted:
+            return
+        ns = pin.engine.ns
+        dropped: list[TreeNode] = []
+        for node in reversed(pf.promoted):
+            if (node.removed or not node.on_disk or node.host is None or node.lock_ref[Tier.DISK]
+                    or node.child_lanes.get(DISK_LANE)):
+                break
+            keys = list(node.keys)
+            ns.index.set_disk(node, False)
+            self.tier.delete_async(keys)
+            self.promoted_pages += len(keys)
+            dropped.append(node)
+        pf.promoted = []
+        if dropped:
+            self.service.emit_nodes("removed", Tier.DISK, None, dropped, ns)
 
     async def wait_prefetch(self, pin: Pin, policy: str, timeout_s: float) -> None:
         pf = pin.prefetch
@@ -526,7 +581,10 @@ class DiskMover:
         return {"capacity_bytes": self.capacity_bytes, "used_bytes": st["used_bytes"], "pages": st["num_pages"],
                 "queue_depth": st["queue_depth"],
                 "skipped_writes": self.skipped_writes + st["skipped_queue_full"] + st["skipped_disabled"],
-                "demoted_pages": self.demoted_pages, "prefetched_pages": self.prefetched_pages,
+                "demoted_pages": self.demoted_pages, "placement": self.config.disk_placement,
+                "promoted_pages": self.promoted_pages,
+                "admission": self.service.admission.stats() if self.service.admission is not None else None,
+                "prefetched_pages": self.prefetched_pages,
                 "prefetch_misses": self.prefetch_misses, "corrupt_pages": st["corrupt_pages"],
                 "bytes_written": st["bytes_written"], "bytes_read": st["bytes_read"],
                 "evicted_pages": st["evicted_pages"], "last_write_time": st["last_write_time"],

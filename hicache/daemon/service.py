@@ -36,6 +36,7 @@ import numpy as np
 
 from hicache.daemon.host_tier import HostTier, PageClass
 from hicache.daemon.slab_reclaim import reclaim_slab
+from hicache.index.admission import DiskAdmission, admission_key
 from hicache.index.keys import Namespace, PackedKeys
 from hicache.index.node import Freed, IndexStateError, Tier, TreeNode
 from hicache.index.policy import EvictionPolicy, LruPolicy
@@ -157,6 +158,9 @@ class CacheService:
         self.before_host_evict: Callable[[NamespaceState, int], None] | None = None
         self.on_disk_freed: Callable[[NamespaceState, list[bytes]], None] | None = None
         self.on_match: Callable[[Pin, list[TreeNode]], None] | None = None  # starts disk prefetch
+        # Which pages the tiers below the host take (hicache/index/admission.py); it hears
+        # every inserted request. None: every page is written.
+        self.admission: DiskAdmission | None = None
         # Hybrid models: HybridStates (hicache/daemon/hybrid.py) keeps state checkpoints beside
         # the KV; it hears of every dropped pin (its checkpoint locks go with it).
         self.hybrid: Any = None
@@ -362,6 +366,8 @@ class CacheService:
             raise RpcError(Code.BAD_PARAMS, str(e)) from None
         self.counters.inserts += 1
         self.counters.inserted_pages += len(keys) - res.present_pages
+        if self.admission is not None:
+            self.admission.request([admission_key(k) for k in keys], res.present_pages)
         if pin is not None and res.nodes:
             ns.index.lock(res.nodes[-1], Tier.DEVICE, rec.engine_id)
             pin.locks.append((res.nodes[-1], Tier.DEVICE, rec.engine_id))

@@ -94,3 +94,18 @@ def test_trace_bench_generated_workload():
     assert rows["requests"]["value"] == 500
     opt = rows["sim @ 0.1 of unique: OPT hit rate"]
     assert rows["sim @ 0.1 of unique: LRU hit rate"]["value"] < opt["value"] <= opt["baseline"]
+
+
+def test_trace_bench_reports_disk_writes_per_hit_and_the_ablation(small_trace):
+    rows = bench("--trace", str(small_trace), "--device-pages", "24", "--host-capacity", "1MiB",
+                 "--disk-capacity", "2MiB", "--sim-fractions", "--ablation-fractions", "0.4",
+                 "--disk-placement", "non-inclusive")
+    written = rows["disk pages written"]
+    assert written["placement"] == "non-inclusive" and written["admission"] == "reuse"
+    hits = rows["hit rate, disk"]["value"] * rows["prompt tokens"]["value"] / 512
+    assert rows["disk pages written per disk hit"]["value"] == pytest.approx(written["value"] / max(1, round(hits)))
+    before = rows["tiers @ 0.4 of unique: inclusive, admit all (before): disk writes per disk hit"]
+    assert before["ratio"] == 1
+    for name in ("exclusive + admission", "non-inclusive + admission (hicache)", "less admit-while-room"):
+        r = rows[f"tiers @ 0.4 of unique: {name}: hit rate"]
+        assert r["baseline_name"] == "LRU" and 0 <= r["value"] <= 1

@@ -192,8 +192,11 @@ def _fill(path: Path) -> Path:
 
 
 def test_full_state_dir_at_run_time_degrades_and_the_daemon_keeps_serving(daemon_factory):
-    # a 1 MiB disk is a 1 MiB LMDB file; the rest of the 96 MiB filesystem is filled later
-    d = daemon_factory("--host-capacity", "64MiB", "--disk-capacity", "1MiB", env=WAIT)
+    # a 1 MiB disk is a 1 MiB LMDB file; the rest of the 96 MiB filesystem is filled later.
+    # Every page is admitted: this drives the disk past its budget (admission would turn
+    # one-shot pages away once it is full, tests/daemon/test_disk_admission.py).
+    d = daemon_factory("--host-capacity", "64MiB", "--disk-capacity", "1MiB",
+                       env={**WAIT, "HICACHE_DISK_ADMISSION": "all"})
     with tmpfs(Path(d.state_dir), "96m") as state:
         d.start()
         try:

@@ -1,0 +1,97 @@
+"""Disk admission through a real daemon: once the disk is full, a page is written only
+when it is expected back (hicache/index/admission.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hicache.client.connection import RpcConnection
+from hicache.config import Config, ConfigError
+from tests.daemon.test_cycle import run_worker
+from tests.wait import wait_until
+
+FLOOD = [f"store:{seed}:160" for seed in range(1, 61)]  # 60 one-shot prompts of 40 pages
+
+
+def disk_stats(socket: str) -> dict:
+    conn = RpcConnection.connect(socket, timeout_s=30)
+    conn.hello()
+    assert conn.call("settle", {"timeout_s": 30})["settled"]
+    st = conn.call("stats")["tiers"]["disk"]
+    conn.close()
+    return st
+
+
+def flood_after_a_reused_prompt(daemon_factory, admission: str) -> tuple[dict, dict, int]:
+    """store 100 twice -- 60 one-shot prompts -- load 100: (disk stats before the load,
+    the load's result, pages the load read from disk)."""
+    d = daemon_factory("--host-capacity", "1MiB", "--disk-capacity", "1MiB",
+                       env={"HICACHE_LOAD_POLICY": "wait_complete", "HICACHE_DISK_ADMISSION": admission}).start()
+    run_worker(d.socket, "store:100:160", "store:100:160")  # seen twice: reused
+    run_worker(d.socket, *FLOOD)  # far more than host (1 MiB) and disk (1 MiB) hold
+    st = disk_stats(d.socket)
+    (back,) = run_worker(d.socket, "load:100:160")
+    from_disk = disk_stats(d.socket)["prefetched_pages"] - st["prefetched_pages"]
+    d.stop()
+    return st, back, from_disk
+
+
+def test_a_full_disk_takes_the_reused_prompt_and_turns_one_shot_prompts_away(daemon_factory):
+    st, back, from_disk = flood_after_a_reused_prompt(daemon_factory, "reuse")
+    adm = st["admission"]
+    assert adm["mode"] == "reuse" and adm["rejected_pages"] > 0 and adm["admitted_pages"] > 0
+    # the reused prompt outlived the flood on disk and comes back from there byte-exact
+    assert back["loaded"] == 40 and back["bad_pages"] == 0, back
+    assert from_disk == 40
+
+    st_all, _, _ = flood_after_a_reused_prompt(daemon_factory, "all")
+    assert st_all["admission"]["rejected_pages"] == 0
+    # the pages turned away were never written: fewer bytes went to LMDB
+    assert st["bytes_written"] < st_all["bytes_written"]
+
+
+def test_bad_admission_settings_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="disk_admission"):
+        Config(state_dir=tmp_path, disk_admission="sometimes")
+    with pytest.raises(ConfigError, match="disk_placement"):
+        Config(state_dir=tmp_path, disk_placement="mirror")
+
+
+def test_non_inclusive_placement_writes_a_page_only_as_the_host_evicts_it(daemon_factory):
+    d = daemon_factory("--host-capacity", "1MiB", "--disk-capacity", "64MiB",
+                       env={"HICACHE_LOAD_POLICY": "wait_complete", "HICACHE_DISK_PLACEMENT": "non-inclusive"}).start()
+    run_worker(d.socket, "store:7:160")
+    st = disk_stats(d.socket)
+    assert st["placement"] == "non-inclusive" and st["bytes_written"] == 0  # on host only: no write-through
+    run_worker(d.socket, *FLOOD)  # 2400 one-shot pages push 7 out of the 1 MiB host
+    st = disk_stats(d.socket)
+    assert st["demoted_pages"] >= 40 and st["bytes_written"] > 0
+    (back,) = run_worker(d.socket, "load:7:160")
+    assert back["loaded"] == 40 and back["bad_pages"] == 0, back
+    assert disk_stats(d.socket)["prefetched_pages"] - st["prefetched_pages"] == 40
+
+
+def test_exclusive_placement_moves_a_page_read_back_off_the_disk_and_down_again(daemon_factory):
+    d = daemon_factory("--host-capacity", "1MiB", "--disk-capacity", "64MiB",
+                       env={"HICACHE_LOAD_POLICY": "wait_complete", "HICACHE_DISK_PLACEMENT": "exclusive"}).start()
+    run_worker(d.socket, "store:7:160")
+    run_worker(d.socket, *FLOOD)  # 7 goes down to disk as the host evicts it
+    before = disk_stats(d.socket)
+    assert before["bytes_written"] > 0 and before["promoted_pages"] == 0
+    (back,) = run_worker(d.socket, "load:7:160")
+    assert back["loaded"] == 40 and back["bad_pages"] == 0, back
+    after = disk_stats(d.socket)
+    assert after["prefetched_pages"] - before["prefetched_pages"] == 40
+    # read back to host, its disk copy is gone (a leaf: nothing below it on disk)
+    assert after["promoted_pages"] == 40
+    page_bytes = 768  # tests/daemon/engine_worker.py's mha layout
+
+    def deleted() -> bool:  # the load's own host evictions wrote other pages down meanwhile
+        st = disk_stats(d.socket)
+        return st["pages"] == before["pages"] + (st["bytes_written"] - before["bytes_written"]) // page_bytes - 40
+    wait_until(deleted, what="the disk copy deleted")
+    run_worker(d.socket, *[f"store:{seed}:160" for seed in range(200, 260)])  # a second flood
+    again = disk_stats(d.socket)
+    (back,) = run_worker(d.socket, "load:7:160")  # written down again, and read back again
+    assert back["loaded"] == 40 and back["bad_pages"] == 0, back
+    assert disk_stats(d.socket)["prefetched_pages"] - again["prefetched_pages"] == 40
