@@ -255,12 +255,16 @@ class BlockCopier:
         for layer in range(len(self.blocks)):
             self._save_layer_torch(layer, bd, ht)
 
+    def _torch_view(self, layer: int) -> torch.Tensor:
+        v = self.blocks[layer]
+        return v.view(torch.uint8) if v.element_size() == 1 else v  # fp8: index ops of every build take bytes
+
     def _save_layer_torch(self, layer: int, bd: torch.Tensor, ht: torch.Tensor) -> None:
-        src = self.blocks[layer].index_select(0, bd).reshape(len(bd), -1).view(torch.uint8)
+        src = self._torch_view(layer).index_select(0, bd).reshape(len(bd), -1).view(torch.uint8)
         self._host_wide[:, layer].index_copy_(0, ht, src.view(self._host_wide.dtype).cpu())
 
     def _load_layer_torch(self, layer: int, b: np.ndarray, h: np.ndarray) -> None:
-        v = self.blocks[layer]
+        v = self._torch_view(layer)
         src = self.host[:, layer].index_select(0, torch.from_numpy(h)).to(self.device, non_blocking=True)
         v[torch.from_numpy(b).to(self.device)] = src.view(v.dtype).reshape(len(b), *v.shape[1:])
 

@@ -1,5 +1,5 @@
 """A stand-in for exactly the part of `torch.cuda` the vLLM worker's stream path uses
-(`hicache.integrations.vllm.streams.StreamApi`: Stream, Event, current_stream,
+(`hicache.integrations.block_streams.StreamApi`: Stream, Event, current_stream,
 stream), so its ordering logic runs on a machine without a GPU.
 
 It records every call in `log` as tuples naming streams and events, e.g.

@@ -19,8 +19,8 @@ slab that cannot be mapped, a copy error) reports its blocks through
 `get_block_ids_with_load_errors`, and vLLM recomputes them.
 
 On CUDA the copy thread is not used: the copies are queued layer by layer on
-the worker's own load and save streams with events (streams.py), straight
-between vLLM's KV tensors and the registered arena. `wait_for_layer_load` makes
+the worker's own load and save streams with events (../block_streams.py),
+straight between vLLM's KV tensors and the registered arena. `wait_for_layer_load` makes
 the step's stream wait on that layer's event, saves wait on an event recorded on
 the step's stream after the forward pass, and a copy is reported (loaded,
 saved, blocks freed) once its event has completed, as seen when vLLM asks for
@@ -52,7 +52,7 @@ from hicache.integrations.block_copy import BlockCopier, CopyMethod, arrangement
 from hicache.integrations.vllm.affinity import copy_thread_cpus, pin_this_thread
 from hicache.integrations.vllm.layout import EngineShape, UnsupportedModel
 from hicache.integrations.vllm.metadata import HiCacheMeta, HiCacheStats, HiCacheWorkerMeta, LoadSpec, SaveSpec
-from hicache.integrations.vllm.streams import StreamApi, StreamCopies
+from hicache.integrations.block_streams import StreamApi, StreamCopies
 
 log = logging.getLogger(__name__)
 

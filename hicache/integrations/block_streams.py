@@ -1,8 +1,10 @@
-"""The vLLM worker's copies on CUDA: side streams and events, never the step's stream.
+"""Copies of an engine's own KV blocks on CUDA (the vLLM worker's): side streams and
+events, never the step's stream.
 
 The same plan as the reference engine's executor (hicache/transfer/executor.py),
-for vLLM's own block tensors (the copies themselves: BlockCopier's kernel path,
-straight between the KV tensors and the registered arena):
+for per-layer block tensors (the copies themselves: BlockCopier's kernel path,
+straight between the KV tensors and the registered arena). Torch-only, no vLLM
+import, so the GPU check runs it on a machine without vLLM:
 
 - loads go on the load stream, which first waits for the work already queued on
   the step's stream (the blocks may have been read by it: they were just
