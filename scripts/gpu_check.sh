@@ -32,8 +32,13 @@ tests_rc=${PIPESTATUS[0]}
 "$py" -m hicache.cli bench transfer --device cuda --json ${BENCH_ARGS:-} > "$out/bench-transfer-cuda.json" \
     2> "$out/bench-stderr.txt"
 bench_rc=$?
+# The vLLM connector's block copies on CUDA (its Triton kernel, and the torch path it replaced).
+"$py" -m hicache.cli bench blockcopy --device cuda --repeats 5 --json > "$out/bench-blockcopy-cuda.json" \
+    2>> "$out/bench-stderr.txt" || bench_rc=1
 [ "$bench_rc" = 0 ] && "$py" -c "import json,sys; from hicache.bench.report import print_rows; d=json.load(open(sys.argv[1])); \
 print_rows('transfer', d['results'], False)" "$out/bench-transfer-cuda.json" 2>&1 | tee "$out/bench-transfer-cuda.txt"
+[ "$bench_rc" = 0 ] && "$py" -c "import json,sys; from hicache.bench.report import print_rows; d=json.load(open(sys.argv[1])); \
+print_rows('blockcopy', d['results'], False)" "$out/bench-blockcopy-cuda.json" 2>&1 | tee "$out/bench-blockcopy-cuda.txt"
 [ "$bench_rc" = 0 ] || cat "$out/bench-stderr.txt"
 echo "vllm cuda rc=$vllm_rc, gpu tests rc=$tests_rc, bench rc=$bench_rc"
 exit $(( tests_rc || bench_rc ))

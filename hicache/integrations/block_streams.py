@@ -74,9 +74,10 @@ class StreamCopies:
 
     # -- loads --------------------------------------------------------------------------
     def load(self, per_layer: Sequence[tuple[list[int], list[int]]],
-             on_done: Callable[[float], None]) -> tuple[list[Any], Exception | None]:
+             on_done: Callable[[float, Exception | None], None]) -> tuple[list[Any], Exception | None]:
         """Queue layer l's (blocks, pages) copy for every layer: (an event per layer, the
-        error that stopped the queueing or None). `on_done` runs once all completed."""
+        error that stopped the queueing or None). `on_done(seconds, error)` runs once
+        what was queued has completed."""
         api, s = self.api, self.load_stream
         s.wait_stream(self._step_stream())
         events = [api.Event() for _ in per_layer]
@@ -92,7 +93,7 @@ class StreamCopies:
                         error = e
                 events[layer].record(s)
             done.record(s)
-        self._track(start, done, on_done)
+        self._track(start, done, lambda seconds: on_done(seconds, error))
         return events, error
 
     def wait_layer(self, event: Any) -> None:
@@ -101,9 +102,10 @@ class StreamCopies:
 
     # -- saves --------------------------------------------------------------------------
     def save(self, copies: Sequence[Callable[[], None]], after: Sequence[Any],
-             on_done: Callable[[float], None]) -> list[Exception | None]:
+             on_done: Callable[[float, list[Exception | None]], None]) -> None:
         """Queue `copies` (each one save's copy calls) on the save stream, after what the
-        step's stream has queued so far and the events `after`; one result per copy."""
+        step's stream has queued so far and the events `after`. `on_done(seconds, errors)`
+        runs once they completed: per copy, None or the error that stopped its queueing."""
         api, s = self.api, self.save_stream
         forward = api.Event()
         forward.record(self._step_stream())
@@ -122,8 +124,7 @@ class StreamCopies:
                     errors.append(e)
             done.record(s)
         self._last_save = done
-        self._track(start, done, on_done)
-        return errors
+        self._track(start, done, lambda seconds: on_done(seconds, errors))
 
     def order_after_saves(self) -> None:
         """The step's stream waits for every save queued so far (GPU side)."""

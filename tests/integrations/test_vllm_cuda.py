@@ -102,9 +102,9 @@ def test_streams_order_saves_after_the_step_and_layers_before_their_use():
         queue_slow_work()
         for layer, t in enumerate(caches):
             t[1:33] = float(layer + 1)
-        errors = streams.save([lambda: copier.save(blocks, pages)], [], done.append)
-        assert errors == [None]
+        streams.save([lambda: copier.save(blocks, pages)], [], lambda secs, errors: done.append(errors))
         wait_until(lambda: streams.poll() or done, 30, "the save to complete")
+        assert done == [[None]]
         host = copier.host[torch.as_tensor(pages)].view(torch.bfloat16)
         for layer in range(layout.num_layers):
             assert (host[:, layer] == float(layer + 1)).all(), layer  # the step's writes, not older bytes
@@ -117,7 +117,7 @@ def test_streams_order_saves_after_the_step_and_layers_before_their_use():
         queue_slow_work()
         for t in caches:
             t[33:64] = -1.0  # the blocks' previous owner, still writing
-        events, error = streams.load([(dst, dst_pages)] * layout.num_layers, loaded.append)
+        events, error = streams.load([(dst, dst_pages)] * layout.num_layers, lambda secs, err: loaded.append(secs))
         assert error is None and len(events) == layout.num_layers
         seen = []
         for layer in range(layout.num_layers):

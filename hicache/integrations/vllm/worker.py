@@ -231,10 +231,9 @@ class WorkerSide:
             log.exception("hicache: loading KV failed; vLLM recomputes those blocks")
             self._fail_load(load)
             return
-        error: list[Exception | None] = [None]
-        load.cuda_events, error[0] = streams.load(per_layer, lambda s: self._load_done(load, error[0] is None, s))
-        if error[0] is not None:
-            log.error("hicache: loading KV failed; vLLM recomputes those blocks", exc_info=error[0])
+        load.cuda_events, error = streams.load(per_layer, lambda secs, err: self._load_done(load, err is None, secs))
+        if error is not None:
+            log.error("hicache: loading KV failed; vLLM recomputes those blocks", exc_info=error)
             # Said in this step, so vLLM recomputes before using them; the pins go (and a
             # hybrid request is reported) once what was queued has completed.
             self._fail_load(load, release=False)
@@ -317,8 +316,8 @@ class WorkerSide:
             # After the forward pass's writes (an event on the step's stream) and this step's
             # loads (a layer the model never waited for is still ordered before its save).
             after = [load.cuda_events[-1]] if load is not None and load.cuda_events else []
-            errors = self.streams.save([lambda s=s: self._save_copy(s) for s in specs], after,
-                                       lambda secs: self._saves_done(specs, errors, secs))
+            self.streams.save([lambda s=s: self._save_copy(s) for s in specs], after,
+                              lambda seconds, errors: self._saves_done(specs, errors, seconds))
         else:
             for s in specs:
                 self._submit(lambda s=s: self._save_job(s))
