@@ -68,6 +68,9 @@ class StreamCopies:
         self._lock = threading.Lock()
         self._in_flight: list[_InFlight] = []
         self._last_save: Any = None  # the event of the newest save queued
+        # Per-layer load events, reused every step: a stream's wait takes the event's state
+        # when it is queued, so recording it again for the next step's load is safe.
+        self._layer_events: list[Any] = []
 
     def _step_stream(self) -> Any:
         return self.api.current_stream(self.device)
@@ -80,7 +83,9 @@ class StreamCopies:
         what was queued has completed."""
         api, s = self.api, self.load_stream
         s.wait_stream(self._step_stream())
-        events = [api.Event() for _ in per_layer]
+        while len(self._layer_events) < len(per_layer):
+            self._layer_events.append(api.Event())
+        events = self._layer_events[:len(per_layer)]
         start, done = api.Event(enable_timing=True), api.Event(enable_timing=True)
         error: Exception | None = None
         with api.stream(s):
