@@ -20,11 +20,11 @@ slab that cannot be mapped, a copy error) reports its blocks through
 
 On CUDA the copy thread is not used: the copies are queued layer by layer on
 the worker's own load and save streams with events (../block_streams.py),
-straight between vLLM's KV tensors and the registered arena. `wait_for_layer_load` makes
-the step's stream wait on that layer's event, saves wait on an event recorded on
-the step's stream after the forward pass, and a copy is reported (loaded,
-saved, blocks freed) once its event has completed, as seen when vLLM asks for
-the step's reports. Where the CPU path drains the copy thread before vLLM
+straight between vLLM's KV tensors and the registered arena.
+`wait_for_layer_load` makes the step's stream wait on that layer's event, saves
+wait on an event recorded on the step's stream after the forward pass, and a
+copy is reported (loaded, saved, blocks freed) once its event has completed, as
+seen when vLLM asks for the step's reports. Where the CPU path drains the copy thread before vLLM
 reuses blocks (preemption, sliding windows), the step's stream waits for the
 saves instead: the host does not.
 
