@@ -49,10 +49,10 @@ from hicache.client.client import HiCacheClient
 from hicache.client.deadlines import CallDeadlines
 from hicache.errors import LayoutError
 from hicache.integrations.block_copy import BlockCopier, CopyMethod, arrangement
+from hicache.integrations.block_streams import StreamApi, StreamCopies
 from hicache.integrations.vllm.affinity import copy_thread_cpus, pin_this_thread
 from hicache.integrations.vllm.layout import EngineShape, UnsupportedModel
 from hicache.integrations.vllm.metadata import HiCacheMeta, HiCacheStats, HiCacheWorkerMeta, LoadSpec, SaveSpec
-from hicache.integrations.block_streams import StreamApi, StreamCopies
 
 log = logging.getLogger(__name__)
 
