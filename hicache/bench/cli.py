@@ -57,6 +57,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (1: what a 1-core vLLM CPU worker gives the torch path)")
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: KV tensors on the GPU in vLLM's CUDA layout, triton and torch methods "
+                        "against one contiguous copy")
 
     b = bench("disk", "disk tier put / get vs raw py-lmdb and dd")
     b.add_argument("--total-mib", type=int, default=512)
@@ -164,6 +167,9 @@ def run(args: argparse.Namespace) -> int:
         from hicache.bench.transfer_bench import run as go
         rows = go(tuple(args.page_sizes), repeats=args.repeats, target_bytes=args.target_mib << 20,
                   threads=tuple(args.threads) if args.threads else None)
+    elif args.bench == "blockcopy" and args.device == "cuda":
+        from hicache.bench.blockcopy_cuda_bench import run as go
+        rows = go(args)
     elif args.bench == "blockcopy":
         from hicache.bench.blockcopy_bench import run as go
         rows = go(args)

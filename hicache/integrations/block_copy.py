@@ -22,10 +22,17 @@ Two ways to move the bytes, which write the same page bytes:
   layer's chunks: one pass over the bytes, the GIL released, no torch op and
   so no OpenMP team of the copying thread competing with the engine's
   threads. Measured (`hicache bench blockcopy`): see the README.
-- Otherwise (`torch`: CUDA tensors, no C compiler, runs too short to pay):
-  `index_select` + `index_copy_` per layer, the specification the native path
-  is tested against. On CPU it makes two passes (gather into a temporary,
-  scatter out of it) and was the connector's copy path before the native one.
+- CUDA tensors (`triton`): one launch of `copy_triton.copy_block_runs` per
+  layer loaded or per save, on the caller's current stream, straight between
+  the KV tensors and the arena (registered with CUDA, so the kernel addresses
+  its pages; no staging copy). The same runs as the native path, cut into
+  pieces of at most a few KiB; under TRITON_INTERPRET it runs on CPU tensors,
+  which is how the tests check it without a GPU.
+- Otherwise (`torch`: no Triton, no C compiler, runs too short to pay):
+  `index_select` + `index_copy_` per layer, the specification the others are
+  tested against. It makes two passes (gather into a temporary, scatter out of
+  it; on CUDA the temporary is on the host) and was the connector's copy path
+  before the others.
 """
 
 from __future__ import annotations
@@ -38,15 +45,18 @@ import numpy as np
 import torch
 
 from hicache.errors import LayoutError
+from hicache.kernels import copy_triton
 from hicache.kernels.copy import ChunkCopier, wide_dtype
 from hicache.layout import KVLayout
 from hicache.tiers.arena import HostArena
 
-CopyMethod = Literal["auto", "native", "torch"]
+CopyMethod = Literal["auto", "native", "triton", "torch"]
 
 # Shorter contiguous runs per block go through torch: the chunk tables would
 # outweigh the bytes (a backend whose innermost dim is not contiguous in memory).
 MIN_RUN_BYTES = 256
+# The kernel copies runs in pieces of at most this many bytes (a program's rows).
+MAX_PIECE_BYTES = 8192
 
 
 def block_dim(shape: Sequence[int], num_blocks: int) -> int:
@@ -79,9 +89,9 @@ class BlockRuns:
     run_bytes: int
 
     @classmethod
-    def of(cls, v: torch.Tensor) -> BlockRuns | None:
+    def of(cls, v: torch.Tensor, min_run_bytes: int = MIN_RUN_BYTES) -> BlockRuns | None:
         """The runs of `v` (block dim first), or None where a block is not made of runs
-        of at least MIN_RUN_BYTES (or its memory overlaps itself)."""
+        of at least `min_run_bytes` (or its memory overlaps itself)."""
         dims = [(n, s) for n, s in zip(v.shape[1:], v.stride()[1:]) if n != 1]
         inner = 1  # elements per run: the longest row-major contiguous suffix of the dims
         while dims and dims[-1][1] == inner:
@@ -92,7 +102,7 @@ class BlockRuns:
         offsets = np.zeros(1, dtype=np.int64)
         for n, s in dims:  # outer dims enumerate the runs, row-major
             offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * s * es).reshape(-1)
-        if inner * es < MIN_RUN_BYTES:
+        if inner * es < min_run_bytes:
             return None
         return cls(v.data_ptr(), v.stride(0) * es, offsets, inner * es)
 
@@ -101,16 +111,18 @@ class BlockCopier:
     """Moves whole blocks, all layers or one layer at a time, between `caches` (one tensor
     per layer, in layer order) and the pages of `arena` laid out for `layout`.
 
-    `method`: "native" (CPU tensors only; LayoutError otherwise), "torch", or "auto"
-    (native where it can run); afterwards `method` says which one runs. The
-    native copier copies on the calling thread and starts none."""
+    `method`: "native" (CPU tensors only; LayoutError otherwise), "triton" (CUDA
+    tensors, or CPU ones under TRITON_INTERPRET; LayoutError where it cannot run),
+    "torch", or "auto" (native on CPU, triton on CUDA, where they can run);
+    afterwards `method` says which one runs. Every copy runs on the calling thread
+    (on CUDA: is queued on its current stream) and none starts a thread."""
 
     def __init__(self, caches: Sequence[torch.Tensor], num_blocks: int, layout: KVLayout,
                  arena: HostArena, method: CopyMethod = "auto") -> None:
         if len(caches) != layout.num_layers:
             raise LayoutError(f"{len(caches)} KV tensors for a layout of {layout.num_layers} layers")
-        if method not in ("auto", "native", "torch"):
-            raise LayoutError(f"copy method must be auto, native or torch, not {method!r}")
+        if method not in ("auto", "native", "triton", "torch"):
+            raise LayoutError(f"copy method must be auto, native, triton or torch, not {method!r}")
         self.layout = layout
         self.num_blocks = num_blocks
         self.blocks: list[torch.Tensor] = []  # per layer: [num_blocks, ...] views (block dim first)
@@ -124,9 +136,13 @@ class BlockCopier:
         self.device = caches[0].device
         self.runs: list[BlockRuns] = []
         self._chunks: ChunkCopier | None = None
-        if method != "torch":
+        self._kernel: _KernelTables | None = None
+        if method == "triton" or (method == "auto" and self.device.type == "cuda"):
+            self._kernel = _KernelTables.build(self.blocks, layout, self.device, required=method == "triton")
+        elif method != "torch":
             self._setup_native(method == "native")
-        self.method: CopyMethod = "native" if self._chunks is not None else "torch"
+        self.method: CopyMethod = ("native" if self._chunks is not None
+                                   else "triton" if self._kernel is not None else "torch")
         self.rebind(arena)
 
     def _setup_native(self, required: bool) -> None:
@@ -149,6 +165,10 @@ class BlockCopier:
         self.host = flat.view(num_slots, self.layout.num_layers, lpb)  # [slot, layer, bytes]
         wide, _ = wide_dtype(lpb)
         self._host_wide = self.host.view(wide)  # index_copy_ of byte rows is several times slower
+        if self._kernel is not None:
+            self._host_kernel = flat.view(self._kernel.geom.dtype).view(num_slots, self._kernel.geom.page_elems)
+        if self.device.type == "cuda":
+            arena.register_cuda()  # kernels and DMA address its pages directly (slabs mapped later too)
         self.arena = arena
 
     def _ids(self, block_ids: Sequence[int], host_pages: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -172,6 +192,9 @@ class BlockCopier:
         b, h = self._ids(block_ids, host_pages)
         if not len(b):
             return
+        if self._kernel is not None:
+            self._run_kernel(b, h, 0, len(self.blocks), to_host=True)
+            return
         if self._chunks is None:
             self._save_torch(b, h)
             return
@@ -188,6 +211,9 @@ class BlockCopier:
         b, h = self._ids(block_ids, host_pages)
         if not len(b):
             return
+        if self._kernel is not None:
+            self._run_kernel(b, h, layer, 1, to_host=True)
+            return
         if self._chunks is None:
             self._save_layer_torch(layer, torch.from_numpy(b).to(self.device), torch.from_numpy(h))
             return
@@ -201,6 +227,9 @@ class BlockCopier:
         b, h = self._ids(block_ids, host_pages)
         if not len(b):
             return
+        if self._kernel is not None:
+            self._run_kernel(b, h, layer, 1, to_host=False)
+            return
         if self._chunks is None:
             self._load_layer_torch(layer, b, h)
             return
@@ -209,6 +238,16 @@ class BlockCopier:
         dst = r.address + b[:, None] * r.block_stride + r.offsets
         self._chunks.copy(src.reshape(-1), dst.reshape(-1), np.full(src.size, r.run_bytes, dtype=np.int64))
 
+    # -- the kernel path ------------------------------------------------------------------
+    def _run_kernel(self, b: np.ndarray, h: np.ndarray, layer0: int, num_layers: int, *, to_host: bool) -> None:
+        k = self._kernel
+        assert k is not None
+        # Made on the current stream, so the allocator keeps them for that stream's kernels.
+        bt = torch.from_numpy(b).to(self.device, non_blocking=True)
+        ht = torch.from_numpy(h).to(self.device, non_blocking=True)
+        copy_triton.copy_block_runs(self._host_kernel, k.base_ptrs, k.run_offs, bt, ht, layer0, num_layers,
+                                    k.geom, to_host=to_host)
+
     # -- the torch path ------------------------------------------------------------------
     def _save_torch(self, b: np.ndarray, h: np.ndarray) -> None:
         bd = torch.from_numpy(b).to(self.device)
@@ -216,11 +255,65 @@ class BlockCopier:
         for layer in range(len(self.blocks)):
             self._save_layer_torch(layer, bd, ht)
 
+    def _torch_view(self, layer: int) -> torch.Tensor:
+        v = self.blocks[layer]
+        return v.view(torch.uint8) if v.element_size() == 1 else v  # fp8: index ops of every build take bytes
+
     def _save_layer_torch(self, layer: int, bd: torch.Tensor, ht: torch.Tensor) -> None:
-        src = self.blocks[layer].index_select(0, bd).reshape(len(bd), -1).view(torch.uint8)
+        src = self._torch_view(layer).index_select(0, bd).reshape(len(bd), -1).view(torch.uint8)
         self._host_wide[:, layer].index_copy_(0, ht, src.view(self._host_wide.dtype).cpu())
 
     def _load_layer_torch(self, layer: int, b: np.ndarray, h: np.ndarray) -> None:
-        v = self.blocks[layer]
+        v = self._torch_view(layer)
         src = self.host[:, layer].index_select(0, torch.from_numpy(h)).to(self.device, non_blocking=True)
         v[torch.from_numpy(b).to(self.device)] = src.view(v.dtype).reshape(len(b), *v.shape[1:])
+
+
+@dataclass(frozen=True, slots=True)
+class _KernelTables:
+    """What `copy_block_runs` reads for these KV tensors: the geometry, the layers'
+    addresses and the runs' offsets (int64 tables on the tensors' device)."""
+
+    geom: copy_triton.RunGeometry
+    base_ptrs: torch.Tensor
+    run_offs: torch.Tensor
+
+    @classmethod
+    def build(cls, blocks: list[torch.Tensor], layout: KVLayout, device: torch.device,
+              required: bool) -> _KernelTables | None:
+        """None (LayoutError if `required`) where the kernel cannot run here or the
+        layers' blocks are not laid out alike (one geometry serves every layer)."""
+        runs = [BlockRuns.of(v, min_run_bytes=1) for v in blocks]
+        why = None
+        if not copy_triton.triton_usable(device):
+            why = f"triton cannot run for {device} here"
+        elif None in runs:
+            why = "a block's memory overlaps itself"
+        elif any(r.block_stride != runs[0].block_stride or r.run_bytes != runs[0].run_bytes  # type: ignore[union-attr]
+                 or not np.array_equal(r.offsets, runs[0].offsets) for r in runs):  # type: ignore[union-attr]
+            why = "the layers' KV tensors are laid out differently"
+        if why is not None:
+            if required:
+                raise LayoutError(f"triton block copies cannot run: {why}")
+            return None
+        r0 = runs[0]
+        assert r0 is not None
+        piece = _piece_bytes(r0.run_bytes)
+        offsets = (r0.offsets[:, None] + np.arange(r0.run_bytes // piece, dtype=np.int64) * piece).reshape(-1)
+        addresses = [r.address for r in runs]  # type: ignore[union-attr]
+        sizes = [piece, r0.block_stride, layout.page_bytes, *offsets.tolist(), *addresses]
+        _, width = wide_dtype(*sizes)
+        align = 16 if all(x % 16 == 0 for x in sizes) else width
+        geom = copy_triton.RunGeometry(width, piece // width, r0.block_stride // width, len(offsets),
+                                       layout.page_bytes // width, layout.layer_page_bytes // width, align)
+        return cls(geom, torch.tensor(addresses, dtype=torch.int64, device=device),
+                   torch.from_numpy(offsets // width).to(device))
+
+
+def _piece_bytes(run_bytes: int) -> int:
+    """The length runs are cut into: a divisor of the run, at most MAX_PIECE_BYTES, filling
+    as much of a power-of-two row as it can (the kernel's rows are powers of two)."""
+    if run_bytes <= MAX_PIECE_BYTES:
+        return run_bytes
+    cands = [d for d in range(1, MAX_PIECE_BYTES + 1) if run_bytes % d == 0]
+    return max(cands, key=lambda d: (min(d, 512) * d / copy_triton.triton_next_pow2(d), d))

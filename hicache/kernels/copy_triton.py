@@ -9,6 +9,13 @@ page-first host layout with strides:
 - `backup_all_layers`: every layer, device pages -> host slots, in one launch.
   Grid `(pages, layers, blocks)`; the per-layer pool buffers are reached through
   a table of their addresses (built once per pool by the caller).
+- `copy_block_runs`: an engine's own per-layer block tensors (vLLM) <-> host
+  pages, either direction, one layer or several per launch. A block of a layer
+  is a list of equal runs at fixed offsets from the block's address (see
+  `integrations/block_copy.BlockRuns`): vLLM's CUDA default stores a block
+  token-major while its pages keep it head-major, so a block is heads x tokens
+  runs of one token-head's K and V. Grid `(pages, layers, tiles)`; a program
+  copies `ROWS` runs of one block, each a contiguous row on both sides.
 
 On CUDA the host arena must be registered (`HostArena.register_cuda`) so the
 kernels can address it directly (unified addressing); no staging buffer.
@@ -22,11 +29,12 @@ the tests check them without a GPU).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 
-from hicache.kernels.copy import PageGeometry
+from hicache.kernels.copy import PageGeometry, wide_dtype
 from hicache.kernels.triton_env import device_supported
 
 # Elements per program; pages are copied in blocks of this many wide elements.
@@ -96,7 +104,36 @@ def _kernels() -> SimpleNamespace:
             y = tl.load(v_base + d * v_elems + offs, mask=mv)
             tl.store(dst + k_elems + offs, y, mask=mv)
 
-    return SimpleNamespace(load_layer=load_layer_kernel, backup=backup_kernel)
+    # One compiled variant per engine geometry (run length, alignment): fixed for a
+    # process, and a constant run length turns the per-run index math into shifts.
+    @triton.jit(do_not_specialize=["block_idx_ptr", "page_idx_ptr", "layer0"])
+    def block_runs_kernel(host_ptr, base_ptrs, run_offs_ptr, block_idx_ptr, page_idx_ptr, layer0,
+                          block_stride, page_elems, layer_elems, num_runs,
+                          RUN_ELEMS: tl.constexpr, RUN_BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                          ALIGN_ELEMS: tl.constexpr, ALIGN_BYTES: tl.constexpr, TO_HOST: tl.constexpr):
+        i = tl.program_id(0)
+        layer = layer0.to(tl.int64) + tl.program_id(1)
+        t = tl.program_id(2)
+        b = tl.load(block_idx_ptr + i).to(tl.int64)
+        h = tl.load(page_idx_ptr + i).to(tl.int64)
+        runs = t.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        rm = runs < num_runs
+        w = tl.arange(0, RUN_BLOCK)
+        m = rm[:, None] & (w < RUN_ELEMS)[None, :]
+        elem_ptr = tl.pointer_type(host_ptr.dtype.element_ty)
+        # Every address, stride and offset is a multiple of ALIGN_BYTES (the caller
+        # checked): said here so the rows move in vector loads and stores.
+        base = tl.multiple_of(tl.load(base_ptrs + layer).to(elem_ptr), ALIGN_BYTES)
+        dev_row = tl.multiple_of(b * block_stride + tl.load(run_offs_ptr + runs, mask=rm, other=0), ALIGN_ELEMS)
+        host_row = tl.multiple_of(h * page_elems + layer * layer_elems + runs * RUN_ELEMS, ALIGN_ELEMS)
+        dev = base + dev_row[:, None] + w[None, :]
+        host = host_ptr + host_row[:, None] + w[None, :]
+        if TO_HOST:
+            tl.store(host, tl.load(dev, mask=m), mask=m)
+        else:
+            tl.store(dev, tl.load(host, mask=m), mask=m)
+
+    return SimpleNamespace(load_layer=load_layer_kernel, backup=backup_kernel, block_runs=block_runs_kernel)
 
 
 def _blocks(geom: PageGeometry) -> int:
@@ -138,3 +175,47 @@ def backup_all_layers_triton(host: torch.Tensor, k_ptrs: torch.Tensor, v_ptrs: t
         host, k_ptrs, k_ptrs if v_ptrs is None else v_ptrs, host_pages, device_pages,
         geom.page_elems, geom.layer_bytes // geom.width, geom.k_elems, geom.v_elems,
         HAS_V=v_ptrs is not None, BLOCK=_BLOCK)
+
+
+@dataclass(frozen=True, slots=True)
+class RunGeometry:
+    """The runs of one layer's blocks in units of `width` bytes, as `copy_block_runs`
+    reads them: block `b` of a layer is the runs at `base + b * block_stride +
+    run_offs[j]`, `run_elems` each, kept back to back in the layer's part of a page."""
+
+    width: int  # bytes per copied element
+    run_elems: int
+    block_stride: int
+    num_runs: int
+    page_elems: int
+    layer_elems: int
+    align_bytes: int  # every address, stride and offset is a multiple of this
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return wide_dtype(self.width)[0]
+
+
+def copy_block_runs(host: torch.Tensor, base_ptrs: torch.Tensor, run_offs: torch.Tensor,
+                    block_ids: torch.Tensor, host_pages: torch.Tensor, layer0: int, num_layers: int,
+                    geom: RunGeometry, *, to_host: bool) -> None:
+    """Layers `layer0 .. layer0 + num_layers - 1` of blocks `block_ids` <-> host pages
+    `host_pages` (to the host when `to_host`). `host` is the arena as `[slots,
+    page_elems]` in `geom.dtype`; `base_ptrs` the layers' tensor addresses and
+    `run_offs` the run offsets (elements), int64 tables like the id tensors on the
+    device the kernel runs on. Trusts its ids: BlockCopier validates them."""
+    n = block_ids.numel()
+    if n == 0 or num_layers == 0:
+        return
+    run_block = triton_next_pow2(geom.run_elems)
+    rows = max(1, _BLOCK // run_block)
+    tiles = -(-geom.num_runs // rows)
+    _kernels().block_runs[(n, num_layers, tiles)](
+        host, base_ptrs, run_offs, block_ids, host_pages, layer0,
+        geom.block_stride, geom.page_elems, geom.layer_elems, geom.num_runs,
+        RUN_ELEMS=geom.run_elems, RUN_BLOCK=run_block, ROWS=rows,
+        ALIGN_ELEMS=geom.align_bytes // geom.width, ALIGN_BYTES=geom.align_bytes, TO_HOST=to_host)
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

@@ -1,10 +1,19 @@
-"""BlockCopier's two copy methods on the layouts backends hand out: vLLM's CPU view
-[B, H, N, 2*D] (block dim 0) and the CUDA flash-attention shape [2, B, N, H, D]
-(block dim 1, K and V apart), fp32 and bf16, blocks and pages in no order.
-The native path copies by raw address: guard bytes around every KV tensor must
-come through untouched, and bad input must copy nothing."""
+"""BlockCopier's copy methods on the layouts backends hand out: vLLM's CPU view
+[B, H, N, 2*D] (block dim 0), the CUDA flash-attention shape [2, B, N, H, D]
+(block dim 1, K and V apart) and vLLM 0.32's CUDA default (a block stored
+token-major, seen as [B, H, N, 2*D]), fp32 and bf16, blocks and pages in no
+order. The native and triton paths copy by raw address: guard bytes around
+every KV tensor must come through untouched, and bad input must copy nothing.
+The triton path runs in Triton's interpreter, in a child process (the
+interpreter is chosen before the first kernel is built)."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +21,7 @@ import torch
 
 from hicache.errors import LayoutError
 from hicache.integrations.block_copy import BlockCopier, BlockRuns
+from hicache.kernels import triton_env
 from hicache.layout import KVLayout
 from hicache.tiers.arena import HostArena
 
@@ -23,7 +33,8 @@ GUARD = 4096  # bytes before and after each layer's tensor in its buffer
 def _shape(kind: str) -> tuple[int, ...]:
     return {"cpu": (NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD),  # vLLM CPU: per block and head, K then V
             "cuda": (2, NUM_BLOCKS, BLOCK, HEADS, HEAD),  # flash-attention: K of every block, then V
-            "heads-outer": (NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD)}[kind]
+            "heads-outer": (NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD),
+            "token-major": (NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD)}[kind]
 
 
 def make_caches(kind: str, dtype: torch.dtype, seed: int,
@@ -41,6 +52,8 @@ def make_caches(kind: str, dtype: torch.dtype, seed: int,
         t = buf[GUARD:GUARD + nbytes].view(dtype)
         if kind == "heads-outer":  # a backend whose physical order puts heads first, seen as [B, H, N, C]
             t = t.view(HEADS, NUM_BLOCKS, BLOCK, 2 * HEAD).permute(1, 0, 2, 3)
+        elif kind == "token-major":  # vLLM's CUDA default (LBNHC): [B, N, H, C] in memory, seen as [B, H, N, C]
+            t = t.view(NUM_BLOCKS, BLOCK, HEADS, 2 * HEAD).permute(0, 2, 1, 3)
         else:
             t = t.view(shape)
         caches.append(t)
@@ -171,3 +184,51 @@ def test_per_layer_saves_take_each_layers_own_blocks(kind, method):
             assert torch.equal(page_view[:, layer], block_bytes(t, kind, per_layer[layer]))
         with pytest.raises(LayoutError):
             copier.save_layer(0, [1, 2], pages)
+
+
+# Runs in a fresh interpreter with TRITON_INTERPRET=1 set before Triton is imported.
+_INTERPRET_RUNNER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    import numpy as np, torch
+    from tests.integrations import test_block_copy as t
+    from hicache.integrations.block_copy import BlockCopier
+    from hicache.tiers.arena import HostArena
+    kinds = ("cpu", "cuda", "heads-outer", "token-major")
+    for kind in kinds:
+        for dtype in (torch.float32, torch.bfloat16):
+            t.test_save_then_per_layer_load_is_byte_exact(kind, dtype, "triton")
+            layout = t.layout_for(dtype)
+            caches, _ = t.make_caches(kind, dtype, seed=3)
+            with HostArena.create(2 * 8 * layout.page_bytes, mlock=False) as arena:
+                BlockCopier(caches, t.NUM_BLOCKS, layout, arena, method="triton").save([5, 1, 8], [0, 2, 4])
+                BlockCopier(caches, t.NUM_BLOCKS, layout, arena, method="torch").save([5, 1, 8], [8, 10, 12])
+                pages = arena.array.reshape(-1, layout.page_bytes)
+                assert np.array_equal(pages[[0, 2, 4]], pages[[8, 10, 12]]), (kind, dtype)
+        t.test_per_layer_saves_take_each_layers_own_blocks(kind, "triton")
+    t.test_bad_ids_copy_nothing("triton")
+    print("INTERPRETED", len(kinds))
+""")
+
+
+def test_triton_path_under_the_interpreter():
+    if not triton_env.triton_installed():
+        if os.environ.get("CI"):
+            raise AssertionError("triton is not installed (scripts/setup.sh installs it with torch)")
+        pytest.skip("triton is not installed")
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(repo))
+    proc = subprocess.run([sys.executable, "-c", _INTERPRET_RUNNER, str(repo)], capture_output=True,
+                          text=True, cwd=repo, env=env, timeout=280)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert "INTERPRETED 4" in proc.stdout
+
+
+def test_triton_refused_where_it_cannot_run():
+    if triton_env.interpreter_enabled():
+        pytest.skip("interpreter mode runs kernels on CPU")
+    layout = layout_for(torch.float32)
+    caches, _ = make_caches("cpu", torch.float32, seed=5)
+    with HostArena.create(8 * layout.page_bytes, mlock=False) as arena:
+        with pytest.raises(LayoutError, match="triton block copies cannot run"):
+            BlockCopier(caches, NUM_BLOCKS, layout, arena, method="triton")

@@ -191,6 +191,40 @@ def test_copy_kernels_compile_for_cuda_without_a_gpu(tmp_path):
     run_triton_aot(_AOT_RUNNER, tmp_path)
 
 
+# The block-runs kernel (vLLM's block tensors), both directions: with 16-byte aligned
+# geometry (ALIGN_BYTES 16, what BlockCopier passes when every address, stride and
+# offset allows) the runs move in 16-byte vector loads and stores.
+_AOT_BLOCK_RUNS = textwrap.dedent("""
+    import re, sys
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError:
+        sys.exit(77)
+    from hicache.kernels.copy_triton import _kernels
+    k = _kernels()
+    div = [["tt.divisibility", 16]]
+    for to_host in (False, True):
+        consts = {"RUN_ELEMS": 64, "RUN_BLOCK": 64, "ROWS": 16, "ALIGN_ELEMS": 2, "ALIGN_BYTES": 16,
+                  "TO_HOST": to_host}
+        sig = {"host_ptr": "*i64", "base_ptrs": "*i64", "run_offs_ptr": "*i64", "block_idx_ptr": "*i64",
+               "page_idx_ptr": "*i64", "layer0": "i64", "block_stride": "i64", "page_elems": "i64",
+               "layer_elems": "i64", "num_runs": "i64", **{c: "constexpr" for c in consts}}
+        attrs = {(i,): div for i in (0, 1, 2, 6, 7, 8, 9)}
+        c = triton.compile(ASTSource(fn=k.block_runs, signature=sig, constexprs=consts, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32))
+        ptx = c.asm["ptx"]
+        assert "cubin" in c.asm
+        assert re.search(r"ld\\.global(\\.\\w+)*\\.v2\\.b64", ptx), to_host
+        assert re.search(r"st\\.global(\\.\\w+)*\\.v2\\.b64", ptx), to_host
+""")
+
+
+def test_block_runs_kernel_compiles_for_cuda_without_a_gpu(tmp_path):
+    run_triton_aot(_AOT_BLOCK_RUNS, tmp_path)
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 GPU_LAYOUTS = {
