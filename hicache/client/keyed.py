@@ -1,5 +1,5 @@
 """Keyed pages from the engine's side: the daemon's exists / fetch / store / store_done
-(hicache/daemon/keyed.py) over a HiCacheClient, which brings the peer check,
+(hicache/daemon/ingest/keyed.py) over a HiCacheClient, which brings the peer check,
 the deadlines, the circuit breaker and the mapping of our namespace's slabs.
 
 Every method answers "nothing" (0, None) when the daemon is away, hung or

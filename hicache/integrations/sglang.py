@@ -23,7 +23,7 @@ memory layout, because a page is stored in the byte order of that layout.
 Two instances agree on all of that exactly when they can use each other's bytes.
 
 A page lives in the daemon under a key derived from SGLang's (see
-hicache/daemon/keyed.py: one flat node per page, since SGLang asks about keys
+hicache/daemon/ingest/keyed.py: one flat node per page, since SGLang asks about keys
 in the middle of a prefix). Its bytes are SGLang's "flat data page" for the
 pool's layout (what `get_data_page(i, flat=True)` returns), so the tensor API
 (`get`/`set`) and the zero-copy API (`batch_get_v1`/`batch_set_v1`, which copy

@@ -1,4 +1,4 @@
-"""Keyed pages (hicache/daemon/keyed.py) over a real daemon: pages an engine names itself,
+"""Keyed pages (hicache/daemon/ingest/keyed.py) over a real daemon: pages an engine names itself,
 stored flat, reserved then committed, pinned while read, never leaked."""
 
 from __future__ import annotations

@@ -42,15 +42,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hicache.daemon.puts import PutCounters
-from hicache.daemon.service import CacheService, EngineRecord, NamespaceState, Pin
+from hicache.daemon.ingest.puts import PutCounters
+from hicache.daemon.core.service import CacheService, EngineRecord, NamespaceState, Pin
 from hicache.index.keys import PackedKeys
 from hicache.index.radix import Tier, TreeNode
 from hicache.rpc.framing import ids_to_bytes
 from hicache.rpc.protocol import Code, RpcError
 
 if TYPE_CHECKING:
-    from hicache.daemon.context import DaemonContext
+    from hicache.daemon.serve.context import DaemonContext
 
 log = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from hicache.daemon.host_tier import HostTier, PageClass
-from hicache.daemon.slab_reclaim import reclaim_slab
+from hicache.daemon.core.host_tier import HostTier, PageClass
+from hicache.daemon.core.slab_reclaim import reclaim_slab
 from hicache.index.keys import Namespace, PackedKeys
 from hicache.index.node import Freed, IndexStateError, Tier, TreeNode
 from hicache.index.policy import EvictionPolicy, LruPolicy
@@ -157,7 +157,7 @@ class CacheService:
         self.before_host_evict: Callable[[NamespaceState, int], None] | None = None
         self.on_disk_freed: Callable[[NamespaceState, list[bytes]], None] | None = None
         self.on_match: Callable[[Pin, list[TreeNode]], None] | None = None  # starts disk prefetch
-        # Hybrid models: HybridStates (hicache/daemon/hybrid.py) keeps state checkpoints beside
+        # Hybrid models: HybridStates (hicache/daemon/hybrid/states.py) keeps state checkpoints beside
         # the KV; it hears of every dropped pin (its checkpoint locks go with it).
         self.hybrid: Any = None
         self.on_pin_dropped: Callable[[Pin], None] | None = None

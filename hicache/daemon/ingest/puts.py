@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hicache.daemon.service import CacheService, EngineRecord, NamespaceState
+from hicache.daemon.core.service import CacheService, EngineRecord, NamespaceState
 from hicache.index.node import Tier, TreeNode
 from hicache.rpc.protocol import Code, RpcError
 

@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from hicache.config import Config
-from hicache.daemon.service import CacheService, NamespaceState, Pin, path_with_offsets
+from hicache.daemon.core.service import CacheService, NamespaceState, Pin, path_with_offsets
 from hicache.index.radix import Tier, TreeNode
 from hicache.tiers import remote_record
 from hicache.tiers.remote_auth import RecordAuth

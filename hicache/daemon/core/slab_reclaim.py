@@ -1,6 +1,6 @@
 """Taking a host slab from one namespace so another can grow: the shared budget.
 
-Slabs are owned by one namespace at a time (hicache/daemon/host_tier.py), so
+Slabs are owned by one namespace at a time (hicache/daemon/core/host_tier.py), so
 when the arena has no free slab a namespace can only grow into memory another
 one gives up whole. Evicting that namespace's LRU pages frees slots scattered
 over its slabs, so the emptiest slab whose pages can all move is compacted
@@ -24,8 +24,8 @@ import numpy as np
 from hicache.index.node import Tier, TreeNode
 
 if TYPE_CHECKING:
-    from hicache.daemon.host_tier import PageClass
-    from hicache.daemon.service import CacheService, NamespaceState
+    from hicache.daemon.core.host_tier import PageClass
+    from hicache.daemon.core.service import CacheService, NamespaceState
 
 log = logging.getLogger(__name__)
 
