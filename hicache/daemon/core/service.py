@@ -29,12 +29,14 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from hicache.daemon.core.host_tier import HostTier, PageClass
+from hicache.daemon.core.host_tier import HostTier
+from hicache.daemon.core.records import (  # noqa: F401  (NamespaceState, Pin, path_with_offsets: re-exported)
+    EMPTY, TIER_NAMES, BackupPart, Counters, EngineRecord, NamespaceState, PendingBackup, Pin, path_with_offsets,
+)
 from hicache.daemon.core.slab_reclaim import reclaim_slab
 from hicache.index.keys import Namespace, PackedKeys
 from hicache.index.node import Freed, IndexStateError, Tier, TreeNode
@@ -44,91 +46,6 @@ from hicache.rpc.protocol import Code, RpcError
 from hicache.transfer.policy import WritePolicy
 
 log = logging.getLogger(__name__)
-
-EMPTY = np.empty(0, dtype=np.int64)
-TIER_NAMES = {Tier.DEVICE: "device", Tier.HOST: "host", Tier.DISK: "disk"}
-
-
-@dataclass(slots=True, eq=False)
-class NamespaceState:
-    namespace: Namespace
-    salt: bytes
-    index: RadixIndex
-    page_class: PageClass
-    engines: set[int] = field(default_factory=set)
-
-
-@dataclass(slots=True, eq=False)
-class EngineRecord:
-    engine_id: int
-    owner: object  # the connection that registered it
-    ns: NamespaceState
-    device_pages: int
-    reclaim: list[np.ndarray] = field(default_factory=list)  # device pages dropped by others' removals
-
-
-@dataclass(slots=True, eq=False)
-class Pin:
-    pin_id: int
-    engine: EngineRecord
-    locks: list[tuple[TreeNode, Tier, int | None]]  # (node, tier, engine for DEVICE locks)
-    device_len: int
-    host_len: int
-    disk_len: int
-    host_node: TreeNode | None  # last node of the host segment (for load_done)
-    device_pages: np.ndarray
-    host_pages: np.ndarray
-    loaded: bool = False
-    prefetch: Any = None  # the disk tier's reads for the disk part (see DiskMover)
-    remote: Any = None  # the remote tier's fetch after the disk part (see RemoteMover), counted in disk_len
-
-
-@dataclass(slots=True, eq=False)
-class BackupPart:
-    last_node: TreeNode  # DEVICE-locked until done: keeps the path and the source pages alive
-    ranges: list[tuple[int, int]]  # page ranges of the root->last_node path being backed up
-
-
-@dataclass(slots=True, eq=False)
-class PendingBackup:
-    backup_id: int
-    engine: EngineRecord
-    parts: list[BackupPart]
-    host_pages: np.ndarray  # in the order of parts and ranges
-    device_pages: np.ndarray
-    evict_after: bool  # write-back: drop E's device residency once the copy is done
-
-
-@dataclass(slots=True)
-class Counters:
-    matches: int = 0
-    matched_pages: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
-    requested_pages: int = 0
-    inserts: int = 0
-    inserted_pages: int = 0
-    backups_planned: int = 0
-    backup_pages: int = 0
-    backups_skipped_no_space: int = 0
-    evicted_pages: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
-    loaded_pages: int = 0
-    bytes_host_to_device: int = 0  # reported by engines' load_done / backup_done
-    bytes_device_to_host: int = 0
-    slabs_reclaimed: int = 0  # host slabs emptied for another namespace (slab_reclaim.py)
-
-
-def path_with_offsets(node: TreeNode) -> list[tuple[TreeNode, int]]:
-    """The nodes from the root down to `node`, each with its first page's position."""
-    chain: list[TreeNode] = []
-    while node is not None and node.parent is not None:
-        chain.append(node)
-        node = node.parent
-    chain.reverse()
-    out: list[tuple[TreeNode, int]] = []
-    pos = 0
-    for n in chain:
-        out.append((n, pos))
-        pos += n.n_pages
-    return out
 
 
 class CacheService:
@@ -481,7 +398,7 @@ class CacheService:
         pages = cls.alloc(n_pages)
         while pages is None:
             victim = self._oldest_host_namespace()
-            if victim is not None and victim is not ns and reclaim_slab(self, victim):
+            if victim is not None and victim is not ns and reclaim_slab(self.host, victim, self.evict_host, self.counters):
                 pages = cls.alloc(n_pages)
                 continue
             # no slab to be had: only our own pages can go
