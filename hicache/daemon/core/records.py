@@ -58,22 +58,6 @@ class Pin:
     remote: Any = None  # the remote tier's fetch after the disk part (see RemoteMover), counted in disk_len
 
 
-@dataclass(slots=True, eq=False)
-class BackupPart:
-    last_node: TreeNode  # DEVICE-locked until done: keeps the path and the source pages alive
-    ranges: list[tuple[int, int]]  # page ranges of the root->last_node path being backed up
-
-
-@dataclass(slots=True, eq=False)
-class PendingBackup:
-    backup_id: int
-    engine: EngineRecord
-    parts: list[BackupPart]
-    host_pages: np.ndarray  # in the order of parts and ranges
-    device_pages: np.ndarray
-    evict_after: bool  # write-back: drop E's device residency once the copy is done
-
-
 @dataclass(slots=True)
 class Counters:
     matches: int = 0

@@ -35,8 +35,10 @@ import numpy as np
 
 from hicache.daemon.core.host_tier import HostTier
 from hicache.daemon.core.records import (  # noqa: F401  (NamespaceState, Pin, path_with_offsets: re-exported)
-    EMPTY, TIER_NAMES, BackupPart, Counters, EngineRecord, NamespaceState, PendingBackup, Pin, path_with_offsets,
+    EMPTY, TIER_NAMES, Counters, EngineRecord, NamespaceState, Pin, path_with_offsets,
 )
+from hicache.daemon.ingest.backups import PendingBackup, place_backup, plan_backup
+from hicache.daemon.ingest.protocol import Ingest
 from hicache.daemon.core.slab_reclaim import reclaim_slab
 from hicache.index.keys import Namespace, PackedKeys
 from hicache.index.node import Freed, IndexStateError, Tier, TreeNode
@@ -64,9 +66,9 @@ class CacheService:
         self.namespaces: dict[bytes, NamespaceState] = {}
         self.engines: dict[int, EngineRecord] = {}
         self.pins: dict[int, Pin] = {}
-        self.backups: dict[int, PendingBackup] = {}
         self.counters = Counters()
         self._ids = itertools.count(1)
+        self.ingest = Ingest(self, self._ids)  # every way host pages come in (ingest/protocol.py)
         self._stale_disk: list[tuple[NamespaceState, TreeNode]] = []
         # Hook for the disk tier: called with (ns, nodes) once pages become host-resident,
         # and asked to demote pages before their host copies are dropped.
@@ -81,6 +83,11 @@ class CacheService:
         # Called as an engine goes (its connection dropped, or unregister), after it left its
         # namespace: host puts (puts.py) and keyed stores (keyed.py) free what it reserved.
         self.on_engine_gone: list[Callable[[EngineRecord], None]] = []
+
+    @property
+    def backups(self) -> dict[int, PendingBackup]:
+        """The backups planned and not reported yet."""
+        return {r.res_id: r.data for r in self.ingest.reservations.values() if r.kind == "backup"}
 
     # -- registry ---------------------------------------------------------
     def namespace_state(self, namespace: Namespace) -> NamespaceState:
@@ -294,76 +301,33 @@ class CacheService:
 
     def _plan_backup(self, rec: EngineRecord, parts: list[tuple[TreeNode, list[tuple[TreeNode, int]]]],
                      evict_after: bool) -> PendingBackup | None:
-        """Allocate host pages for whole nodes and lock their device copies until backup_done.
-
-        parts: (node to lock, [(node to copy, its page position), ...]) per path.
-        """
-        parts = [(last, need) for last, need in parts if need]
-        if not parts:
+        backup = plan_backup(self.ingest, rec, parts, evict_after)
+        if backup is None:
+            if any(need for _, need in parts):
+                self.counters.backups_skipped_no_space += 1
             return None
-        n_pages = sum(n.n_pages for _, need in parts for n, _ in need)
-        host_pages = self.alloc_host(rec.ns, n_pages)
-        if host_pages is None:
-            self.counters.backups_skipped_no_space += 1
-            return None
-        for last, _ in parts:
-            rec.ns.index.lock(last, Tier.DEVICE, rec.engine_id)
-        backup = PendingBackup(
-            next(self._ids), rec,
-            [BackupPart(last, [(p, p + n.n_pages) for n, p in need]) for last, need in parts],
-            host_pages, np.concatenate([n.device[rec.engine_id] for _, need in parts for n, _ in need]),
-            evict_after)
-        self.backups[backup.backup_id] = backup
         self.counters.backups_planned += 1
-        self.counters.backup_pages += n_pages
+        self.counters.backup_pages += len(backup.host_pages)
         return backup
 
     def backup_done(self, owner: object, backup_id: Any, ok: bool) -> np.ndarray:
         """The engine finished (or failed) a backup; returns device pages it may now free."""
-        backup = self.backups.get(backup_id) if isinstance(backup_id, int) else None
-        if backup is None or backup.engine.owner is not owner:
-            raise RpcError(Code.NOT_FOUND, f"no backup {backup_id!r} on this connection")
-        return self._finish_backup(backup, ok)
+        return self._finish_backup(self.ingest.lookup("backup", backup_id, owner=owner).data, ok)
 
     def _finish_backup(self, backup: PendingBackup, ok: bool) -> np.ndarray:
-        del self.backups[backup.backup_id]
-        rec, ns = backup.engine, backup.engine.ns
-        index = ns.index
-        offset = 0
-        stored: list[TreeNode] = []
-        unused: list[np.ndarray] = []
+        rec = backup.engine
         freed: list[np.ndarray] = []
-        for part in backup.parts:
-            index.unlock(part.last_node, Tier.DEVICE, rec.engine_id)
-            by_pos = {p: n for n, p in path_with_offsets(part.last_node)}
-            for start, end in part.ranges:
-                pages = backup.host_pages[offset:offset + end - start]
-                offset += end - start
-                if not ok:
-                    unused.append(pages)
-                    continue
-                pos = start
-                while pos < end:  # nodes may have been split since planning; they still tile the range
-                    node = by_pos[pos]
-                    piece = pages[pos - start:pos - start + node.n_pages]
-                    if node.host is None:
-                        index.set_host(node, piece.copy())
-                        stored.append(node)
-                    else:
-                        unused.append(piece)
-                    pos += node.n_pages
+
+        def drop_device() -> None:  # write-back: the host copy is in place (or failed): E's device copy goes
             if backup.evict_after:
-                # Write-back: the host copy is in place (or the copy failed): E's device copy goes now.
-                freed.extend(self._drop_device(rec, [part.last_node]))
-        if unused:
-            ns.page_class.free(np.concatenate(unused))
+                for part in backup.parts:
+                    freed.extend(self._drop_device(rec, [part.last_node]))
+
         if ok:
-            self.counters.bytes_device_to_host += len(backup.host_pages) * ns.page_class.page_bytes
-        self.reap(ns)
-        if stored:
-            self.emit_nodes("stored", Tier.HOST, None, stored, ns)
-            if self.on_host_stored is not None:
-                self.on_host_stored(ns, stored)
+            self.ingest.commit(backup.res, place_backup, write_through=True, then=drop_device)
+            self.counters.bytes_device_to_host += len(backup.host_pages) * rec.ns.page_class.page_bytes
+        else:
+            self.ingest.abort(backup.res, then=drop_device)
         return np.concatenate(freed) if freed else EMPTY
 
     # -- eviction -------------------------------------------------------------
@@ -502,8 +466,8 @@ class CacheService:
         """Release everything a vanished connection held: pins, planned backups, engines."""
         for pin in [p for p in self.pins.values() if p.engine.owner is owner]:
             self._drop_pin(pin)
-        for backup in [b for b in self.backups.values() if b.engine.owner is owner]:
-            self._finish_backup(backup, ok=False)
+        for res in self.ingest.owned_by("backup", lambda e: e.owner is owner):
+            self._finish_backup(res.data, ok=False)
         if self.hybrid is not None:
             self.hybrid.disconnect(owner)
         for rec in [r for r in self.engines.values() if r.owner is owner]:
@@ -512,10 +476,11 @@ class CacheService:
     def disconnect_engine(self, rec: EngineRecord) -> None:
         for pin in [p for p in self.pins.values() if p.engine is rec]:
             self._drop_pin(pin)
-        for backup in [b for b in self.backups.values() if b.engine is rec]:
-            self._finish_backup(backup, ok=False)
+        for res in self.ingest.owned_by("backup", lambda e: e is rec):
+            self._finish_backup(res.data, ok=False)
         del self.engines[rec.engine_id]
         rec.ns.engines.discard(rec.engine_id)
+        self.ingest.engine_gone(rec)  # keyed stores it reserved (puts are the namespace's: leased)
         for hook in self.on_engine_gone:
             hook(rec)
         self._apply_freed(rec.ns, rec.ns.index.remove_engine(rec.engine_id), None)

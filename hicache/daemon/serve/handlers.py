@@ -231,7 +231,7 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
         if len(tokens) % 4:
             raise RpcError(Code.BAD_PARAMS, "tokens must be packed int32")
         put, present = daemon.puts.put(conn, _get(p, "engine", int), keys, np.frombuffer(tokens, dtype="<i4"))
-        return {"put": None if put is None else put.put_id, "present": present,
+        return {"put": None if put is None else put.res_id, "present": present,
                 "host_pages": ids_to_bytes(put.host_pages if put is not None else EMPTY),
                 "slabs": _slab_version(conn, p)}
 
