@@ -1,20 +1,25 @@
-"""Pages stored under keys the engine names, one by one: the storage API of SGLang's HiCache.
+"""Pages stored under keys the engine names: the storage API of SGLang's HiCache.
 
 SGLang asks its L3 backend about pages by key (a chained SHA-256 of the
 prefix), starting anywhere in a prefix: after its own host cache, in batches
-of at most 128. A radix walk from the root cannot answer "is this key here"
-for a key in the middle of a path it has not seen the start of, so these
-pages are stored *flat*: every page is a one-page node directly under the
-namespace's root, keyed by the engine (hicache.integrations.sglang derives a
-16-byte key and the page's "tokens" from SGLang's key; the chain starts at the
-namespace salt, so the disk rebuild verifies it like any other). Because
-SGLang's key already commits to the whole prefix, flat storage loses nothing:
-two pages share a key iff they share every token before them.
+of at most 128. hicache.integrations.sglang derives a 16-byte key and the
+page's "tokens" from SGLang's key (hicache.client.keyed.named_page), so a key
+commits to the page's whole prefix.
 
-Everything else is the daemon's usual machinery: host slots of the
-namespace's slabs, HOST/DISK locks, write-through to the disk tier, disk
-prefetch into fresh host pages (with its checksum check: a corrupt page is a
-miss), LRU eviction of whole nodes, events. One round trip per batch:
+Chains. A store's pages hang in the radix tree one below the other, in batch
+order, under the page SGLang names as the batch's prefix (`parent`: the last of
+its prefix keys) when that page is stored; a page whose parent is unknown is
+the root of its own chain, and is hung under its parent when that arrives
+(RadixIndex.adopt). So leaf-first eviction takes a prompt's tail before its
+head, as for every other engine. Lookups start mid-prefix, which a walk from
+the root cannot answer: the namespace's index keeps a key -> node map
+(hicache/index/key_map.py), and `exists` and `fetch` stay one lookup per key.
+
+Everything else is the daemon's usual machinery: a store is a reservation of
+the ingest protocol (protocol.py; owned by the engine's connection, freed when
+the engine goes), host slots of the namespace's slabs, HOST/DISK locks,
+write-through to the disk tier, disk prefetch into fresh host pages (with its
+checksum check: a corrupt page is a miss), events. One round trip per batch:
 
   exists      -> how many leading keys are stored (host or disk).
   fetch       -> per key the host slot to copy from (-1: miss), disk pages
@@ -23,8 +28,6 @@ miss), LRU eviction of whole nodes, events. One round trip per batch:
                  nothing is visible until...
   store_done  -> the copies are in place: the pages enter the index (host),
                  and the disk tier writes them through.
-
-Pages a connection reserved and never committed are freed when its engine goes.
 
 The counters are the daemon's own, so `hicache stats`, the metrics and the hit
 rates see these pages like any other: an `exists` is a lookup (requested pages,
@@ -35,17 +38,17 @@ pages are loaded pages, and a store is a host put (puts.py's counters).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from hicache.daemon.core.service import CacheService, NamespaceState, Pin
+from hicache.daemon.ingest.protocol import Reservation
 from hicache.daemon.ingest.puts import PutCounters
-from hicache.daemon.core.service import CacheService, EngineRecord, NamespaceState, Pin
-from hicache.index.keys import PackedKeys
-from hicache.index.radix import Tier, TreeNode
+from hicache.index.keys import KEY_BYTES, PackedKeys
+from hicache.index.radix import RadixIndex, Tier, TreeNode
 from hicache.rpc.framing import ids_to_bytes
 from hicache.rpc.protocol import Code, RpcError
 
@@ -60,30 +63,43 @@ FETCH_WAIT_S = 30.0  # a disk read longer than this is given up (the pages stay 
 
 
 @dataclass(slots=True, eq=False)
-class Reservation:
-    res_id: int
-    engine: EngineRecord
+class KeyedBatch:
+    """A store's pages, in chain order: what its commit hangs where."""
+
     keys: list[bytes]
     tokens: np.ndarray  # page_size tokens per key
     slots: np.ndarray  # host slot per key, -1 where the page was already stored
+    parent: bytes | None  # the page before keys[0], when the engine named it
+
+
+def _index(ns: NamespaceState) -> RadixIndex:
+    ns.index.enable_key_map()  # once per namespace: its pages are asked about mid-path
+    return ns.index
+
+
+def _slot(node: TreeNode, key: bytes) -> int:
+    return int(node.host[-1] if node.keys[-1] == key else node.host[node.keys.index(key)])
 
 
 class KeyedPages:
     def __init__(self, service: CacheService, puts: PutCounters) -> None:
         self.service = service
+        self.ingest = service.ingest
         self.puts = puts
-        self.reservations: dict[int, Reservation] = {}
-        self._ids = itertools.count(1)
         self.stored_pages = 0
         self.fetched_pages = 0
-        service.on_engine_gone.append(self._engine_gone)
+        self.linked = 0  # chain roots hung under a parent that arrived after them
 
     # -- lookups ----------------------------------------------------------------
     @staticmethod
-    def _stored(ns: NamespaceState, key: bytes) -> TreeNode | None:
-        """The page's node when it is on host or disk (a match also refreshes its LRU time)."""
-        r = ns.index.match([key])
-        return r.nodes[0] if r.nodes else None
+    def _stored(ns: NamespaceState, key: bytes, split: bool = False) -> TreeNode | None:
+        """The page's node when it is on host or disk (a hit: its access time is refreshed)."""
+        index = _index(ns)
+        node = index.find_key(key, split=split)
+        if node is None or (node.host is None and not node.on_disk):
+            return None
+        index.touch(node)
+        return node
 
     def exists(self, owner: object, engine_id: Any, keys: PackedKeys) -> int:
         ns = self.service.engine(owner, engine_id).ns
@@ -107,31 +123,32 @@ class KeyedPages:
         pin = Pin(next(svc._ids), rec, [], 0, 0, 0, None, np.empty(0, np.int64), np.empty(0, np.int64))
         svc.pins[pin.pin_id] = pin  # `release` and a dropped connection undo it like any match
         slots = np.full(len(keys), -1, dtype=np.int64)
-        reading: list[tuple[int, Pin]] = []
+        reading: list[tuple[int, bytes, Pin]] = []
         for i, key in enumerate(keys):
-            node = self._stored(ns, key)
+            # split: a restored run holds many pages; reading one must not read (and lock) the rest
+            node = self._stored(ns, key, split=True)
             if node is None:
                 continue
             if node.host is not None:
                 index.lock(node, Tier.HOST)
                 pin.locks.append((node, Tier.HOST, None))
-                slots[i] = node.host[0]
+                slots[i] = _slot(node, key)
             elif disk is not None:
                 # One read per page: DiskMover's prefetch hangs what it read on a path, and
-                # these pages are siblings. Each read gets its own pin, folded in below.
+                # these pages need not be one. Each read gets its own pin, folded in below.
                 sub = Pin(next(svc._ids), rec, [], 0, 0, 1, None, pin.device_pages, pin.host_pages)
                 svc.pins[sub.pin_id] = sub
                 disk.prefetch(sub, [node])
                 if sub.prefetch is None:  # no host page to read into
                     svc.release(owner, sub.pin_id)
                 else:
-                    reading.append((i, sub))
+                    reading.append((i, key, sub))
         if reading:
-            futures = [sub.prefetch.future for _, sub in reading if not sub.prefetch.done]
+            futures = [sub.prefetch.future for _, _, sub in reading if not sub.prefetch.done]
             if futures:
                 await asyncio.wait([asyncio.shield(f) for f in futures], timeout=FETCH_WAIT_S)
                 await asyncio.sleep(0)  # DiskMover's done-callbacks run one loop turn after the futures
-        for i, sub in reading:
+        for i, key, sub in reading:
             if sub.pin_id not in svc.pins:  # the connection went while we waited
                 continue
             pf = sub.prefetch
@@ -139,7 +156,7 @@ class KeyedPages:
                 svc.release(owner, sub.pin_id)
                 continue
             if pf.loaded_pages and pf.last_node is not None and pf.last_node.host is not None:
-                slots[i] = pf.last_node.host[0]
+                slots[i] = _slot(pf.last_node, key)
                 self.fetched_pages += 1
                 pin.locks.extend(sub.locks)  # HOST on what arrived, DISK on what it read
                 sub.locks.clear()
@@ -153,73 +170,71 @@ class KeyedPages:
         return pin, slots
 
     # -- stores -------------------------------------------------------------------
-    def store(self, owner: object, engine_id: Any, keys: PackedKeys, tokens: np.ndarray) -> Reservation | None:
+    def store(self, owner: object, engine_id: Any, keys: PackedKeys, tokens: np.ndarray,
+              parent: bytes | None = None) -> Reservation | None:
         """Host slots for the keys not stored yet; None when the host tier has no room."""
-        svc = self.service
-        rec = svc.engine(owner, engine_id)
+        rec = self.service.engine(owner, engine_id)
         ns = rec.ns
         ps = ns.index.page_size
         if len(tokens) != len(keys) * ps:
             raise RpcError(Code.BAD_PARAMS, f"{len(keys)} keys need {len(keys) * ps} tokens, got {len(tokens)}")
         key_list = list(keys)
         missing = [i for i, k in enumerate(key_list) if self._stored(ns, k) is None]
-        slots = np.full(len(key_list), -1, dtype=np.int64)
-        if missing:
-            got = svc.alloc_host(ns, len(missing))
-            if got is None:
-                self.puts.skipped_no_space += 1
-                return None
-            slots[missing] = got
+        batch = KeyedBatch(key_list, tokens.copy(), np.full(len(key_list), -1, dtype=np.int64), parent)
+        res = self.ingest.reserve("store", ns, len(missing), engine=rec, data=batch)
+        if res is None:
+            self.puts.skipped_no_space += 1
+            return None
+        batch.slots[missing] = res.host_pages
         self.puts.puts += 1
         self.puts.put_pages += len(missing)
-        res = Reservation(next(self._ids), rec, key_list, tokens.copy(), slots)
-        self.reservations[res.res_id] = res
         return res
 
     def store_done(self, owner: object, res_id: Any, ok: bool) -> int:
         """The engine copied its pages into the reserved slots (or failed: `ok` False).
         Returns how many pages entered the index (others stored them meanwhile: freed)."""
-        svc = self.service
-        res = self.reservations.get(res_id) if isinstance(res_id, int) else None
-        if res is None or res.engine.owner is not owner:
-            raise RpcError(Code.NOT_FOUND, f"no store {res_id!r} on this connection")
-        del self.reservations[res_id]
-        ns = res.engine.ns
-        mine = res.slots >= 0
+        res = self.ingest.lookup("store", res_id, owner=owner)
         if not ok:
-            ns.page_class.free(res.slots[mine])
+            self.ingest.abort(res)
             self.puts.failed += 1
             return 0
-        ps = ns.index.page_size
-        stored: list[TreeNode] = []
-        spare: list[int] = []
-        for i in np.flatnonzero(mine).tolist():
-            slot = res.slots[i:i + 1]
-            r = ns.index.insert([res.keys[i]], res.tokens[i * ps:(i + 1) * ps], host_pages=slot)
-            if r.new_nodes:
-                stored.extend(r.new_nodes)
-            elif len(r.dup_host_pages):  # stored by another engine since `store`
-                spare.append(int(slot[0]))
-            else:  # the page was on disk only: it adopted our host copy
-                stored.append(r.nodes[0])
-        if spare:
-            ns.page_class.free(np.asarray(spare, dtype=np.int64))
+        stored = self.ingest.commit(res, self._place, announce_as=res.engine)
         self.stored_pages += len(stored)
         self.puts.committed_pages += len(stored)
-        if stored:
-            svc.emit_nodes("stored", Tier.HOST, res.engine, stored)
-            if svc.on_host_stored is not None:
-                svc.on_host_stored(ns, stored)  # write-through to disk
         return len(stored)
 
-    def _engine_gone(self, rec: EngineRecord) -> None:
-        for res in [r for r in self.reservations.values() if r.engine is rec]:
-            del self.reservations[res.res_id]
-            rec.ns.page_class.free(res.slots[res.slots >= 0])
+    def _place(self, res: Reservation) -> tuple[list[TreeNode], list[np.ndarray]]:
+        """Hang the batch's pages one below the other, under its parent when that is stored."""
+        batch: KeyedBatch = res.data
+        index = _index(res.ns)
+        ps = index.page_size
+        prev = index.find_key(batch.parent, split=True) if batch.parent is not None else None
+        prev = prev if prev is not None else index.root
+        stored: list[TreeNode] = []
+        unused: list[np.ndarray] = []
+        for i, key in enumerate(batch.keys):
+            slot = batch.slots[i:i + 1]
+            node = index.find_key(key, split=True)
+            if node is None:
+                if slot[0] < 0:  # stored at `store`, evicted since: the chain breaks here
+                    prev = index.root
+                    continue
+                node = index.extend_host(prev, [key], batch.tokens[i * ps:(i + 1) * ps], slot).nodes[-1]
+                stored.append(node)
+            elif slot[0] >= 0:
+                if node.host is None:  # on disk only: it adopts our host copy
+                    index.set_host(node, slot.copy())
+                    stored.append(node)
+                else:  # stored by another engine since `store`
+                    unused.append(slot)
+            if node.parent is index.root and prev is not index.root and index.adopt(prev, node):
+                self.linked += 1  # a chain root whose parent page arrived after it
+            prev = node
+        return stored, unused
 
     def stats(self) -> dict[str, int]:
         return {"stored_pages": self.stored_pages, "fetched_pages": self.fetched_pages,
-                "reservations": len(self.reservations)}
+                "reservations": self.ingest.pending("store"), "linked_chains": self.linked}
 
 
 def keyed_handlers(daemon: DaemonContext, keys_of: Any) -> dict[str, Any]:
@@ -248,10 +263,13 @@ def keyed_handlers(daemon: DaemonContext, keys_of: Any) -> dict[str, Any]:
         tokens = p.get("tokens")
         if not isinstance(tokens, bytes) or len(tokens) % 4:
             raise RpcError(Code.BAD_PARAMS, "tokens must be packed int32")
-        res = pages.store(conn, p.get("engine"), keys, np.frombuffer(tokens, dtype="<i4"))
+        parent = p.get("parent")
+        if parent is not None and (not isinstance(parent, bytes) or len(parent) != KEY_BYTES):
+            raise RpcError(Code.BAD_PARAMS, f"parameter 'parent' must be a {KEY_BYTES}-byte page key")
+        res = pages.store(conn, p.get("engine"), keys, np.frombuffer(tokens, dtype="<i4"), parent)
         if res is None:
             return {"store": None}
-        return {"store": res.res_id, "host_pages": ids_to_bytes(res.slots),
+        return {"store": res.res_id, "host_pages": ids_to_bytes(res.data.slots),
                 "slabs": daemon.host.slab_version(res.engine.ns.salt)}
 
     def store_done(conn: Any, p: dict) -> Any:
