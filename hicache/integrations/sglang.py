@@ -231,6 +231,15 @@ class HiCacheStore(HiCacheStorage):
         named = [named_page(self.salt, k.encode(), self.pool.page_size) for k in keys]
         return [k for k, _ in named], (np.concatenate([t for _, t in named]) if named else np.empty(0, "<i4"))
 
+    def _parent_key(self, extra_info: HiCacheStorageExtraInfo | None) -> bytes | None:
+        """The page key before a batch: SGLang passes the prefix's keys (prefix_keys + keys is
+        one chain), so the daemon hangs the batch under it."""
+        prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
+        if not prefix:
+            return None
+        assert self.pool is not None
+        return named_page(self.salt, prefix[-1].encode(), self.pool.page_size)[0]
+
     # -- existence -------------------------------------------------------------------------
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """How many leading keys are stored (host or disk): one round trip."""
@@ -284,7 +293,7 @@ class HiCacheStore(HiCacheStorage):
         if not self.writer:
             return [True] * len(keys)  # MLA: the storage writer's copy serves this rank too
         page_keys, tokens = self._page_keys(keys)
-        r = kc.store(page_keys, tokens)
+        r = kc.store(page_keys, tokens, self._parent_key(extra_info))
         if r is None:
             return [False] * len(keys)
         if not kc.mapped(r.host_pages):
@@ -356,7 +365,7 @@ class HiCacheStore(HiCacheStorage):
         if not self.writer:
             return True
         page_keys, tokens = self._page_keys(keys)
-        r = kc.store(page_keys, tokens)
+        r = kc.store(page_keys, tokens)  # the tensor API passes no prefix
         if r is None:
             return False
         if not kc.mapped(r.host_pages):

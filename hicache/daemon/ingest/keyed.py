@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_KEYED_BATCH = 4096  # keys per call: SGLang sends at most 128; a bound on one loop turn's work
+MAX_WAITING = 1 << 16  # chain roots remembered until their parent arrives (about 10 MB at most)
 FETCH_WAIT_S = 30.0  # a disk read longer than this is given up (the pages stay on disk); the
                      # client's own deadline is shorter, this only bounds what a gone client leaves
 
@@ -89,6 +90,8 @@ class KeyedPages:
         self.stored_pages = 0
         self.fetched_pages = 0
         self.linked = 0  # chain roots hung under a parent that arrived after them
+        # chain roots whose parent page is not stored yet, by (namespace salt, the parent's key)
+        self.waiting: dict[tuple[bytes, bytes], TreeNode] = {}
 
     # -- lookups ----------------------------------------------------------------
     @staticmethod
@@ -204,11 +207,14 @@ class KeyedPages:
         return len(stored)
 
     def _place(self, res: Reservation) -> tuple[list[TreeNode], list[np.ndarray]]:
-        """Hang the batch's pages one below the other, under its parent when that is stored."""
+        """Hang the batch's pages one below the other, under its parent when that is stored;
+        a chain root waits (by its parent's key) for that parent to arrive."""
         batch: KeyedBatch = res.data
-        index = _index(res.ns)
+        ns = res.ns
+        index = _index(ns)
         ps = index.page_size
         prev = index.find_key(batch.parent, split=True) if batch.parent is not None else None
+        wants = batch.parent if prev is None else None  # the parent the batch's first page waits for
         prev = prev if prev is not None else index.root
         stored: list[TreeNode] = []
         unused: list[np.ndarray] = []
@@ -217,7 +223,7 @@ class KeyedPages:
             node = index.find_key(key, split=True)
             if node is None:
                 if slot[0] < 0:  # stored at `store`, evicted since: the chain breaks here
-                    prev = index.root
+                    prev, wants = index.root, None
                     continue
                 node = index.extend_host(prev, [key], batch.tokens[i * ps:(i + 1) * ps], slot).nodes[-1]
                 stored.append(node)
@@ -227,10 +233,28 @@ class KeyedPages:
                     stored.append(node)
                 else:  # stored by another engine since `store`
                     unused.append(slot)
-            if node.parent is index.root and prev is not index.root and index.adopt(prev, node):
-                self.linked += 1  # a chain root whose parent page arrived after it
-            prev = node
+            if node.parent is index.root:
+                if prev is not index.root:
+                    self._link(index, prev, node)
+                elif wants is not None:
+                    self._wait_for(ns, wants, node)
+            orphan = self.waiting.pop((ns.salt, key), None)
+            if orphan is not None:  # a chain stored before this page, its parent
+                self._link(index, node, orphan)
+            prev, wants = node, None
         return stored, unused
+
+    def _link(self, index: RadixIndex, parent: TreeNode, node: TreeNode) -> None:
+        if not node.removed and not parent.removed and index.adopt(parent, node):
+            self.linked += 1
+
+    def _wait_for(self, ns: NamespaceState, parent_key: bytes, node: TreeNode) -> None:
+        if len(self.waiting) >= MAX_WAITING:  # chains whose parent never came: forget the dead ones
+            self.waiting = {k: n for k, n in self.waiting.items() if not n.removed and n.parent is not None
+                            and n.parent.is_root}
+            if len(self.waiting) >= MAX_WAITING:
+                return
+        self.waiting[(ns.salt, parent_key)] = node
 
     def stats(self) -> dict[str, int]:
         return {"stored_pages": self.stored_pages, "fetched_pages": self.fetched_pages,
