@@ -23,8 +23,9 @@ memory layout, because a page is stored in the byte order of that layout.
 Two instances agree on all of that exactly when they can use each other's bytes.
 
 A page lives in the daemon under a key derived from SGLang's (see
-hicache/daemon/ingest/keyed.py: one flat node per page, since SGLang asks about keys
-in the middle of a prefix). Its bytes are SGLang's "flat data page" for the
+hicache/daemon/ingest/keyed.py: the pages of a batch are a chain under the batch's
+prefix, and the daemon finds any of them by key, since SGLang asks about keys in the
+middle of a prefix). Its bytes are SGLang's "flat data page" for the
 pool's layout (what `get_data_page(i, flat=True)` returns), so the tensor API
 (`get`/`set`) and the zero-copy API (`batch_get_v1`/`batch_set_v1`, which copy
 between the registered host pool and the daemon's arena with no staging)

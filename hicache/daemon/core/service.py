@@ -17,6 +17,10 @@ The cycle, for one request of engine E:
                 under write-back those lacking a host copy are backed up first.
   release    -> E finished the request: its pins go.
 
+Backups (insert's, evict's) are reservations of the ingest protocol
+(hicache/daemon/ingest/protocol.py, ingest/backups.py), as every other way host
+pages come in; this class is the host budget that protocol draws on.
+
 Trust model: keys are computed by the client (hashing 8K tokens costs more
 than the whole round trip), but every key lives in the radix tree of the
 namespace the engine registered, and the daemon computes that namespace's
@@ -80,9 +84,6 @@ class CacheService:
         # the KV; it hears of every dropped pin (its checkpoint locks go with it).
         self.hybrid: Any = None
         self.on_pin_dropped: Callable[[Pin], None] | None = None
-        # Called as an engine goes (its connection dropped, or unregister), after it left its
-        # namespace: host puts (puts.py) and keyed stores (keyed.py) free what it reserved.
-        self.on_engine_gone: list[Callable[[EngineRecord], None]] = []
 
     @property
     def backups(self) -> dict[int, PendingBackup]:
@@ -481,8 +482,6 @@ class CacheService:
         del self.engines[rec.engine_id]
         rec.ns.engines.discard(rec.engine_id)
         self.ingest.engine_gone(rec)  # keyed stores it reserved (puts are the namespace's: leased)
-        for hook in self.on_engine_gone:
-            hook(rec)
         self._apply_freed(rec.ns, rec.ns.index.remove_engine(rec.engine_id), None)
         log.info("engine %d gone; its device residency is forgotten", rec.engine_id)
         self._forget_if_empty(rec.ns)

@@ -23,7 +23,7 @@ import numpy as np
 
 from hicache import __version__
 from hicache.daemon.hybrid.states import state_layout_param
-from hicache.daemon.ingest.keyed import keyed_handlers
+from hicache.daemon.serve.keyed_rpc import keyed_handlers
 from hicache.daemon.serve.portable import portable_handlers
 from hicache.daemon.movers.state_dir import allocated_bytes
 from hicache.daemon.serve.tree_view import MAX_DEPTH, tree_summary
