@@ -278,7 +278,7 @@ class FrameFuzzer:
             ps = eng.layout.page_size if eng else 4
             toks = self._tokens(r.randrange(0, 24), ps, eng)
             return {"engine": eid, "keys": b"".join(page_keys(eng.salt if eng else r.randbytes(16), toks, ps))}
-        if method in ("exists", "fetch", "store"):  # keyed pages: flat keys, each from the salt
+        if method in ("exists", "fetch", "store"):  # keyed pages: named keys, each from the salt
             ps = eng.layout.page_size if eng else 4
             toks = self._tokens(r.randrange(0, 24), ps, eng)
             salt = eng.salt if eng else r.randbytes(16)
@@ -286,6 +286,8 @@ class FrameFuzzer:
             p = {"engine": eid, "keys": b"".join(keys)}
             if method == "store":
                 p["tokens"] = toks[:len(keys) * ps].astype("<i4").tobytes()
+                if r.random() < 0.5:  # the page before the batch: stored, unknown, or malformed
+                    p["parent"] = r.choice([keys[-1] if keys else r.randbytes(16), r.randbytes(16), r.randbytes(5)])
             return p
         if method == "put":  # a chained prefix, as insert sends it, without device pages
             ps = eng.layout.page_size if eng else 4
