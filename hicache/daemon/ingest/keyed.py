@@ -118,20 +118,24 @@ class KeyedPages:
         copy could not be read or failed its checksum)."""
         svc = self.service
         rec = svc.engine(owner, engine_id)
-        ns, index = rec.ns, rec.ns.index
+        ns = rec.ns
         pin = Pin(next(svc._ids), rec, [], 0, 0, 0, None, np.empty(0, np.int64), np.empty(0, np.int64))
         svc.pins[pin.pin_id] = pin  # `release` and a dropped connection undo it like any match
         slots = np.full(len(keys), -1, dtype=np.int64)
         reading: list[tuple[int, bytes, Pin]] = []
+        deepest: TreeNode | None = None  # of the run of host pages so far, each the child of the one before
         for i, key in enumerate(keys):
             # split: a restored run holds many pages; reading one must not read (and lock) the rest
             node = self._stored(ns, key, split=True)
             if node is None:
                 continue
             if node.host is not None:
-                index.lock(node, Tier.HOST)
-                pin.locks.append((node, Tier.HOST, None))
                 slots[i] = _slot(node, key)
+                # A lock counts on every ancestor: one on the deepest page of a chain run pins
+                # the run (a lock per page would walk the chain once per page).
+                if deepest is not None and node.parent is not deepest:
+                    self._pin_host(pin, deepest)
+                deepest = node
             elif disk is not None:
                 # One read per page: DiskMover's prefetch hangs what it read on a path, and
                 # these pages need not be one. Each read gets its own pin, folded in below.
@@ -142,6 +146,8 @@ class KeyedPages:
                     svc.release(owner, sub.pin_id)
                 else:
                     reading.append((i, key, sub))
+        if deepest is not None:
+            self._pin_host(pin, deepest)
         if reading:
             futures = [sub.prefetch.future for _, _, sub in reading if not sub.prefetch.done]
             if futures:
@@ -167,6 +173,11 @@ class KeyedPages:
         svc.reap(ns)
         svc.counters.loaded_pages += int((slots >= 0).sum())
         return pin, slots
+
+    @staticmethod
+    def _pin_host(pin: Pin, node: TreeNode) -> None:
+        pin.engine.ns.index.lock(node, Tier.HOST)
+        pin.locks.append((node, Tier.HOST, None))
 
     # -- stores -------------------------------------------------------------------
     def store(self, owner: object, engine_id: Any, keys: PackedKeys, tokens: np.ndarray,
