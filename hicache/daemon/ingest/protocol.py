@@ -29,6 +29,10 @@ Ownership, one of three:
                 connections until `deadline`, when `expire` aborts it: a worker
                 whose connection dropped may still be copying into its pages.
   daemon     -> no engine (a remote fetch): its mover finishes it.
+
+Not through here, on purpose: hybrid models' state checkpoints (slots of their own
+budget, set on nodes that exist already: hybrid/states.py) and disk prefetches (host
+copies of pages the index already holds, read by movers/disk_mover.py).
 """
 
 from __future__ import annotations
