@@ -214,7 +214,7 @@ def _interval_line(before: dict, after: dict, seconds: float) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from hicache.daemon.app import serve
+    from hicache.daemon.serve.app import serve
 
     overrides = {k: getattr(args, k) for k in ("socket_path", "state_dir", "host_capacity", "disk_capacity",
                                                "disk_enabled", "reset_disk", "write_policy", "load_policy",

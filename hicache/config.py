@@ -37,7 +37,7 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 DURABILITY = ("none", "batch", "sync")
 EVICTION_POLICIES = ("lru", "lfu", "frecency")  # hicache.index.policy.POLICIES
 DISK_ADMISSION = ("all", "reuse")  # hicache.index.admission.ADMISSION_MODES
-DISK_PLACEMENTS = ("inclusive", "non-inclusive", "exclusive")  # hicache/daemon/disk_mover.py
+DISK_PLACEMENTS = ("inclusive", "non-inclusive", "exclusive")  # hicache/daemon/movers/disk_mover.py
 # Page ids travel as int32; engines' pools are far smaller, and the daemon sizes work by them.
 MAX_DEVICE_PAGES_LIMIT = 1 << 30
 
@@ -66,7 +66,7 @@ def format_size(n: int) -> str:
 def private_socket_dir() -> Path:
     """The socket's directory when there is no runtime directory: `$TMPDIR/hicache-<uid>`.
     Any local user can create that name first, so the daemon serves there only when it is
-    a real directory of its own with mode 0700 (hicache/daemon/app.py)."""
+    a real directory of its own with mode 0700 (hicache/daemon/serve/app.py)."""
     return Path(tempfile.gettempdir()) / f"hicache-{os.getuid()}"
 
 
@@ -124,7 +124,7 @@ MIN_DISK_CAPACITY = 1 << 20  # an LMDB map smaller than this holds little beyond
 def default_disk_capacity(state_dir: Path) -> int:
     """4 GiB or a tenth of the free space where state lives, whichever is smaller (at least
     64 MiB). The capacity is allocated on disk at start (the LMDB file, see
-    hicache/daemon/disk_startup.py), so a first run must not take a large share of a
+    hicache/daemon/movers/disk_startup.py), so a first run must not take a large share of a
     disk nobody sized for it: 4 GiB holds ~60,000 pages of 64 KiB, more than a single
     machine's engines reuse in the benches; a deployment sets --disk-capacity."""
     probe = state_dir
@@ -175,10 +175,10 @@ class Config:
     max_request_pages: int = 1 << 20  # keys in one match / insert
     drain_timeout_s: float = 10.0
     # The daemon runs the cyclic garbage collector itself so that no pass walks the whole
-    # index while a request waits (hicache/daemon/gc_steward.py); false: CPython's defaults
+    # index while a request waits (hicache/daemon/serve/gc_steward.py); false: CPython's defaults
     managed_gc: bool = True
     metrics_port: int = 0  # 0 = no metrics endpoint
-    # Remote tier (L4, hicache/daemon/remote_mover.py): off without a URL. The URL may
+    # Remote tier (L4, hicache/daemon/movers/remote_mover.py): off without a URL. The URL may
     # carry a password: never in repr() (so never in a log of the config).
     remote_url: str = field(default="", repr=False)
     remote_password_file: str = ""  # wins over a password in the URL

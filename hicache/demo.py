@@ -10,7 +10,7 @@ shows the daemon's per-tier hit rates and the prefill work saved.
 
 `Conversation` (the multi-turn workload) is shared with `hicache bench
 multiturn` and the engine tests; the daemon runs as a child process through
-`hicache.daemon.launcher.LocalDaemon`.
+`hicache.daemon.serve.launcher.LocalDaemon`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hicache.config import format_size, parse_size
-from hicache.daemon.launcher import LocalDaemon
+from hicache.daemon.serve.launcher import LocalDaemon
 from hicache.errors import ConfigError, HiCacheError
 
 if TYPE_CHECKING:

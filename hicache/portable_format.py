@@ -28,7 +28,8 @@ before it. So an importer checks and indexes each chunk as it arrives, keeping
 only that path. A page is verified by its checksum AND by its key: the key must
 be the chained hash of (parent key, tokens) under the namespace's salt
 (hicache.index.keys.page_keys), so tokens and parent links cannot be wrong
-unnoticed. The end record carries the totals, so a truncated file is detected.
+unnoticed; a keyed engine's named page (hicache.client.keyed) hashes (salt,
+tokens) wherever it hangs, its name already committing to its prefix. The end record carries the totals, so a truncated file is detected.
 """
 
 from __future__ import annotations
@@ -233,7 +234,8 @@ def parse_records(buf: bytes, header: ExportHeader, first: int = 1
         else:
             tok_end = PAGE_HEAD.size + header.page_size * 4
             tokens = np.frombuffer(rec[PAGE_HEAD.size:tok_end], dtype="<i4")
-            if page_keys(header.salt, tokens, header.page_size, parent=parent_key)[0] != key:
+            if page_keys(header.salt, tokens, header.page_size, parent=parent_key)[0] != key \
+                    and (parent_key is None or page_keys(header.salt, tokens, header.page_size)[0] != key):
                 raise PortableFormatError(f"{where}: key {key.hex()[:16]} is not the hash of its parent and tokens")
             pages.append(PageRecord(key, parent_key, tokens, rec[tok_end:tok_end + header.page_bytes]))
         pos += total

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache.daemon.launcher import LocalDaemon
+from hicache.daemon.serve.launcher import LocalDaemon
 
 # Daemons, engine workers and CLI runs are child processes: they must import the
 # tree under test, not whatever `hicache` is installed (e.g. an editable install of

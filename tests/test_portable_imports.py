@@ -13,7 +13,7 @@ from pathlib import Path
 import hicache
 
 PACKAGE = Path(hicache.__file__).parent
-ONE_WAY = ("hicache.daemon.app", "hicache.daemon.handlers", "hicache.daemon.portable")
+ONE_WAY = ("hicache.daemon.serve.app", "hicache.daemon.serve.handlers", "hicache.daemon.serve.portable")
 
 
 def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
@@ -65,14 +65,14 @@ def test_the_walk_sees_a_planted_cycle():
 
 def test_app_handlers_portable_import_one_way():
     graph = import_graph()
-    assert "hicache.daemon.portable" in graph["hicache.daemon.handlers"]  # the walk sees real edges
-    assert "hicache.daemon.handlers" in graph["hicache.daemon.app"]
+    assert "hicache.daemon.serve.portable" in graph["hicache.daemon.serve.handlers"]  # the walk sees real edges
+    assert "hicache.daemon.serve.handlers" in graph["hicache.daemon.serve.app"]
     assert {m: cycle_through(graph, m) for m in ONE_WAY} == dict.fromkeys(ONE_WAY)
 
 
 def test_the_daemon_is_what_the_handlers_take():
     from hicache.config import Config
-    from hicache.daemon.app import Daemon
-    from hicache.daemon.context import DaemonContext
+    from hicache.daemon.serve.app import Daemon
+    from hicache.daemon.serve.context import DaemonContext
 
     assert isinstance(Daemon(Config()), DaemonContext)  # every member the protocol names (no tier started)

@@ -482,7 +482,7 @@ def index_rebuild_row(path: str, n: int, config: DiskTierConfig | None = None) -
         tier.flush()
     with DiskTier.open(path, n * 64 + 64, map_size=map_size, config=config) as tier:
         t0 = time.perf_counter()
-        gc.disable()  # as the daemon's rebuild does (hicache/daemon/disk_mover.py)
+        gc.disable()  # as the daemon's rebuild does (hicache/daemon/movers/disk_mover.py)
         try:
             records = [(r.key, r.parent_key if r.parent_key is not None else r.salt, r.tokens, r.last_access)
                        for r in tier.iter_meta()]

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from hicache.bench.report import row
-from hicache.daemon.launcher import LocalDaemon
+from hicache.daemon.serve.launcher import LocalDaemon
 from hicache.demo import Conversation, Workload
 from hicache.engine.cached import CachedEngine, Generation
 from hicache.engine.model import ModelConfig, TinyTransformer

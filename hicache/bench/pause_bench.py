@@ -3,7 +3,7 @@
 A long pause of the event loop (a full garbage collection over the index, a
 long handler) costs every engine waiting on it, and p99 hides it: this bench
 reports p50 / p99 / p99.9 / max of `match` round trips, with the daemon's
-collector managed (`managed_gc`, the default, hicache/daemon/gc_steward.py) and
+collector managed (`managed_gc`, the default, hicache/daemon/serve/gc_steward.py) and
 left to CPython (the baseline), in one run:
 
 1. a daemon with a host and a disk tier is filled with `nodes` index nodes
@@ -27,7 +27,7 @@ import numpy as np
 
 from hicache.bench.report import row
 from hicache.client.connection import RpcConnection
-from hicache.daemon.launcher import LocalDaemon
+from hicache.daemon.serve.launcher import LocalDaemon
 from hicache.index.keys import page_keys
 from hicache.layout import KVLayout
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from hicache.bench.report import row
 from hicache.client.connection import RpcConnection
-from hicache.daemon.launcher import LocalDaemon
+from hicache.daemon.serve.launcher import LocalDaemon
 from hicache.index.keys import page_keys
 from hicache.layout import KVLayout
 from hicache.rpc.framing import ids_to_bytes, pack_frame

@@ -140,7 +140,7 @@ def _bench_case(socket: str, layout: str, page_size: int, *, layers: int, heads:
 
 def run(socket_path: str | None, layouts: tuple[str, ...], page_sizes: tuple[int, ...], *, target_bytes: int,
         repeats: int, layers: int = 32, heads: int = 8, head_dim: int = 128) -> list[dict]:
-    from hicache.daemon.launcher import LocalDaemon
+    from hicache.daemon.serve.launcher import LocalDaemon
 
     # 4 repetitions fill the host tier: later ones evict, as a long-running L3 does (a power
     # of two, so the 64 slabs hold whole pages). A daemon per case (unless --socket): a case

@@ -119,7 +119,7 @@ def _server_args(name: str, model: Path, port: int, args: argparse.Namespace, so
 
 def _measure(name: str, model: Path, rounds: list[list[list[int]]], args: argparse.Namespace,
              work: Path) -> dict[str, Any]:
-    from hicache.daemon.launcher import LocalDaemon
+    from hicache.daemon.serve.launcher import LocalDaemon
 
     daemon = None
     env: dict[str, str] = {}

@@ -27,7 +27,7 @@ import numpy as np
 
 from hicache.bench.report import row
 from hicache.client.connection import RpcConnection
-from hicache.daemon.launcher import LocalDaemon
+from hicache.daemon.serve.launcher import LocalDaemon
 
 PAGE_SIZE = 4
 POOL_PAGES = 96  # per client: small enough that clients evict, large enough for one request

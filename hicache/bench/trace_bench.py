@@ -48,7 +48,7 @@ from hicache.client.client import HiCacheClient
 from hicache.client.connection import RpcConnection
 from hicache.client.engine_cache import EngineCache
 from hicache.config import parse_size
-from hicache.daemon.launcher import LocalDaemon
+from hicache.daemon.serve.launcher import LocalDaemon
 from hicache.layout import KVLayout
 from hicache.progress import Progress
 from hicache.tiers.allocator import PagedTokenToKVPoolAllocator

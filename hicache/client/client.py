@@ -488,7 +488,7 @@ class HiCacheClient:
     def put(self, tokens: Any, *, keys: list[bytes] | None = None) -> PutPlan | None:
         """Reserve host pages for the full pages of `tokens` the host tier lacks, for an
         engine that keeps its own device cache (no device residency is recorded; see
-        hicache/daemon/puts.py). None: skipped (daemon away)."""
+        hicache/daemon/ingest/puts.py). None: skipped (daemon away)."""
         toks = as_tokens(tokens)
         ps = self.layout.page_size
         if keys is None:

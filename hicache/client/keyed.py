@@ -1,5 +1,5 @@
 """Keyed pages from the engine's side: the daemon's exists / fetch / store / store_done
-(hicache/daemon/keyed.py) over a HiCacheClient, which brings the peer check,
+(hicache/daemon/ingest/keyed.py) over a HiCacheClient, which brings the peer check,
 the deadlines, the circuit breaker and the mapping of our namespace's slabs.
 
 Every method answers "nothing" (0, None) when the daemon is away, hung or
@@ -85,13 +85,17 @@ class KeyedPagesClient:
         if fetched.epoch == self.client.epoch:  # a new daemon never issued this pin
             self._call("release", {"pin": fetched.pin}, self.client.deadlines.update_s)
 
-    def store(self, keys: list[bytes], tokens: np.ndarray) -> Reserved | None:
+    def store(self, keys: list[bytes], tokens: np.ndarray, parent: bytes | None = None) -> Reserved | None:
         """Host slots to copy the pages of `keys` into; None when the daemon is away or
-        its host tier has no room. Report the copies with `store_done`."""
+        its host tier has no room. Report the copies with `store_done`. `keys` are one
+        prefix's consecutive pages and `parent` (when known) the page just before them:
+        the daemon keeps them as a chain, so eviction takes a prompt's tail first."""
         # load_s, like fetch: making room may evict, or take a slab from another namespace and
         # move its pages, which takes the daemon longer than a plain update
-        r = self._call("store", {"keys": b"".join(keys), "tokens": np.ascontiguousarray(tokens, "<i4").tobytes()},
-                       self.client.deadlines.load_s)
+        params = {"keys": b"".join(keys), "tokens": np.ascontiguousarray(tokens, "<i4").tobytes()}
+        if parent is not None:
+            params["parent"] = parent
+        r = self._call("store", params, self.client.deadlines.load_s)
         if r is None or r["store"] is None:
             return None
         return Reserved(int(r["store"]), bytes_to_ids(r["host_pages"]), self.client.epoch)

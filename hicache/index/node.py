@@ -316,7 +316,10 @@ _LE_I4 = np.dtype("<i4")
 def disk_runs(records: object, salt: bytes, page_size: int) -> tuple[list[DiskRun], list[bytes]]:
     """Check per-page disk records (any order) and chain them into runs, each run's
     parent page in an earlier run (or the salt). A record is kept only if its key is
-    the hash of (parent key, tokens) and its parents reach the salt. Returns the runs
+    the hash of (parent key, tokens) -- or of (salt, tokens): a keyed engine's named
+    page (hicache.client.keyed), whose name in its tokens already commits to its whole
+    prefix and which the daemon chained by position -- and its parents reach the salt.
+    Returns the runs
     and the keys of the records left out (orphans, corrupt, malformed), which the
     caller may delete from disk."""
     by_parent: dict[bytes, list[tuple[bytes, np.ndarray, float]]] = {}
@@ -350,7 +353,9 @@ def disk_runs(records: object, salt: bytes, page_size: int) -> tuple[list[DiskRu
             prev = parent_key
             while True:  # a single-child chain becomes one run
                 key, toks, la = item
-                if blake2b(prev + toks.tobytes(), digest_size=KEY_BYTES).digest() != key:  # = page_keys' chain step
+                data = toks.tobytes()  # page_keys' chain step, or a named page's
+                if blake2b(prev + data, digest_size=KEY_BYTES).digest() != key \
+                        and blake2b(salt + data, digest_size=KEY_BYTES).digest() != key:
                     skipped.append(key)  # corrupt: it and its descendants stay out
                     break
                 keys.append(key)

@@ -60,6 +60,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
+from hicache.index.key_map import KeyMap
 from hicache.index.keys import KEY_BYTES
 from hicache.index.node import (
     DISK_LANE, EMPTY_PAGES, EMPTY_TOKENS, HOST_LANE, DiskRecord, Freed, FreedCollector, IndexInputError,
@@ -110,6 +111,7 @@ class RadixIndex:
         self.root = TreeNode(parent=None, children={}, keys=[], tokens=EMPTY_TOKENS)
         self._ledger = ResidencyLedger(self.root, self.policy)
         self._outbox: list[Freed] = []
+        self.key_map: KeyMap | None = None  # keyed namespaces only (enable_key_map)
 
     # ------------------------------------------------------------------ match / insert
 
@@ -241,6 +243,8 @@ class RadixIndex:
                 ledger.add_lane(leaf, DISK_LANE, None)
             path.append(leaf)
             new_nodes.append(leaf)
+            if self.key_map is not None:
+                self.key_map.add(leaf)
         return InsertResult(present, concat_pages(dup_dev), concat_pages(dup_host), path, new_nodes)
 
     def host_prefix(self, keys: list[bytes]) -> tuple[TreeNode, int]:
@@ -275,6 +279,52 @@ class RadixIndex:
         if n == 0:
             return InsertResult(0, EMPTY_PAGES, EMPTY_PAGES, [], [])
         return self._insert_from(parent, keys, toks, None, None, host, False, self.clock(), True)
+
+    # ------------------------------------------------------------------ keyed chains
+
+    def enable_key_map(self) -> None:
+        """Keep a key -> node map from now on (key_map.py): pages asked about mid-path."""
+        if self.key_map is None:
+            self.key_map = KeyMap()
+            for node in self._preorder():
+                self.key_map.add(node)
+
+    def find_key(self, key: bytes, *, split: bool = False) -> TreeNode | None:
+        """The live node holding `key`'s page (enable_key_map first); with `split`, the
+        node that ends at it (a chain continues below its last page)."""
+        node = self.key_map.find(key) if self.key_map is not None else None
+        if node is not None and split and node.keys[-1] != key:
+            node = self._split(node, node.keys.index(key) + 1)
+        return node
+
+    def touch(self, node: TreeNode) -> None:
+        """A hit found without a walk (find_key): what match does to the nodes it passes."""
+        node.last_access = self.clock()
+        node.hit_count += 1
+
+    def adopt(self, parent: TreeNode, node: TreeNode) -> bool:
+        """Hang `node`, a child of the root holding no lock anywhere below it, under
+        `parent` (a chain root whose parent page arrived later). False, changing
+        nothing, when it does not fit: `parent` lies below `node`, or already has a
+        child starting with `node`'s first key."""
+        self._live(node)
+        if parent is not self.root:
+            self._live(parent)
+        if node.parent is not self.root or any(node.lock_ref) or node.keys[0] in parent.children:
+            return False
+        x = parent
+        while x is not None:
+            if x is node:
+                return False
+            x = x.parent
+        del self.root.children[node.keys[0]]
+        node.parent = parent
+        parent.children[node.keys[0]] = node
+        if parent is not self.root:  # the root keeps no counts; the parent is no leaf of these lanes now
+            cl = parent.child_lanes
+            for lane in node.lanes():
+                cl[lane] = cl.get(lane, 0) + 1
+        return True
 
     def node_ending_at(self, keys: list[bytes]) -> TreeNode | None:
         """The node whose path from the root is exactly `keys`, splitting the node the

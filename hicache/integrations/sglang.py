@@ -23,8 +23,9 @@ memory layout, because a page is stored in the byte order of that layout.
 Two instances agree on all of that exactly when they can use each other's bytes.
 
 A page lives in the daemon under a key derived from SGLang's (see
-hicache/daemon/keyed.py: one flat node per page, since SGLang asks about keys
-in the middle of a prefix). Its bytes are SGLang's "flat data page" for the
+hicache/daemon/ingest/keyed.py: the pages of a batch are a chain under the batch's
+prefix, and the daemon finds any of them by key, since SGLang asks about keys in the
+middle of a prefix). Its bytes are SGLang's "flat data page" for the
 pool's layout (what `get_data_page(i, flat=True)` returns), so the tensor API
 (`get`/`set`) and the zero-copy API (`batch_get_v1`/`batch_set_v1`, which copy
 between the registered host pool and the daemon's arena with no staging)
@@ -255,6 +256,15 @@ class HiCacheStore(HiCacheStorage):
         named = [named_page(self.salt, k.encode(), self.pool.page_size) for k in keys]
         return [k for k, _ in named], (np.concatenate([t for _, t in named]) if named else np.empty(0, "<i4"))
 
+    def _parent_key(self, extra_info: HiCacheStorageExtraInfo | None) -> bytes | None:
+        """The page key before a batch: SGLang passes the prefix's keys (prefix_keys + keys is
+        one chain), so the daemon hangs the batch under it."""
+        prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
+        if not prefix:
+            return None
+        assert self.pool is not None
+        return named_page(self.salt, prefix[-1].encode(), self.pool.page_size)[0]
+
     # -- existence -------------------------------------------------------------------------
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """How many leading keys are stored (host or disk): one round trip."""
@@ -307,7 +317,7 @@ class HiCacheStore(HiCacheStorage):
         if not self.writer:
             return [True] * len(keys)  # MLA: the storage writer's copy serves this rank too
         page_keys, tokens = self._page_keys(keys)
-        r = kc.store(page_keys, tokens)
+        r = kc.store(page_keys, tokens, self._parent_key(extra_info))
         if r is None:
             return [False] * len(keys)
         if not kc.mapped(r.host_pages):
@@ -378,7 +388,7 @@ class HiCacheStore(HiCacheStorage):
         if not self.writer:
             return True
         page_keys, tokens = self._page_keys(keys)
-        r = kc.store(page_keys, tokens)
+        r = kc.store(page_keys, tokens)  # the tensor API passes no prefix
         if r is None:
             return False
         if not kc.mapped(r.host_pages):

@@ -37,7 +37,7 @@ Budget
   writer also charges every page its footprint in the map and turns away what
   would not fit (disk_writer.py), so a small map rejects puts, never fills up.
   The daemon opens the tier with ``map_size`` = its disk capacity, so the
-  file never exceeds that (hicache/daemon/disk_startup.py); here the default,
+  file never exceeds that (hicache/daemon/movers/disk_startup.py); here the default,
   1.5 x capacity + 64 MiB, leaves room for the records of ``capacity_bytes``
   of pages.
 

@@ -1,4 +1,4 @@
-"""The daemon's garbage-collector steward (hicache/daemon/gc_steward.py), on the real collector:
+"""The daemon's garbage-collector steward (hicache/daemon/serve/gc_steward.py), on the real collector:
 passes free young cycles and freeze survivors, CPython starts no full collection, an idle full
 pass reclaims a cycle that died frozen, and stop() gives the collector back as it was."""
 
@@ -11,7 +11,7 @@ import weakref
 
 import pytest
 
-from hicache.daemon.gc_steward import GcSteward
+from hicache.daemon.serve.gc_steward import GcSteward
 
 
 class Cyclic:
@@ -106,7 +106,7 @@ def test_the_interval_follows_the_pass_cost(steward):
 @pytest.mark.parametrize("managed", [True, False])
 def test_the_daemon_reports_its_collector(tmp_path, managed):
     from hicache.client.connection import RpcConnection
-    from hicache.daemon.launcher import LocalDaemon
+    from hicache.daemon.serve.launcher import LocalDaemon
 
     env = {"HICACHE_MANAGED_GC": "1" if managed else "0"}
     with LocalDaemon(tmp_path, "--host-capacity", "64MiB", "--no-disk", env=env) as d:

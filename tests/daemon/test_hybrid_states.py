@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from hicache.daemon.host_tier import HostTier
-from hicache.daemon.hybrid import HybridStates
-from hicache.daemon.service import CacheService
+from hicache.daemon.core.host_tier import HostTier
+from hicache.daemon.hybrid.states import HybridStates
+from hicache.daemon.core.service import CacheService
 from hicache.index.keys import Namespace, PackedKeys, page_keys
 from hicache.index.node import Tier
 from hicache.layout import KVLayout

@@ -1,5 +1,5 @@
-"""Keyed pages (hicache/daemon/keyed.py) over a real daemon: pages an engine names itself,
-stored flat, reserved then committed, pinned while read, never leaked."""
+"""Keyed pages (hicache/daemon/ingest/keyed.py) over a real daemon: pages an engine names itself,
+kept as chains, reserved then committed, pinned while read, never leaked."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Host puts (hicache/daemon/puts.py) against a real daemon: an engine with its own
+"""Host puts (hicache/daemon/ingest/puts.py) against a real daemon: an engine with its own
 device cache stores pages straight into the host tier, another engine of the
 namespace reads them back bit-exact, and nothing leaks when a put is never finished."""
 

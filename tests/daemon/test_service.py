@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hicache.daemon.host_tier import HostTier
-from hicache.daemon.service import CacheService
+from hicache.daemon.core.host_tier import HostTier
+from hicache.daemon.core.service import CacheService
 from hicache.index.keys import Namespace, page_keys
 from hicache.index.node import Tier
 from hicache.layout import KVLayout

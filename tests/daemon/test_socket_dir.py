@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache.daemon.launcher import LocalDaemon
+from hicache.daemon.serve.launcher import LocalDaemon
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create another user's directory")
 

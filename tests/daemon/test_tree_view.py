@@ -6,9 +6,9 @@ import asyncio
 
 import numpy as np
 
-from hicache.daemon import tree_view
-from hicache.daemon.host_tier import HostTier
-from hicache.daemon.service import CacheService
+from hicache.daemon.serve import tree_view
+from hicache.daemon.core.host_tier import HostTier
+from hicache.daemon.core.service import CacheService
 from hicache.index.keys import Namespace, page_keys
 from hicache.layout import KVLayout
 

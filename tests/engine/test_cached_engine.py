@@ -22,7 +22,7 @@ from hicache.client.connection import RpcConnection
 from hicache.engine.attention import EngineError
 from hicache.engine.cached import CachedEngine, Generation
 from hicache.engine.model import ModelConfig, TinyTransformer
-from hicache.daemon.launcher import LocalDaemon
+from hicache.daemon.serve.launcher import LocalDaemon
 from tests.wait import wait_until
 
 PAGE = 8

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from hicache.client.connection import RpcConnection
-from hicache.daemon.launcher import LocalDaemon
+from hicache.daemon.serve.launcher import LocalDaemon
 from hicache.engine.cached import CachedEngine, Generation
 from hicache.engine.model import ModelConfig, TinyTransformer
 from tests.wait import wait_until

@@ -27,7 +27,7 @@ except ImportError:
 
 from hicache.client.client import HiCacheClient
 from hicache.client.connection import RpcConnection
-from hicache.daemon.launcher import LocalDaemon
+from hicache.daemon.serve.launcher import LocalDaemon
 from hicache.layout import KVLayout
 
 from tests.wait import wait_until

@@ -41,7 +41,7 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch  
 
 from hicache.bench.tiny_llama import build_tiny_llama  # noqa: E402
 from hicache.client.connection import RpcConnection  # noqa: E402
-from hicache.daemon.launcher import LocalDaemon  # noqa: E402
+from hicache.daemon.serve.launcher import LocalDaemon  # noqa: E402
 from hicache.integrations.vllm_driver import run_in_process  # noqa: E402
 
 from tests.wait import wait_until  # noqa: E402

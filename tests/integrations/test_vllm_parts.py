@@ -188,7 +188,7 @@ def test_without_vllm_the_import_error_names_the_extra():
 def test_a_reconnect_between_match_and_step_makes_the_load_stale(tmp_path):
     """The scheduler matched (page ids of one daemon's arena), then its client reconnected to a
     restarted daemon before the step's metadata was built: the workers must not copy those ids."""
-    from hicache.daemon.launcher import LocalDaemon
+    from hicache.daemon.serve.launcher import LocalDaemon
     from hicache.integrations.vllm.layout import EngineShape, expected_arrangement
     from hicache.integrations.vllm.scheduler import SchedulerSide
     from tests.wait import wait_until

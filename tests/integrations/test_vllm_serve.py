@@ -36,7 +36,7 @@ import tests.integrations.vllm_required  # noqa: F401  (skips, or fails under CI
 from hicache.bench.tiny_llama import build_tiny_llama  # noqa: E402
 from hicache.bench.tiny_tokenizer import SPECIAL_TOKENS, word  # noqa: E402
 from hicache.client.connection import RpcConnection  # noqa: E402
-from hicache.daemon.launcher import LocalDaemon  # noqa: E402
+from hicache.daemon.serve.launcher import LocalDaemon  # noqa: E402
 from tests.integrations.vllm_server import VllmServer  # noqa: E402
 from tests.wait import wait_until  # noqa: E402
 

@@ -37,12 +37,12 @@ LAYOUTS = [
 ]
 STATE = StateLayout(num_layers=1, conv_shapes=((4, 3),), temporal_shape=(2, 4), chunk_size=8)
 
-# Every method of hicache/daemon/handlers.py and portable.py (the test checks the list is complete).
+# Every method of hicache/daemon/serve/handlers.py and portable.py (the test checks the list is complete).
 METHODS = ("hello", "register", "unregister", "match", "load", "load_done", "map_slabs", "release", "insert",
            "backup_done", "state_backup_done", "evict", "stats", "flush", "evict_tier", "ls", "subscribe",
            "doctor", "export_open", "export_next", "import_open", "import_pages", "remote_flush", "settle",
-           "put", "put_done",  # host puts (hicache/daemon/puts.py)
-           "exists", "fetch", "store", "store_done")  # keyed pages (hicache/daemon/keyed.py)
+           "put", "put_done",  # host puts (hicache/daemon/ingest/puts.py)
+           "exists", "fetch", "store", "store_done")  # keyed pages (hicache/daemon/ingest/keyed.py)
 # Costly admin calls that wipe what the sequences build: drawn less often.
 RARE = {"flush": 0.15, "evict_tier": 0.3, "doctor": 0.3, "subscribe": 0.3, "unregister": 0.3, "remote_flush": 0.3, "settle": 0.3}
 
@@ -278,7 +278,7 @@ class FrameFuzzer:
             ps = eng.layout.page_size if eng else 4
             toks = self._tokens(r.randrange(0, 24), ps, eng)
             return {"engine": eid, "keys": b"".join(page_keys(eng.salt if eng else r.randbytes(16), toks, ps))}
-        if method in ("exists", "fetch", "store"):  # keyed pages: flat keys, each from the salt
+        if method in ("exists", "fetch", "store"):  # keyed pages: named keys, each from the salt
             ps = eng.layout.page_size if eng else 4
             toks = self._tokens(r.randrange(0, 24), ps, eng)
             salt = eng.salt if eng else r.randbytes(16)
@@ -286,6 +286,8 @@ class FrameFuzzer:
             p = {"engine": eid, "keys": b"".join(keys)}
             if method == "store":
                 p["tokens"] = toks[:len(keys) * ps].astype("<i4").tobytes()
+                if r.random() < 0.5:  # the page before the batch: stored, unknown, or malformed
+                    p["parent"] = r.choice([keys[-1] if keys else r.randbytes(16), r.randbytes(16), r.randbytes(5)])
             return p
         if method == "put":  # a chained prefix, as insert sends it, without device pages
             ps = eng.layout.page_size if eng else 4

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from hicache.daemon.launcher import LocalDaemon
+from hicache.daemon.serve.launcher import LocalDaemon
 from hicache.errors import HiCacheError
 from hicache.index.keys import Namespace, page_keys
 

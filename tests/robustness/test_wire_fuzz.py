@@ -14,7 +14,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from hicache.daemon.handlers import build_handlers
+from hicache.daemon.serve.handlers import build_handlers
 
 from tests.robustness.contracts import HELLO_REQUIRED, INTERNAL, error_code
 from tests.robustness.fuzz_frames import METHODS, Context, Frame, FrameFuzzer

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.client.connection import RpcConnection
-from hicache.daemon.launcher import LocalDaemon
+from hicache.daemon.serve.launcher import LocalDaemon
 from hicache.index.keys import page_keys
 from hicache.rpc.framing import ids_to_bytes, pack_frame
 

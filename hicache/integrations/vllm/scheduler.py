@@ -7,7 +7,7 @@ rank holds on host (the match pins them: they cannot be evicted before the
 workers copy them in). When a disk part is being brought up it answers "ask
 again" for at most `disk_wait_s`, holding the pins so the prefetch is kept.
 
-Each step it reserves host pages (a put, hicache/daemon/puts.py) for the full
+Each step it reserves host pages (a put, hicache/daemon/ingest/puts.py) for the full
 blocks the step computes, sends the workers the copy plans, and on their report
 (worker metadata) finishes the puts. A finished request whose copies are still
 running keeps its blocks until the workers say they are done.

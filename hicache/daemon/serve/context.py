@@ -1,6 +1,6 @@
 """What the RPC handlers see of the daemon: a protocol, so they need not import the daemon.
 
-hicache.daemon.app builds the handlers (handlers.py, portable.py) and passes itself in;
+hicache.daemon.serve.app builds the handlers (handlers.py, portable.py) and passes itself in;
 typing that argument with app.Daemon made handlers and portable import app back. They
 type it with DaemonContext instead, which app.Daemon satisfies structurally, so imports
 flow one way: app -> handlers -> portable -> context.
@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from hicache.config import Config
-    from hicache.daemon.host_tier import HostTier
-    from hicache.daemon.hybrid import HybridStates
-    from hicache.daemon.puts import HostPuts
-    from hicache.daemon.service import CacheService
+    from hicache.daemon.core.host_tier import HostTier
+    from hicache.daemon.hybrid.states import HybridStates
+    from hicache.daemon.ingest.puts import HostPuts
+    from hicache.daemon.core.service import CacheService
 
 
 @runtime_checkable

@@ -1,6 +1,6 @@
 """RemotePublisher: offers the remote store the pages this daemon holds only on disk.
 
-Write-through (hicache/daemon/remote_mover.py) sends a page to the store when it
+Write-through (hicache/daemon/movers/remote_mover.py) sends a page to the store when it
 becomes host-resident from an engine's backup. Pages that never pass that way stay
 unshared: those restored from disk after a restart, and those whose remote write was
 dropped (the queue full, the store down past the hold) and that were demoted to disk
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from hicache.daemon.service import CacheService, NamespaceState, path_with_offsets
+from hicache.daemon.core.service import CacheService, NamespaceState, path_with_offsets
 from hicache.index.radix import Tier, TreeNode
 from hicache.tiers.remote_store import addresses
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from hicache.index.node import Tier, TreeNode
 
 if TYPE_CHECKING:
-    from hicache.daemon.service import NamespaceState
+    from hicache.daemon.core.service import NamespaceState
 
 YIELD_EVERY = 2048  # nodes visited (or listed) between two returns to the event loop
 MAX_DEPTH = 64  # deeper `ls` requests are refused: the CLI shows 2 levels by default

@@ -17,6 +17,10 @@ The cycle, for one request of engine E:
                 under write-back those lacking a host copy are backed up first.
   release    -> E finished the request: its pins go.
 
+Backups (insert's, evict's) are reservations of the ingest protocol
+(hicache/daemon/ingest/protocol.py, ingest/backups.py), as every other way host
+pages come in; this class is the host budget that protocol draws on.
+
 Trust model: keys are computed by the client (hashing 8K tokens costs more
 than the whole round trip), but every key lives in the radix tree of the
 namespace the engine registered, and the daemon computes that namespace's
@@ -29,13 +33,17 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from hicache.daemon.host_tier import HostTier, PageClass
-from hicache.daemon.slab_reclaim import reclaim_slab
+from hicache.daemon.core.host_tier import HostTier
+from hicache.daemon.core.records import (  # noqa: F401  (NamespaceState, Pin, path_with_offsets: re-exported)
+    EMPTY, TIER_NAMES, Counters, EngineRecord, NamespaceState, Pin, path_with_offsets,
+)
+from hicache.daemon.ingest.backups import PendingBackup, place_backup, plan_backup
+from hicache.daemon.ingest.protocol import Ingest
+from hicache.daemon.core.slab_reclaim import reclaim_slab
 from hicache.index.admission import DiskAdmission, admission_key
 from hicache.index.keys import Namespace, PackedKeys
 from hicache.index.node import Freed, IndexStateError, Tier, TreeNode
@@ -45,91 +53,6 @@ from hicache.rpc.protocol import Code, RpcError
 from hicache.transfer.policy import WritePolicy
 
 log = logging.getLogger(__name__)
-
-EMPTY = np.empty(0, dtype=np.int64)
-TIER_NAMES = {Tier.DEVICE: "device", Tier.HOST: "host", Tier.DISK: "disk"}
-
-
-@dataclass(slots=True, eq=False)
-class NamespaceState:
-    namespace: Namespace
-    salt: bytes
-    index: RadixIndex
-    page_class: PageClass
-    engines: set[int] = field(default_factory=set)
-
-
-@dataclass(slots=True, eq=False)
-class EngineRecord:
-    engine_id: int
-    owner: object  # the connection that registered it
-    ns: NamespaceState
-    device_pages: int
-    reclaim: list[np.ndarray] = field(default_factory=list)  # device pages dropped by others' removals
-
-
-@dataclass(slots=True, eq=False)
-class Pin:
-    pin_id: int
-    engine: EngineRecord
-    locks: list[tuple[TreeNode, Tier, int | None]]  # (node, tier, engine for DEVICE locks)
-    device_len: int
-    host_len: int
-    disk_len: int
-    host_node: TreeNode | None  # last node of the host segment (for load_done)
-    device_pages: np.ndarray
-    host_pages: np.ndarray
-    loaded: bool = False
-    prefetch: Any = None  # the disk tier's reads for the disk part (see DiskMover)
-    remote: Any = None  # the remote tier's fetch after the disk part (see RemoteMover), counted in disk_len
-
-
-@dataclass(slots=True, eq=False)
-class BackupPart:
-    last_node: TreeNode  # DEVICE-locked until done: keeps the path and the source pages alive
-    ranges: list[tuple[int, int]]  # page ranges of the root->last_node path being backed up
-
-
-@dataclass(slots=True, eq=False)
-class PendingBackup:
-    backup_id: int
-    engine: EngineRecord
-    parts: list[BackupPart]
-    host_pages: np.ndarray  # in the order of parts and ranges
-    device_pages: np.ndarray
-    evict_after: bool  # write-back: drop E's device residency once the copy is done
-
-
-@dataclass(slots=True)
-class Counters:
-    matches: int = 0
-    matched_pages: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
-    requested_pages: int = 0
-    inserts: int = 0
-    inserted_pages: int = 0
-    backups_planned: int = 0
-    backup_pages: int = 0
-    backups_skipped_no_space: int = 0
-    evicted_pages: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
-    loaded_pages: int = 0
-    bytes_host_to_device: int = 0  # reported by engines' load_done / backup_done
-    bytes_device_to_host: int = 0
-    slabs_reclaimed: int = 0  # host slabs emptied for another namespace (slab_reclaim.py)
-
-
-def path_with_offsets(node: TreeNode) -> list[tuple[TreeNode, int]]:
-    """The nodes from the root down to `node`, each with its first page's position."""
-    chain: list[TreeNode] = []
-    while node is not None and node.parent is not None:
-        chain.append(node)
-        node = node.parent
-    chain.reverse()
-    out: list[tuple[TreeNode, int]] = []
-    pos = 0
-    for n in chain:
-        out.append((n, pos))
-        pos += n.n_pages
-    return out
 
 
 class CacheService:
@@ -148,9 +71,9 @@ class CacheService:
         self.namespaces: dict[bytes, NamespaceState] = {}
         self.engines: dict[int, EngineRecord] = {}
         self.pins: dict[int, Pin] = {}
-        self.backups: dict[int, PendingBackup] = {}
         self.counters = Counters()
         self._ids = itertools.count(1)
+        self.ingest = Ingest(self, self._ids)  # every way host pages come in (ingest/protocol.py)
         self._stale_disk: list[tuple[NamespaceState, TreeNode]] = []
         # Hook for the disk tier: called with (ns, nodes) once pages become host-resident,
         # and asked to demote pages before their host copies are dropped.
@@ -161,13 +84,15 @@ class CacheService:
         # Which pages the tiers below the host take (hicache/index/admission.py); it hears
         # every inserted request. None: every page is written.
         self.admission: DiskAdmission | None = None
-        # Hybrid models: HybridStates (hicache/daemon/hybrid.py) keeps state checkpoints beside
+        # Hybrid models: HybridStates (hicache/daemon/hybrid/states.py) keeps state checkpoints beside
         # the KV; it hears of every dropped pin (its checkpoint locks go with it).
         self.hybrid: Any = None
         self.on_pin_dropped: Callable[[Pin], None] | None = None
-        # Called as an engine goes (its connection dropped, or unregister), after it left its
-        # namespace: host puts (puts.py) and keyed stores (keyed.py) free what it reserved.
-        self.on_engine_gone: list[Callable[[EngineRecord], None]] = []
+
+    @property
+    def backups(self) -> dict[int, PendingBackup]:
+        """The backups planned and not reported yet."""
+        return {r.res_id: r.data for r in self.ingest.reservations.values() if r.kind == "backup"}
 
     # -- registry ---------------------------------------------------------
     def namespace_state(self, namespace: Namespace) -> NamespaceState:
@@ -383,76 +308,33 @@ class CacheService:
 
     def _plan_backup(self, rec: EngineRecord, parts: list[tuple[TreeNode, list[tuple[TreeNode, int]]]],
                      evict_after: bool) -> PendingBackup | None:
-        """Allocate host pages for whole nodes and lock their device copies until backup_done.
-
-        parts: (node to lock, [(node to copy, its page position), ...]) per path.
-        """
-        parts = [(last, need) for last, need in parts if need]
-        if not parts:
+        backup = plan_backup(self.ingest, rec, parts, evict_after)
+        if backup is None:
+            if any(need for _, need in parts):
+                self.counters.backups_skipped_no_space += 1
             return None
-        n_pages = sum(n.n_pages for _, need in parts for n, _ in need)
-        host_pages = self.alloc_host(rec.ns, n_pages)
-        if host_pages is None:
-            self.counters.backups_skipped_no_space += 1
-            return None
-        for last, _ in parts:
-            rec.ns.index.lock(last, Tier.DEVICE, rec.engine_id)
-        backup = PendingBackup(
-            next(self._ids), rec,
-            [BackupPart(last, [(p, p + n.n_pages) for n, p in need]) for last, need in parts],
-            host_pages, np.concatenate([n.device[rec.engine_id] for _, need in parts for n, _ in need]),
-            evict_after)
-        self.backups[backup.backup_id] = backup
         self.counters.backups_planned += 1
-        self.counters.backup_pages += n_pages
+        self.counters.backup_pages += len(backup.host_pages)
         return backup
 
     def backup_done(self, owner: object, backup_id: Any, ok: bool) -> np.ndarray:
         """The engine finished (or failed) a backup; returns device pages it may now free."""
-        backup = self.backups.get(backup_id) if isinstance(backup_id, int) else None
-        if backup is None or backup.engine.owner is not owner:
-            raise RpcError(Code.NOT_FOUND, f"no backup {backup_id!r} on this connection")
-        return self._finish_backup(backup, ok)
+        return self._finish_backup(self.ingest.lookup("backup", backup_id, owner=owner).data, ok)
 
     def _finish_backup(self, backup: PendingBackup, ok: bool) -> np.ndarray:
-        del self.backups[backup.backup_id]
-        rec, ns = backup.engine, backup.engine.ns
-        index = ns.index
-        offset = 0
-        stored: list[TreeNode] = []
-        unused: list[np.ndarray] = []
+        rec = backup.engine
         freed: list[np.ndarray] = []
-        for part in backup.parts:
-            index.unlock(part.last_node, Tier.DEVICE, rec.engine_id)
-            by_pos = {p: n for n, p in path_with_offsets(part.last_node)}
-            for start, end in part.ranges:
-                pages = backup.host_pages[offset:offset + end - start]
-                offset += end - start
-                if not ok:
-                    unused.append(pages)
-                    continue
-                pos = start
-                while pos < end:  # nodes may have been split since planning; they still tile the range
-                    node = by_pos[pos]
-                    piece = pages[pos - start:pos - start + node.n_pages]
-                    if node.host is None:
-                        index.set_host(node, piece.copy())
-                        stored.append(node)
-                    else:
-                        unused.append(piece)
-                    pos += node.n_pages
+
+        def drop_device() -> None:  # write-back: the host copy is in place (or failed): E's device copy goes
             if backup.evict_after:
-                # Write-back: the host copy is in place (or the copy failed): E's device copy goes now.
-                freed.extend(self._drop_device(rec, [part.last_node]))
-        if unused:
-            ns.page_class.free(np.concatenate(unused))
+                for part in backup.parts:
+                    freed.extend(self._drop_device(rec, [part.last_node]))
+
         if ok:
-            self.counters.bytes_device_to_host += len(backup.host_pages) * ns.page_class.page_bytes
-        self.reap(ns)
-        if stored:
-            self.emit_nodes("stored", Tier.HOST, None, stored, ns)
-            if self.on_host_stored is not None:
-                self.on_host_stored(ns, stored)
+            self.ingest.commit(backup.res, place_backup, write_through=True, then=drop_device)
+            self.counters.bytes_device_to_host += len(backup.host_pages) * rec.ns.page_class.page_bytes
+        else:
+            self.ingest.abort(backup.res, then=drop_device)
         return np.concatenate(freed) if freed else EMPTY
 
     # -- eviction -------------------------------------------------------------
@@ -487,7 +369,7 @@ class CacheService:
         pages = cls.alloc(n_pages)
         while pages is None:
             victim = self._oldest_host_namespace()
-            if victim is not None and victim is not ns and reclaim_slab(self, victim):
+            if victim is not None and victim is not ns and reclaim_slab(self.host, victim, self.evict_host, self.counters):
                 pages = cls.alloc(n_pages)
                 continue
             # no slab to be had: only our own pages can go
@@ -591,8 +473,8 @@ class CacheService:
         """Release everything a vanished connection held: pins, planned backups, engines."""
         for pin in [p for p in self.pins.values() if p.engine.owner is owner]:
             self._drop_pin(pin)
-        for backup in [b for b in self.backups.values() if b.engine.owner is owner]:
-            self._finish_backup(backup, ok=False)
+        for res in self.ingest.owned_by("backup", lambda e: e.owner is owner):
+            self._finish_backup(res.data, ok=False)
         if self.hybrid is not None:
             self.hybrid.disconnect(owner)
         for rec in [r for r in self.engines.values() if r.owner is owner]:
@@ -601,12 +483,11 @@ class CacheService:
     def disconnect_engine(self, rec: EngineRecord) -> None:
         for pin in [p for p in self.pins.values() if p.engine is rec]:
             self._drop_pin(pin)
-        for backup in [b for b in self.backups.values() if b.engine is rec]:
-            self._finish_backup(backup, ok=False)
+        for res in self.ingest.owned_by("backup", lambda e: e is rec):
+            self._finish_backup(res.data, ok=False)
         del self.engines[rec.engine_id]
         rec.ns.engines.discard(rec.engine_id)
-        for hook in self.on_engine_gone:
-            hook(rec)
+        self.ingest.engine_gone(rec)  # keyed stores it reserved (puts are the namespace's: leased)
         self._apply_freed(rec.ns, rec.ns.index.remove_engine(rec.engine_id), None)
         log.info("engine %d gone; its device residency is forgotten", rec.engine_id)
         self._forget_if_empty(rec.ns)

@@ -1,5 +1,5 @@
-"""The records HybridStates (hicache/daemon/hybrid.py) and HybridDiskMover
-(hicache/daemon/hybrid_disk.py) share, and the narrow view of HybridStates the
+"""The records HybridStates (hicache/daemon/hybrid/states.py) and HybridDiskMover
+(hicache/daemon/hybrid/disk.py) share, and the narrow view of HybridStates the
 mover works through, so that imports flow one way:
 hybrid -> hybrid_disk -> hybrid_types."""
 
@@ -12,8 +12,8 @@ from typing import Protocol
 
 import numpy as np
 
-from hicache.daemon.host_tier import PageClass
-from hicache.daemon.service import CacheService, NamespaceState, Pin
+from hicache.daemon.core.host_tier import PageClass
+from hicache.daemon.core.service import CacheService, NamespaceState, Pin
 from hicache.index.checkpoints import Checkpoint, CheckpointIndex, EvictedState
 from hicache.state_layout import StateLayout
 

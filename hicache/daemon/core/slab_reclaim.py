@@ -1,6 +1,6 @@
 """Taking a host slab from one namespace so another can grow: the shared budget.
 
-Slabs are owned by one namespace at a time (hicache/daemon/host_tier.py), so
+Slabs are owned by one namespace at a time (hicache/daemon/core/host_tier.py), so
 when the arena has no free slab a namespace can only grow into memory another
 one gives up whole. Evicting that namespace's LRU pages frees slots scattered
 over its slabs, so the emptiest slab whose pages can all move is compacted
@@ -17,25 +17,25 @@ not, and keep their slab).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import numpy as np
 
+from hicache.daemon.core.host_tier import HostTier, PageClass
+from hicache.daemon.core.records import Counters, NamespaceState
 from hicache.index.node import Tier, TreeNode
-
-if TYPE_CHECKING:
-    from hicache.daemon.host_tier import PageClass
-    from hicache.daemon.service import CacheService, NamespaceState
 
 log = logging.getLogger(__name__)
 
 MAX_ROUNDS = 64  # eviction rounds per reclaim; each frees at least one page
 
 
-def reclaim_slab(svc: CacheService, ns: NamespaceState) -> bool:
+def reclaim_slab(host: HostTier, ns: NamespaceState, evict_host: Callable[[NamespaceState, int], bool],
+                 counters: Counters) -> bool:
     """Give one of `ns`'s host slabs back to the tier, evicting its LRU pages as far as
-    needed; False when every slab of it holds pages that cannot move now."""
-    cls, host = ns.page_class, svc.host
+    needed (`evict_host` is the engine cycle's, so the disk tier demotes them first); False
+    when every slab of it holds pages that cannot move now."""
+    cls = ns.page_class
     for _ in range(MAX_ROUNDS):
         if host.free_slabs:
             return True
@@ -47,9 +47,9 @@ def reclaim_slab(svc: CacheService, ns: NamespaceState) -> bool:
         if used <= room:
             _move_out(ns, cls, slab, nodes)
             cls.release_slab(slab)
-            svc.counters.slabs_reclaimed += 1
+            counters.slabs_reclaimed += 1
             return True
-        if not svc.evict_host(ns, used - room):
+        if not evict_host(ns, used - room):
             return False
     return bool(host.free_slabs)
 

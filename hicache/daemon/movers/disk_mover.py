@@ -64,9 +64,9 @@ import msgpack
 import numpy as np
 
 from hicache.config import Config
-from hicache.daemon.service import CacheService, NamespaceState, Pin, path_with_offsets
-from hicache.daemon.disk_startup import Quarantine, open_tier
-from hicache.daemon.state_dir import prepare_state_dir
+from hicache.daemon.core.service import CacheService, NamespaceState, Pin, path_with_offsets
+from hicache.daemon.movers.disk_startup import Quarantine, open_tier
+from hicache.daemon.movers.state_dir import prepare_state_dir
 from hicache.index.admission import admission_key
 from hicache.index.keys import Namespace
 from hicache.index.node import DISK_LANE

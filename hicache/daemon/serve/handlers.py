@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hicache import __version__
-from hicache.daemon.hybrid import state_layout_param
-from hicache.daemon.keyed import keyed_handlers
-from hicache.daemon.portable import portable_handlers
-from hicache.daemon.state_dir import allocated_bytes
-from hicache.daemon.tree_view import MAX_DEPTH, tree_summary
+from hicache.daemon.hybrid.states import state_layout_param
+from hicache.daemon.serve.keyed_rpc import keyed_handlers
+from hicache.daemon.serve.portable import portable_handlers
+from hicache.daemon.movers.state_dir import allocated_bytes
+from hicache.daemon.serve.tree_view import MAX_DEPTH, tree_summary
 from hicache.errors import LayoutError
 from hicache.index.keys import KEY_BYTES, Namespace
 from hicache.index.radix import Tier
@@ -36,7 +36,7 @@ from hicache.rpc.protocol import PROTOCOL_VERSION, Code, RpcError
 from hicache.rpc.server import Connection, WithFds
 
 if TYPE_CHECKING:
-    from hicache.daemon.context import DaemonContext
+    from hicache.daemon.serve.context import DaemonContext
 
 EMPTY = np.empty(0, dtype=np.int64)
 TIERS = {"device": Tier.DEVICE, "host": Tier.HOST, "disk": Tier.DISK}
@@ -231,7 +231,7 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
         if len(tokens) % 4:
             raise RpcError(Code.BAD_PARAMS, "tokens must be packed int32")
         put, present = daemon.puts.put(conn, _get(p, "engine", int), keys, np.frombuffer(tokens, dtype="<i4"))
-        return {"put": None if put is None else put.put_id, "present": present,
+        return {"put": None if put is None else put.res_id, "present": present,
                 "host_pages": ids_to_bytes(put.host_pages if put is not None else EMPTY),
                 "slabs": _slab_version(conn, p)}
 

@@ -28,33 +28,25 @@ the wrong KV.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from hicache.daemon.service import CacheService, EngineRecord, NamespaceState
+from hicache.daemon.core.service import CacheService
+from hicache.daemon.ingest.protocol import Reservation
 from hicache.index.node import Tier, TreeNode
 from hicache.rpc.protocol import Code, RpcError
 
-log = logging.getLogger(__name__)
-
 
 @dataclass(slots=True, eq=False)
-class Put:
-    put_id: int
-    engine: EngineRecord  # who reserved it (its namespace is the put's)
-    under: TreeNode  # end of the host run the pages go below (HOST-locked unless the root)
+class PutTarget:
+    """Where a put's pages go: below `under`, the end of the host run the keys start with."""
+
+    under: TreeNode  # HOST-locked (the reservation's anchor) unless the root
     keys: list[bytes]  # of the pages to copy
     tokens: np.ndarray
-    host_pages: np.ndarray
-    deadline: float
-
-    @property
-    def ns(self) -> NamespaceState:
-        return self.engine.ns
 
 
 @dataclass(slots=True)
@@ -67,17 +59,30 @@ class PutCounters:
     skipped_no_space: int = 0
 
 
+def place_put(res: Reservation) -> tuple[list[TreeNode], list[np.ndarray]]:
+    """The pages continue the path at `under` (still locked): no walk from the root."""
+    target: PutTarget = res.data
+    r = res.ns.index.extend_host(target.under, target.keys, target.tokens, res.host_pages)
+    # dups: another put stored some of these pages meanwhile
+    return [n for n in r.nodes if n.host is not None], [r.dup_host_pages]
+
+
 class HostPuts:
     def __init__(self, service: CacheService, *, lease_s: float = 60.0,
                  clock: Callable[[], float] | None = None) -> None:
         self.svc = service
+        self.ingest = service.ingest
         self.lease_s = lease_s
         self.clock = clock or time.monotonic  # leases are real time, whatever the index's clock
-        self.puts: dict[int, Put] = {}  # insertion order is deadline order
         self.counters = PutCounters()
 
+    @property
+    def puts(self) -> dict[int, Reservation]:
+        """The puts reserved and not finished yet."""
+        return {r.res_id: r for r in self.ingest.reservations.values() if r.kind == "put"}
+
     def put(self, owner: object, engine_id: object, keys: list[bytes], tokens: np.ndarray
-            ) -> tuple[Put | None, int]:
+            ) -> tuple[Reservation | None, int]:
         """Reserve host pages for the keys not yet on host. Returns (the put, or None when
         nothing needs copying or there is no room; the number of leading pages already on host)."""
         self.expire()
@@ -88,72 +93,53 @@ class HostPuts:
         ps = ns.index.page_size
         if len(tokens) != len(keys) * ps:
             raise RpcError(Code.BAD_PARAMS, f"{len(keys)} keys need {len(keys) * ps} tokens, got {len(tokens)}")
-        under, present = ns.index.host_prefix(keys)
+        _, present = ns.index.host_prefix(keys)
         if present == len(keys):
             return None, present
-        host_pages = self.svc.alloc_host(ns, len(keys) - present)
-        if host_pages is None:
+        found: list[int] = [present]
+        target = PutTarget(ns.index.root, list(keys[present:]), np.array(tokens[present * ps:], dtype="<i4"))
+
+        def anchor() -> list | None:
+            # Allocation may have evicted host pages; the run is ours to lock only if it
+            # survived (an unlocked node can go). Re-find it, then lock it.
+            target.under, found[0] = ns.index.host_prefix(keys[:present])
+            if found[0] != present:
+                return None
+            return [] if target.under.is_root else [(target.under, Tier.HOST, None)]
+
+        put = self.ingest.reserve("put", ns, len(keys) - present, engine=rec, anchor=anchor,
+                                  deadline=self.clock() + self.lease_s, data=target)
+        if put is None:
             self.counters.skipped_no_space += 1
-            return None, present
-        # Allocation may have evicted host pages; `under` was split off and is ours to lock
-        # only if it survived (an unlocked node can go). Re-find the run, then lock it.
-        under, still = ns.index.host_prefix(keys[:present])
-        if still != present:
-            ns.page_class.free(host_pages)
-            self.counters.skipped_no_space += 1
-            return None, still
-        if not under.is_root:
-            ns.index.lock(under, Tier.HOST)
-        put = Put(next(self.svc._ids), rec, under, list(keys[present:]),
-                  np.array(tokens[present * ps:], dtype="<i4"), host_pages, self.clock() + self.lease_s)
-        self.puts[put.put_id] = put
+            return None, found[0]
         self.counters.puts += 1
-        self.counters.put_pages += len(host_pages)
+        self.counters.put_pages += len(put.host_pages)
         return put, present
 
     def done(self, owner: object, engine_id: object, put_id: object, ok: bool) -> int:
         """Finish a put of this engine's namespace; returns the pages it added to the host tier."""
         rec = self.svc.engine(owner, engine_id)
-        put = self.puts.get(put_id) if isinstance(put_id, int) else None
-        if put is None or put.ns is not rec.ns:
-            raise RpcError(Code.NOT_FOUND, f"no put {put_id!r} in this engine's namespace (expired?)")
-        return self._finish(put, ok)
+        return self._finish(self.ingest.lookup("put", put_id, engine=rec), ok)
 
-    def _finish(self, put: Put, ok: bool) -> int:
-        del self.puts[put.put_id]
-        ns, index = put.ns, put.ns.index
-        stored: list[TreeNode] = []
-        added = 0
-        if ok:
-            res = index.extend_host(put.under, put.keys, put.tokens, put.host_pages)
-            if len(res.dup_host_pages):  # another put stored some of these pages meanwhile
-                ns.page_class.free(res.dup_host_pages)
-            added = len(put.host_pages) - len(res.dup_host_pages)
-            stored = [n for n in res.nodes if n.host is not None]
-            self.counters.committed_pages += added
-        else:
-            ns.page_class.free(put.host_pages)
+    def _finish(self, put: Reservation, ok: bool) -> int:
+        if not ok:
+            self.ingest.abort(put)
             self.counters.failed += 1
-        if not put.under.is_root:
-            index.unlock(put.under, Tier.HOST)
-        self.svc.reap(ns)
-        if stored:
-            self.svc.emit_nodes("stored", Tier.HOST, None, stored, ns)
-            if self.svc.on_host_stored is not None:
-                self.svc.on_host_stored(ns, stored)
-        return added
+            return 0
+        used: list[int] = []
+
+        def place(res: Reservation) -> tuple[list[TreeNode], list[np.ndarray]]:
+            stored, unused = place_put(res)
+            used.append(len(res.host_pages) - len(unused[0]))
+            return stored, unused
+
+        self.ingest.commit(put, place)
+        self.counters.committed_pages += used[0]
+        return used[0]
 
     def expire(self) -> None:
         """Drop the puts whose lease ran out (their copies never reported)."""
-        now = self.clock()
-        while self.puts:
-            put = next(iter(self.puts.values()))
-            if put.deadline > now:
-                break
-            log.warning("put %d of engine %d expired unfinished; its %d host pages are freed", put.put_id,
-                        put.engine.engine_id, len(put.host_pages))
-            self.counters.expired += 1
-            self._finish(put, ok=False)
+        self.counters.expired += len(self.ingest.expire(self.clock()))
 
     async def sweep(self, period_s: float = 1.0) -> None:
         """Expire leases on a clock, not only as puts come in: a put whose engines all went

@@ -11,7 +11,7 @@ owner could want it again (that owner's engines still map it); before another
 owner gets it, it is punched out and backed anew, so nobody's old mapping of
 it ever shows the next owner's bytes. When no slab is
 free, CacheService takes one from the namespace with the oldest pages
-(hicache/daemon/slab_reclaim.py): the budget moves between namespaces without
+(hicache/daemon/core/slab_reclaim.py): the budget moves between namespaces without
 any engine seeing across.
 
 Page ids stay byte offsets (`slot * page_bytes`) into the whole arena, so an

@@ -3,7 +3,7 @@
 A namespace registered with a StateLayout (hicache/state_layout.py) gets a
 CheckpointIndex beside its RadixIndex (hicache/index/checkpoints.py has the
 rules). This module decides where checkpoints live and speaks for them in the
-engine cycle (their disk movement is hicache/daemon/hybrid_disk.py's);
+engine cycle (their disk movement is hicache/daemon/hybrid/disk.py's);
 CacheService keeps doing the KV.
 
 Where a checkpoint's bytes live
@@ -48,10 +48,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hicache.daemon.host_tier import PageClass
-from hicache.daemon.hybrid_disk import HybridDiskMover
-from hicache.daemon.hybrid_types import NsStates, StateCounters, StatePin
-from hicache.daemon.service import CacheService, EngineRecord, NamespaceState, Pin
+from hicache.daemon.core.host_tier import PageClass
+from hicache.daemon.hybrid.disk import HybridDiskMover
+from hicache.daemon.hybrid.records import NsStates, StateCounters, StatePin
+from hicache.daemon.core.service import CacheService, EngineRecord, NamespaceState, Pin
 from hicache.errors import LayoutError
 from hicache.index.checkpoints import Checkpoint, CheckpointIndex, EvictedState
 from hicache.index.keys import KEY_BYTES, Namespace

@@ -2,7 +2,7 @@
 
 The state directory holds the disk tier (``disk/``: LMDB's files hold every
 tenant's KV, i.e. their prompts) and ``namespaces.msgpack``. The daemon runs
-with umask 077 (``hicache.daemon.app.serve``), so what it creates is 0700 /
+with umask 077 (``hicache.daemon.serve.app.serve``), so what it creates is 0700 /
 0600; a directory or files left looser by an older version or by hand are
 tightened here when the daemon's uid owns them (one log line), and named in a
 warning when it does not. Symlinks inside it are never followed or changed

@@ -1,7 +1,7 @@
 """HybridDiskMover: moves state checkpoints between the host state slots and the disk tier.
 
-HybridStates (hicache/daemon/hybrid.py) decides what is stored and evicted, as
-DiskMover (hicache/daemon/disk_mover.py) does for KV pages; this module only
+HybridStates (hicache/daemon/hybrid/states.py) decides what is stored and evicted, as
+DiskMover (hicache/daemon/movers/disk_mover.py) does for KV pages; this module only
 moves a checkpoint's bytes and keeps its disk bookkeeping.
 
 - Records: one per checkpoint in the disk tier, under the namespace's *state
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hicache.daemon.hybrid_types import NsStates, StateHost, StatePin, StatePrefetch
+from hicache.daemon.hybrid.records import NsStates, StateHost, StatePin, StatePrefetch
 from hicache.index.checkpoints import Checkpoint, checkpoint_disk_key
 from hicache.index.node import Tier, TreeNode
 

@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from hicache.config import Config
-from hicache.daemon.service import CacheService, NamespaceState, Pin, path_with_offsets
+from hicache.daemon.core.service import CacheService, NamespaceState, Pin, path_with_offsets
 from hicache.index.radix import Tier, TreeNode
 from hicache.tiers import remote_record
 from hicache.tiers.remote_auth import RecordAuth
@@ -75,6 +75,7 @@ class RemoteFetch:
     prefix_keys: list[bytes]  # the request's keys before it (finds the parent node when done)
     keys: list[bytes]
     host_pages: np.ndarray  # reserved slots, one per page of `keys`
+    reservation: Any  # of the ingest protocol: committed (or aborted) when the fetch is done
     future: asyncio.Future | None = None
     done: bool = False
     loaded_pages: int = 0  # verified pages in the index, HOST-locked by the pin, not yet folded
@@ -224,10 +225,11 @@ class RemoteMover:
             self._remember_missing(all_keys[start + remote_len])
         if remote_len == 0 or pin.pin_id not in self.service.pins or pin.loaded:
             return
-        host_pages = self.service.alloc_host(ns, remote_len)
-        if host_pages is None:
+        reserved = self.service.ingest.reserve("fetch", ns, remote_len, engine=None)  # the daemon's own
+        if reserved is None:
             return
-        rf = RemoteFetch(start, all_keys[:start], all_keys[start:start + remote_len], host_pages)
+        host_pages = reserved.host_pages
+        rf = RemoteFetch(start, all_keys[:start], all_keys[start:start + remote_len], host_pages, reserved)
         pin.remote = rf
         pin.disk_len += remote_len
         arena, page_bytes = self.service.host.arena.array, ns.page_class.page_bytes
@@ -282,25 +284,24 @@ class RemoteMover:
             self._remember_missing(rf.keys[n_ok])
         index = ns.index
         parent = index.root if rf.start == 0 else index.node_ending_at(rf.prefix_keys)
+        reserved = rf.reservation
         if n_ok == 0 or parent is None or ns is not self.service.namespaces.get(ns.salt):
-            ns.page_class.free(rf.host_pages)
+            self.service.ingest.abort(reserved)
             return
-        res = index.extend_host(parent, rf.keys[:n_ok], tokens, rf.host_pages[:n_ok])
-        spare = [rf.host_pages[n_ok:]]
-        if len(res.dup_host_pages):
-            spare.append(res.dup_host_pages)
-        ns.page_class.free(np.concatenate(spare))
         c.hit_pages += n_ok
-        if pin.pin_id in self.service.pins and not pin.loaded and res.nodes:
-            last = res.nodes[-1]
-            index.lock(last, Tier.HOST)
-            pin.locks.append((last, Tier.HOST, None))
-            rf.slots = np.concatenate([node.host for node in res.nodes])
-            rf.loaded_pages, rf.last_node = n_ok, last
-        if res.new_nodes:
-            self.service.emit_nodes("stored", Tier.HOST, None, res.new_nodes, ns)
-            if self._disk_hook is not None:  # to the local disk, not back to the store
-                self._disk_hook(ns, res.new_nodes)
+
+        def place(_: object) -> tuple[list[TreeNode], list[np.ndarray]]:
+            res = index.extend_host(parent, rf.keys[:n_ok], tokens, rf.host_pages[:n_ok])
+            if pin.pin_id in self.service.pins and not pin.loaded and res.nodes:
+                last = res.nodes[-1]
+                index.lock(last, Tier.HOST)
+                pin.locks.append((last, Tier.HOST, None))
+                rf.slots = np.concatenate([node.host for node in res.nodes])
+                rf.loaded_pages, rf.last_node = n_ok, last
+            return res.new_nodes, [rf.host_pages[n_ok:], res.dup_host_pages]
+
+        # written through to the local disk, not back to the store
+        self.service.ingest.commit(reserved, place, write_through=self._disk_hook)
 
     async def wait_fetch(self, pin: Pin, policy: str, timeout_s: float) -> None:
         rf = pin.remote

@@ -23,12 +23,12 @@ from typing import Any
 
 from hicache import __version__
 from hicache.config import Config, format_size, private_socket_dir
-from hicache.daemon.gc_steward import GcSteward
-from hicache.daemon.handlers import ADMIN_METHODS, build_handlers
-from hicache.daemon.host_tier import HostTier
-from hicache.daemon.hybrid import HybridStates
-from hicache.daemon.puts import HostPuts
-from hicache.daemon.service import CacheService
+from hicache.daemon.serve.gc_steward import GcSteward
+from hicache.daemon.serve.handlers import ADMIN_METHODS, build_handlers
+from hicache.daemon.core.host_tier import HostTier
+from hicache.daemon.hybrid.states import HybridStates
+from hicache.daemon.ingest.puts import HostPuts
+from hicache.daemon.core.service import CacheService
 from hicache.errors import HiCacheError
 from hicache.index.admission import AdmissionConfig, DiskAdmission, admission_capacity_pages
 from hicache.index.policy import make_policy
@@ -178,12 +178,12 @@ class Daemon:
             log.info("disk tier: off")
         self.hybrid.attach_disk(self.disk.tier if self.disk is not None else None, loop)
         if remote_store is not None:
-            from hicache.daemon.remote_mover import RemoteMover  # the remote tier is optional
+            from hicache.daemon.movers.remote_mover import RemoteMover  # the remote tier is optional
 
             # after the disk tier: chains behind it
             self.remote = RemoteMover.start(cfg, self.service, remote_store, remote_auth)
             if self.disk is not None:  # pages only on disk are offered to the store too
-                from hicache.daemon.remote_publish import RemotePublisher
+                from hicache.daemon.movers.remote_publish import RemotePublisher
 
                 self.remote.publisher = RemotePublisher(self.remote, self.service, self.disk.tier,
                                                         cfg.remote_publish_pages, cfg.remote_queue_pages)
@@ -300,7 +300,7 @@ class Daemon:
         return out
 
     def _start_disk(self) -> None:
-        from hicache.daemon.disk_mover import DiskMover  # the disk tier is optional
+        from hicache.daemon.movers.disk_mover import DiskMover  # the disk tier is optional
 
         try:
             self.disk = DiskMover.start(self.config, self.service)

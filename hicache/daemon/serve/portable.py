@@ -44,8 +44,8 @@ from hicache.portable_format import (
 from hicache.rpc.protocol import Code, RpcError
 
 if TYPE_CHECKING:
-    from hicache.daemon.context import DaemonContext
-    from hicache.daemon.service import NamespaceState
+    from hicache.daemon.serve.context import DaemonContext
+    from hicache.daemon.core.service import NamespaceState
     from hicache.rpc.server import Connection
     from hicache.tiers.disk import DiskRecord, DiskTier
 

@@ -1,0 +1,7 @@
+"""The engine cycle and what every other part of the daemon builds on.
+
+records.py (namespaces, engines, match handles, counters: plain records),
+host_tier.py (the host arena's slabs, owned by one namespace at a time),
+slab_reclaim.py (emptying a slab so another namespace can grow), service.py
+(CacheService: register, match, load, insert, evict, release, the shared host budget).
+"""
