@@ -95,3 +95,50 @@ def test_exclusive_placement_moves_a_page_read_back_off_the_disk_and_down_again(
     (back,) = run_worker(d.socket, "load:7:160")  # written down again, and read back again
     assert back["loaded"] == 40 and back["bad_pages"] == 0, back
     assert disk_stats(d.socket)["prefetched_pages"] - again["prefetched_pages"] == 40
+
+
+def test_lookups_of_an_engine_that_stores_by_puts_teach_the_admission(daemon_factory):
+    """vLLM-style engines store by puts and never insert whole requests: their lookups are what
+    the admission counts. A prompt looked up twice is taken by the full disk as the host evicts
+    it, and loads back from there bit-exact, while one-shot prompts are turned away."""
+    import numpy as np
+
+    from hicache.client.client import HiCacheClient
+    from hicache.layout import KVLayout
+
+    layout = KVLayout("mha", num_layers=2, page_size=16, dtype="float16", num_kv_heads=4, head_dim=64)
+    pb = layout.page_bytes  # 32 KiB: 32 pages fill the 1 MiB host tier
+    d = daemon_factory("--host-capacity", "1MiB", "--disk-capacity", "1MiB",
+                       env={"HICACHE_LOAD_POLICY": "wait_complete", "HICACHE_DISK_ADMISSION": "reuse"}).start()
+    c = HiCacheClient(layout, 64, model="m", socket_path=d.socket, timeout_s=30.0)
+    assert c.connect()
+
+    def prompt(seed: int) -> np.ndarray:
+        return np.random.default_rng(seed).integers(0, 30000, 8 * 16, dtype=np.int32)  # 8 pages
+
+    def serve(seed: int) -> None:  # what the vLLM connector does for a request: look up, store the rest
+        toks = prompt(seed)
+        c.release(c.match(toks))
+        plan = c.put(toks)
+        if plan is None or plan.put is None:
+            return
+        assert c.arena is not None
+        for i, slot in enumerate(plan.host_pages):
+            c.arena.array[slot * pb:(slot + 1) * pb] = (seed * 31 + plan.present + i) % 251
+        assert c.put_done(plan) is not None
+
+    for seed in range(1, 21):  # one-shot prompts fill the disk while it has room
+        serve(seed)
+    serve(100)
+    serve(100)  # looked up twice: reused
+    for seed in range(21, 61):  # more one-shot prompts push 100 off the host
+        serve(seed)
+    st = disk_stats(d.socket)
+    assert st["admission"]["rejected_pages"] > 0
+    m = c.match(prompt(100))
+    assert m.host_len == 8, (m.host_len, m.disk_len)  # brought back from disk (wait_complete)
+    assert m.from_disk == 8
+    for i, slot in enumerate(m.host_pages):
+        assert (c.arena.array[slot * pb:(slot + 1) * pb] == (100 * 31 + i) % 251).all()
+    c.release(m)
+    c.close()

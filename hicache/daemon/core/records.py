@@ -31,6 +31,9 @@ class NamespaceState:
     index: RadixIndex
     page_class: PageClass
     engines: set[int] = field(default_factory=set)
+    # Engines that store by puts or keyed stores (vLLM, SGLang) report no whole requests
+    # (no insert): their lookups tell the disk admission what is requested instead.
+    lookups_feed_admission: bool = False
 
 
 @dataclass(slots=True, eq=False)

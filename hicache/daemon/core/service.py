@@ -160,6 +160,8 @@ class CacheService:
         self.pins[pin.pin_id] = pin
         if r.disk_nodes and self.on_match is not None:
             self.on_match(pin, r.disk_nodes)
+        if self.admission is not None and rec.ns.lookups_feed_admission:
+            self.admission.request([admission_key(k) for k in keys], r.device_len + r.host_len + r.disk_len)
         c = self.counters
         c.matches += 1
         c.requested_pages += len(keys)

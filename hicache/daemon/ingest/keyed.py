@@ -47,6 +47,7 @@ import numpy as np
 from hicache.daemon.core.service import CacheService, NamespaceState, Pin
 from hicache.daemon.ingest.protocol import Reservation
 from hicache.daemon.ingest.puts import PutCounters
+from hicache.index.admission import admission_key
 from hicache.index.keys import PackedKeys
 from hicache.index.radix import RadixIndex, Tier, TreeNode
 from hicache.rpc.protocol import Code, RpcError
@@ -105,12 +106,17 @@ class KeyedPages:
         c = self.service.counters
         c.matches += 1
         c.requested_pages += len(keys)
+        found = len(keys)
         for i, key in enumerate(keys):
             node = self._stored(ns, key)
             if node is None:
-                return i
+                found = i
+                break
             c.matched_pages["host" if node.host is not None else "disk"] += 1
-        return len(keys)
+        adm = self.service.admission
+        if adm is not None and ns.lookups_feed_admission:
+            adm.request([admission_key(k) for k in keys], found)
+        return found
 
     async def fetch(self, owner: object, engine_id: Any, keys: PackedKeys, disk: Any) -> tuple[Pin, np.ndarray]:
         """Pin every stored page of `keys` on host, reading disk-only ones into fresh host
@@ -188,6 +194,7 @@ class KeyedPages:
         ps = ns.index.page_size
         if len(tokens) != len(keys) * ps:
             raise RpcError(Code.BAD_PARAMS, f"{len(keys)} keys need {len(keys) * ps} tokens, got {len(tokens)}")
+        ns.lookups_feed_admission = True
         key_list = list(keys)
         missing = [i for i, k in enumerate(key_list) if self._stored(ns, k) is None]
         batch = KeyedBatch(key_list, tokens.copy(), np.full(len(key_list), -1, dtype=np.int64), parent)

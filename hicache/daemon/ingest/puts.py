@@ -93,6 +93,7 @@ class HostPuts:
         ps = ns.index.page_size
         if len(tokens) != len(keys) * ps:
             raise RpcError(Code.BAD_PARAMS, f"{len(keys)} keys need {len(keys) * ps} tokens, got {len(tokens)}")
+        ns.lookups_feed_admission = True
         _, present = ns.index.host_prefix(keys)
         if present == len(keys):
             return None, present

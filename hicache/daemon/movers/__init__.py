@@ -1,8 +1,10 @@
 """The tier movers: pages between the host tier and the tiers below it.
 
 disk_mover.py (write-through, demotion, prefetch, the rebuild at startup),
-disk_startup.py (opening the LMDB tier, quarantining a damaged one), state_dir.py
-(the daemon's private state directory), remote_mover.py (the shared remote tier,
-Redis / Valkey or Mooncake Store: write-through, probe + fetch at match, fold at load),
-remote_publish.py (offers the store the pages held only on disk, each time it comes up).
+disk_namespaces.py (the namespaces file the rebuild reads), disk_startup.py
+(opening the LMDB tier, quarantining a damaged one), state_dir.py (the daemon's
+private state directory), remote_mover.py (the shared remote tier, Redis / Valkey
+or Mooncake Store: write-through, probe + fetch at match, fold at load),
+remote_publish.py (offers the store the pages held only on disk, each time it
+comes up).
 """

@@ -27,7 +27,7 @@ reader pool only move bytes and report back through `post` (batched
 - Rebuild: at startup the disk part of every namespace's tree is restored from
   page metadata; the namespaces themselves (model, layout, ...) come from a
   small sidecar file written (and fsynced) before a namespace's first page is
-  queued. Pages the rebuild cannot hang on the tree are deleted and counted
+  queued (disk_namespaces.py). Pages the rebuild cannot hang on the tree are deleted and counted
   (``orphans_dropped``, ``unknown_ns_pages_dropped``).
 
 Parents first: a page is acknowledged on disk (``on_disk`` set, a ``stored``
@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -60,26 +59,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import numpy as np
 
 from hicache.config import Config
 from hicache.daemon.core.service import CacheService, NamespaceState, Pin, path_with_offsets
+from hicache.daemon.movers.disk_namespaces import NAMESPACES_FILE, NamespaceFile
 from hicache.daemon.movers.disk_startup import Quarantine, open_tier
 from hicache.daemon.movers.state_dir import prepare_state_dir
 from hicache.index.admission import admission_key
-from hicache.index.keys import Namespace
 from hicache.index.node import DISK_LANE
 from hicache.index.radix import Tier, TreeNode
-from hicache.layout import KVLayout
-from hicache.state_layout import StateLayout
 from hicache.tiers.disk import DiskTier
 from hicache.tiers.disk_format import footprint
 
 log = logging.getLogger(__name__)
-
-NAMESPACES_FILE = "namespaces.msgpack"
-
 
 @dataclass(slots=True, frozen=True)
 class _PageViews:
@@ -139,12 +132,9 @@ class DiskMover:
         self._posted: deque[tuple[Callable[..., None], tuple]] = deque()  # see post()
         self._post_lock = threading.Lock()
         self._drain_scheduled = False
-        self._ns_file = Path(config.state_dir) / NAMESPACES_FILE
-        self._known_ns: dict[bytes, dict] = self._read_namespaces()
+        self.namespaces = NamespaceFile(config.state_dir)
         self.quarantine: Quarantine | None = None
         self.rebuilt = dict(restored_pages=0, orphans_dropped=0, unknown_ns_pages_dropped=0)
-        self._ns_fault = ""  # why the last namespaces-file write failed ("" when it did not)
-        self._ns_faults = 0
         service.on_host_stored = self.write_through
         service.before_host_evict = self.demote
         service.on_disk_freed = self.delete
@@ -177,8 +167,8 @@ class DiskMover:
         t0 = time.monotonic()
         tier, by_salt, quarantined = open_tier(config)
         try:
-            if config.reset_disk and (Path(config.state_dir) / NAMESPACES_FILE).exists():
-                (Path(config.state_dir) / NAMESPACES_FILE).unlink()
+            if config.reset_disk:
+                (Path(config.state_dir) / NAMESPACES_FILE).unlink(missing_ok=True)
             mover = cls(config, service, tier, asyncio.get_running_loop())
             mover.quarantine = quarantined
             n = mover.rebuild(by_salt)
@@ -189,51 +179,8 @@ class DiskMover:
                  tier.used_bytes, config.disk_capacity)
         return mover
 
-    # -- namespaces sidecar --------------------------------------------------------
-    def _read_namespaces(self) -> dict[bytes, dict]:
-        try:
-            data = self._ns_file.read_bytes()
-        except FileNotFoundError:
-            return {}
-        except OSError as e:
-            log.warning("%s is unreadable (%s); disk pages of unknown namespaces will be dropped", self._ns_file, e)
-            return {}
-        try:
-            table = msgpack.unpackb(data, raw=False)
-            return {bytes.fromhex(k): v for k, v in table.items()}
-        except Exception:
-            log.warning("%s is unreadable; disk pages of unknown namespaces will be dropped", self._ns_file)
-            return {}
-
     def _remember(self, ns: NamespaceState) -> bool:
-        """Save the namespace's descriptor (before any of its pages is queued: the
-        rebuild needs it); False, with the tier degraded, when it cannot be saved."""
-        if ns.salt in self._known_ns:
-            return True
-        n = ns.namespace
-        desc = {"model": n.model, "layout": n.layout.to_dict(), "tp_rank": n.tp_rank, "tp_size": n.tp_size,
-                "extra_key": n.extra_key, "state": n.state.to_dict() if n.state is not None else None}
-        table = {**self._known_ns, ns.salt: desc}
-        tmp = self._ns_file.with_suffix(".tmp")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(msgpack.packb({k.hex(): v for k, v in table.items()}))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self._ns_file)
-        except OSError as e:  # ENOSPC, EROFS, EIO: keep serving; this namespace's pages stay off disk
-            tmp.unlink(missing_ok=True)
-            if not self._ns_fault:
-                self._ns_faults += 1
-                log.error("disk tier degraded: cannot save %s (%s); pages of namespaces first seen from now "
-                          "on are not written to disk until it succeeds", self._ns_file, e.strerror or e)
-            self._ns_fault = f"cannot save {self._ns_file.name}: {e.strerror or e}"
-            return False
-        self._known_ns = table
-        if self._ns_fault:
-            log.warning("disk tier: %s saved again; the degrade is over", self._ns_file.name)
-            self._ns_fault = ""
-        return True
+        return self.namespaces.remember(ns)
 
     def rebuild(self, by_salt: dict[bytes, list[tuple]]) -> int:
         """Restore the disk part of each namespace's tree from the page metadata
@@ -241,14 +188,8 @@ class DiskMover:
         restored = 0
         unknown: list[tuple[bytes, list[tuple]]] = []
         for salt, records in by_salt.items():
-            desc = self._known_ns.get(salt)
-            ns = None
-            if desc is not None:
-                state = StateLayout.from_dict(desc["state"]) if desc.get("state") else None
-                namespace = Namespace(desc["model"], KVLayout.from_dict(desc["layout"]), desc["tp_rank"],
-                                      desc["tp_size"], desc["extra_key"], state)
-                if namespace.salt() == salt:
-                    ns = self.service.namespace_state(namespace)
+            namespace = self.namespaces.namespace(salt)
+            ns = self.service.namespace_state(namespace) if namespace is not None else None
             if ns is None:
                 unknown.append((salt, records))
                 continue
@@ -577,7 +518,7 @@ class DiskMover:
     def stats(self) -> dict[str, Any]:
         st = self.tier.stats()
         q = self.quarantine
-        degraded = "; ".join(x for x in (st["write_fault"], self._ns_fault) if x)
+        degraded = "; ".join(x for x in (st["write_fault"], self.namespaces.fault) if x)
         return {"capacity_bytes": self.capacity_bytes, "used_bytes": st["used_bytes"], "pages": st["num_pages"],
                 "queue_depth": st["queue_depth"],
                 "skipped_writes": self.skipped_writes + st["skipped_queue_full"] + st["skipped_disabled"],
@@ -592,7 +533,7 @@ class DiskMover:
                 "rejected_orphan": st["rejected_orphan"], **self.rebuilt,
                 "quarantined": int(q is not None), "quarantine_path": q.path if q else None,
                 "quarantine_reason": q.reason if q else None,
-                "writable": not degraded, "degraded": degraded, "write_faults": st["write_faults"] + self._ns_faults}
+                "writable": not degraded, "degraded": degraded, "write_faults": st["write_faults"] + self.namespaces.faults}
 
     def close(self) -> None:
         self.tier.flush(timeout_s=60)
