@@ -374,6 +374,15 @@ class HiCacheClient:
         except DaemonUnavailable as e:
             self._open(e.message)
 
+    def wait_posted(self) -> None:
+        """Wait until the daemon has handled every call sent without waiting (`_post`)."""
+        if self.conn is None:
+            return
+        try:
+            self.conn.wait_posted(self.deadlines.update_s)
+        except DaemonUnavailable as e:
+            self._open(e.message)
+
     def close(self) -> None:
         if self._reconnector is not None:
             self._reconnector.close()

@@ -174,6 +174,17 @@ class RpcConnection:
         self._send({"id": req_id, "method": method, "params": params or {}}, self._deadline(timeout_s))
         self._posted[req_id] = method
 
+    def wait_posted(self, timeout_s: float | None = None) -> None:
+        """Read the answers of every posted request: the daemon has handled them all (for
+        callers that next ask the daemon something on another connection)."""
+        deadline = self._deadline(timeout_s)
+        while self._posted:
+            msg = self._read_message(deadline, "posted calls")
+            if "event" in msg:
+                self.events.append(msg["event"])
+            else:
+                self._settle_posted(msg)
+
     def _settle_posted(self, msg: dict) -> None:
         method = self._posted.pop(msg.get("id"), None)  # type: ignore[arg-type]
         if method is not None and "error" in msg:

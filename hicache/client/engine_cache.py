@@ -280,8 +280,10 @@ class EngineCache:
 
     def wait_backups(self) -> None:
         """Block until every started backup is done and reported (replays use it so that
-        each request sees the same cache state, whatever the copies' timing)."""
+        each request sees the same cache state, whatever the copies' timing), and until the
+        daemon has handled the releases sent without waiting."""
         self._drain_backups(report=True)
+        self.client.wait_posted()
 
     def _drain_backups(self, report: bool) -> None:
         for plan, handle, _ in self.backups:
