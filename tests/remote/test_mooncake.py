@@ -8,7 +8,6 @@ cost lookups their deadline at most while the engine keeps being served."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import numpy as np
 import pytest
@@ -24,6 +23,7 @@ from hicache.tiers.remote_record import HEADER_BYTES
 from hicache.tiers.remote_store import PageAddress, RemoteStoreError, address, open_store
 from tests.daemon.test_isolation import LAYOUT, engine, load_exact, store, tokens
 from tests.remote.test_auth import ATTACKER, SECRET, _secret_file
+from tests.remote.test_faults import _misses
 from tests.remote.util import DAEMON_FLAGS, admin, remote_env, remote_stats, wait_remote_up, wait_written
 from tests.wait import wait_until
 
@@ -173,17 +173,6 @@ def test_damaged_and_forged_records_are_refused(mooncake, daemon_factory, tmp_pa
     assert st["corrupt_records"] == 2 and st["corrupt_reasons"] == {"mac": 2}, st
     ea.close()
     eb.close()
-
-
-def _misses(cache, seeds) -> list[float]:
-    out = []
-    for seed in seeds:
-        t0 = time.perf_counter()
-        m = cache.client.match(tokens(seed, PAGES))
-        out.append(time.perf_counter() - t0)
-        assert m.host_len == 0 and m.disk_len == 0
-        cache.client.release(m)
-    return out
 
 
 def test_a_killed_master_costs_lookups_their_deadline_and_a_restarted_one_is_used_again(mooncake, daemon_factory):
