@@ -468,17 +468,24 @@ def make_policy(name: str, capacity: int, trace: BlockTrace) -> CachePolicy:
     return ONLINE[name](capacity)
 
 
-def simulate(trace: BlockTrace, policy: CachePolicy) -> SimResult:
+def replay(trace: BlockTrace, cache: CachePolicy) -> int:
+    """Feed every request to `cache`; the blocks hit: each request's leading blocks the
+    cache held before it (a prefix cache stops at the first miss)."""
     hit = pos = 0
     for ids in trace.requests:
         k = 0
         for b in ids:
-            if b not in policy:
+            if b not in cache:
                 break
             k += 1
         hit += k
-        policy.request(ids, pos)
+        cache.request(ids, pos)
         pos += len(ids)
+    return hit
+
+
+def simulate(trace: BlockTrace, policy: CachePolicy) -> SimResult:
+    hit = replay(trace, policy)
     total = trace.num_accesses
     rate = hit * trace.block_tokens / trace.prompt_tokens if trace.prompt_tokens else 0.0
     cap = policy.capacity if policy.capacity < INF else total

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from heapq import heappop, heappush
 
-from hicache.bench.policy_sim import BlockTrace, CachePolicy
+from hicache.bench.policy_sim import BlockTrace, CachePolicy, replay
 from hicache.bench.report import row
 from hicache.index.admission import AdmissionConfig, DiskAdmission
 from hicache.index.policy import frecency
@@ -161,16 +161,7 @@ class TieredSim(CachePolicy):
 
 
 def simulate_tiered(trace: BlockTrace, sim: TieredSim) -> TieredResult:
-    hit = pos = 0
-    for ids in trace.requests:
-        k = 0
-        for b in ids:
-            if b not in sim:
-                break
-            k += 1
-        hit += k
-        sim.request(ids, pos)
-        pos += len(ids)
+    hit = replay(trace, sim)
     scale = trace.block_tokens / trace.prompt_tokens if trace.prompt_tokens else 0.0
     return TieredResult(sim.name, hit * scale, sim.disk_hits * scale, sim.disk_writes, sim.disk_hits)
 
