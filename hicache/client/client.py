@@ -520,12 +520,12 @@ class HiCacheClient:
         with `wait=False`, which sends it without waiting for the answer (see `_post`)."""
         if plan.put is None or plan.epoch != self.epoch:
             return None
+        params = {"engine": self.engine_id, "put": plan.put, "ok": ok}
         if not wait:
-            self._post("put_done", {"engine": self.engine_id, "put": plan.put, "ok": ok})
+            self._post("put_done", params)
             return None
         try:
-            r = self._call("put_done", {"engine": self.engine_id, "put": plan.put, "ok": ok},
-                           self.deadlines.update_s)
+            r = self._call("put_done", params, self.deadlines.update_s)
         except DaemonUnavailable:
             return None
         return int(r["added"])
