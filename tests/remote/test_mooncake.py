@@ -8,6 +8,7 @@ cost lookups their deadline at most while the engine keeps being served."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -78,10 +79,11 @@ def test_a_dead_helper_fails_its_calls_and_the_next_connect_starts_another(moonc
         assert await st.put([(page, memoryview(b"x" * 100))], 0) == 1
         first = st._proc
         first.kill()  # as the OOM killer might
+        deadline = time.monotonic() + 30  # a hang guard: the reader sees the socket close at once
         with pytest.raises(RemoteStoreError):
-            for _ in range(100):  # until the reader has seen the socket close
+            while time.monotonic() < deadline:  # until the reader has seen the socket close
                 await st.exists([page])
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.01)
         await st.connect()  # what the remote worker's health loop does
         assert st._proc is not first and st.helper_starts == 2
         assert await st.exists([page]) == [True]  # the record lives in the storage process
