@@ -211,7 +211,7 @@ def _compare(text: str) -> list[str]:
 
 def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--compare", type=_compare, default=["none", "hicache"],
-                   help="configurations, comma-separated: none (vLLM alone, always run), hicache, lmcache, "
+                   help="configurations, comma-separated: none (vLLM alone, always run), hicache, hicache-host (no disk tier), lmcache, "
                         "lmcache-fs, lmcache-chunk256 (LMCache: bash scripts/install_lmcache.sh)")
     b.add_argument("--arrivals", choices=["turns", "poisson"], default="turns",
                    help="turns: one generate call per turn, vLLM's prefix cache cleared between turns; "

@@ -4,6 +4,8 @@ around one vLLM process.
 
 - none:       vLLM alone.
 - hicache:    HiCacheConnector, a daemon with a 1 GiB host tier and its LMDB disk tier.
+- hicache-host: the same daemon without its disk tier (`--no-disk`): host memory only, as
+              `lmcache` keeps its L1 only.
 - lmcache:    vLLM's LMCacheMPConnector against an LMCache 0.5.6 MP server: 1 GiB L1, LRU,
               chunk = block size (32), shared-memory transfers driven by the server.
 - lmcache-fs: the same plus LMCache's file-system L2 adapter in the workdir.
@@ -36,7 +38,7 @@ from hicache.daemon.serve.launcher import LocalDaemon
 
 log = logging.getLogger(__name__)
 
-PEERS = ("none", "hicache", "lmcache", "lmcache-fs", "lmcache-chunk256")
+PEERS = ("none", "hicache", "hicache-host", "lmcache", "lmcache-fs", "lmcache-chunk256")
 INSTALL_HINT = "LMCache is not installed: run `bash scripts/install_lmcache.sh` (lmcache==0.5.6, CPU-only)"
 _TRANSFER = re.compile(r"(Stored|Retrieved) (\d+) tokens in ([0-9.eE+-]+) seconds")
 
@@ -73,8 +75,9 @@ def start_peer(name: str, workdir: Path, block_size: int) -> Iterator[PeerRun]:
     home.mkdir(parents=True, exist_ok=True)
     if name == "none":
         yield PeerRun(name, None)
-    elif name == "hicache":
-        with LocalDaemon(home / "daemon", "--host-capacity", "1GiB", "--disk-capacity", "2GiB") as daemon:
+    elif name.startswith("hicache"):
+        disk = ["--no-disk"] if name == "hicache-host" else ["--disk-capacity", "2GiB"]
+        with LocalDaemon(home / "daemon", "--host-capacity", "1GiB", *disk) as daemon:
             connector = {"kv_connector": "HiCacheConnector", "kv_connector_module_path": "hicache.integrations.vllm",
                          "kv_role": "kv_both", "kv_connector_extra_config": {"socket": daemon.socket}}
             yield PeerRun(name, connector, socket=daemon.socket)
