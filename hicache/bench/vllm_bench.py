@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 EQUAL_CPUS = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 BASE = "none"
+STEP_COUNTER = "vllm:hicache_step_seconds"
 
 
 class OutputsDiffer(Exception):
@@ -54,6 +55,8 @@ class Measured:
     warm_wall_s: float | None  # turns mode: turns 2+ only
     init_s: float
     transfers: dict[str, float] = field(default_factory=dict)  # saved/loaded tokens, save_s, load_s
+    # seconds engine steps spent inside the connector's calls, per turn (turns mode; hicache only)
+    step_s: list[float] | None = None
 
 
 def _p90(xs: list[float]) -> float:
@@ -106,7 +109,15 @@ def _measure_one(name: str, spec: dict[str, Any], workdir: Path, block_size: int
             reqs.append({"conversation": c, "turn": t, "outputs": r["outputs"][c], "cached": r["cached"][c],
                          "ttft": r["ttft"][c], "prompt_tokens": len(p)})
     walls = [r["wall_s"] for r in out["rounds"]]
-    return Measured(name, reqs, sum(walls), sum(walls[1:]), out["init_s"], transfers)
+    return Measured(name, reqs, sum(walls), sum(walls[1:]), out["init_s"], transfers, _step_seconds(peer, out))
+
+
+def _step_seconds(peer: PeerRun, out: dict[str, Any]) -> list[float] | None:
+    """hicache: each turn's share of the connector's step-path seconds (its counter after each turn)."""
+    if peer.socket is None:
+        return None
+    totals = [r["counters"].get(STEP_COUNTER, 0.0) for r in out["rounds"]]
+    return [b - a for a, b in zip([0.0, *totals], totals)]
 
 
 def measure(args: argparse.Namespace) -> dict[str, Measured]:
@@ -165,6 +176,12 @@ def _metrics(m: Measured, bytes_per_token: int, poisson: bool) -> dict[str, tupl
         tokens = tr.get("saved_tokens" if kind == "save" else "loaded_tokens")
         seconds = tr.get(f"{kind}_s")
         out[f"{kind} GB/s"] = (tokens * bytes_per_token / seconds / 1e9 if tokens and seconds else None, "GB/s")
+    if m.step_s is not None:  # what the connector's calls added to the engine's steps
+        out["connector time in steps, cold (turn 1)"] = (m.step_s[0] * 1e3, "ms")
+        out["connector time in steps, warm (turns 2+)"] = (sum(m.step_s[1:]) * 1e3, "ms")
+    elif m.name == BASE and not poisson:
+        out["connector time in steps, cold (turn 1)"] = (None, "ms")
+        out["connector time in steps, warm (turns 2+)"] = (None, "ms")
     out["generate wall, all turns"] = (m.wall_s, "s")
     if m.warm_wall_s is not None:
         out["generate wall, warm turns"] = (m.warm_wall_s, "s")
@@ -194,6 +211,11 @@ def rows(measured: dict[str, Measured], bytes_per_token: int, poisson: bool) -> 
                 out.append(row(f"{metric} [{name}]", value, unit, note=note))
             else:
                 out.append(row(f"{metric} [{name}]", value, unit, base, "vLLM alone", note=note))
+    cold_ttft = metrics[BASE]["ttft mean, cold (turn 1)"][0]
+    for name, m in measured.items():
+        if m.step_s and cold_ttft:  # no request's TTFT grows by more than the turn's step time
+            out.append(row(f"connector time in steps / cold TTFT of vLLM alone [{name}]", m.step_s[0] * 1e3 / cold_ttft,
+                           "ratio", note="bounds what the connector's calls add to a turn-1 request"))
     return out
 
 

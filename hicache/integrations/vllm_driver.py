@@ -128,7 +128,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         wall = time.perf_counter() - t
         rounds.append({"outputs": [list(o.outputs[0].token_ids) for o in outs],
                        "cached": [o.num_cached_tokens for o in outs],
-                       "ttft": [_ttft(o) for o in outs], "wall_s": wall})
+                       "ttft": [_ttft(o) for o in outs], "wall_s": wall, "counters": counters()})
     hma = not llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
     return {"init_s": init_s, "rounds": rounds, "counters": counters(), "hybrid_kv_cache_manager": hma}
 

@@ -127,6 +127,15 @@ def test_hicache_computes_only_the_new_tokens_of_warm_turns(measured):
     for name in ("ttft mean, warm (turns 2+) [hicache]", "ttft p90, cold (turn 1) [none]",
                  "generate wall, all turns [hicache]"):
         assert table[name]["value"] > 0
+    # the connector's calls took time in both turns' steps (turn 1 saved, turn 2 loaded), less than the turns
+    steps = m["hicache"].step_s
+    walls = (m["hicache"].wall_s - m["hicache"].warm_wall_s, m["hicache"].warm_wall_s)
+    assert len(steps) == 2 and all(0 < s < w for s, w in zip(steps, walls))
+    cold = table["connector time in steps, cold (turn 1) [hicache]"]
+    assert cold["value"] == pytest.approx(steps[0] * 1e3)
+    assert "connector time in steps, cold (turn 1) [none]" not in table
+    share = table["connector time in steps / cold TTFT of vLLM alone [hicache]"]["value"]
+    assert share == pytest.approx(steps[0] * 1e3 / table["ttft mean, cold (turn 1) [none]"]["value"])
 
 
 @pytest.mark.slow

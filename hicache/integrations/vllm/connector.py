@@ -26,6 +26,7 @@ are refused at start with UnsupportedModel.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +60,28 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+class _StepClock:
+    """Seconds the engine spends inside the connector's calls on its step path, between two
+    stats reports: what the connector adds to a step (its copies run on their own thread). vLLM
+    makes these calls from one thread per role."""
+
+    __slots__ = ("seconds", "_t0")
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._t0 = 0.0
+
+    def __enter__(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds += time.perf_counter() - self._t0
+
+    def take(self) -> float:
+        s, self.seconds = self.seconds, 0.0
+        return s
+
+
 class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.HOST
 
@@ -70,6 +93,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         dl = cfg.get_from_extra_config("deadlines", None)
         deadlines = CallDeadlines.from_config(dl) if dl is not None else None
         self.num_groups = len(kv_cache_config.kv_cache_groups)
+        self._clock = _StepClock()
         num_blocks = int(kv_cache_config.num_blocks)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
@@ -104,17 +128,20 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert self.worker is not None and isinstance(kv_connector_metadata, HiCacheMeta)
-        self.worker.before_step(kv_connector_metadata)
+        with self._clock:
+            self.worker.before_step(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self.worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, HiCacheMeta)
-        self.worker.start_load(meta)
+        with self._clock:
+            self.worker.start_load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         assert self.worker is not None
-        self.worker.wait_for_layer(layer_name)
+        with self._clock:
+            self.worker.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # whole blocks are saved after the forward pass (wait_for_save), all layers at once
@@ -123,7 +150,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, HiCacheMeta)
-        self.worker.start_saves(meta)
+        with self._clock:
+            self.worker.start_saves(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         r = self.get_transfer_results(finished_req_ids)
@@ -132,8 +160,9 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Saves done for finished requests; async loads (hybrid models) done, and failed."""
         assert self.worker is not None
-        recving, failed = self.worker.finished_recving()
-        return KVConnectorTransferResults(set(self.worker.finished_sending() or ()), recving, failed)
+        with self._clock:
+            recving, failed = self.worker.finished_recving()
+            return KVConnectorTransferResults(set(self.worker.finished_sending() or ()), recving, failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.load_errors() if self.worker is not None else set()
@@ -142,7 +171,12 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return self.worker.worker_meta() if self.worker is not None else None
 
     def get_kv_connector_stats(self) -> HiCacheStats | None:
-        return self.worker.take_stats() if self.worker is not None else None
+        stats = self.worker.take_stats() if self.worker is not None else None
+        step_s = self._clock.take()
+        if step_s:
+            stats = stats or HiCacheStats()
+            stats.data["step_s"] += step_s
+        return stats
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> HiCacheStats:
@@ -162,11 +196,13 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     # -- scheduler side -----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
-        return self.scheduler.num_new_matched_tokens(request, num_computed_tokens)
+        with self._clock:
+            return self.scheduler.num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.scheduler is not None
-        self.scheduler.after_alloc(request, blocks.get_block_ids(), num_external_tokens)
+        with self._clock:
+            self.scheduler.after_alloc(request, blocks.get_block_ids(), num_external_tokens)
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         if self.scheduler is not None:
@@ -177,20 +213,24 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> HiCacheMeta:
         assert self.scheduler is not None
-        return self.scheduler.build_meta(scheduler_output)
+        with self._clock:
+            return self.scheduler.build_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self.scheduler is not None
-        self.scheduler.on_output(connector_output.kv_connector_worker_meta, connector_output.failed_recving or ())
+        with self._clock:
+            self.scheduler.on_output(connector_output.kv_connector_worker_meta, connector_output.failed_recving or ())
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
-        return self.scheduler.request_finished(request), None
+        with self._clock:
+            return self.scheduler.request_finished(request), None
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
-        return self.scheduler.request_finished(request), None
+        with self._clock:
+            return self.scheduler.request_finished(request), None
 
     def has_pending_push_work(self) -> bool:
         sched = self.scheduler
@@ -198,7 +238,10 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         events = self.scheduler.events if self.scheduler is not None else None
-        return events.take_events() if events is not None else ()
+        if events is None:
+            return ()
+        with self._clock:
+            return events.take_events()
 
     def reset_cache(self) -> bool | None:
         return None  # the daemon's tiers are shared by other engines: `hicache flush` clears them
