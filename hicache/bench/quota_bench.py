@@ -117,14 +117,19 @@ def run_scenario(workdir: str | Path, wl: QuotaWorkload, flood: bool, quota: boo
         flooder = _Tenant(daemon.socket, layout, "flood", 2 * wl.flood_pages) if flood else None
         prompts = [_tokens(1000 + i, wl.prompt_pages) for i in range(wl.victim_prompts)]
         one_shot = 0
+
+        def settle() -> None:  # each request sees the disk writes of the previous ones done
+            if not admin.call("settle", {"timeout_s": 30})["settled"]:
+                raise RuntimeError("the daemon's disk writes did not settle within 30 s")
+
         for _ in range(wl.rounds):
             for toks in prompts:
                 victim.request(toks)
+                settle()
                 for _ in range(wl.flood_per_request if flooder is not None else 0):
                     one_shot += 1
                     flooder.request(_tokens(10**6 + one_shot, wl.flood_pages))
-                if not admin.call("settle", {"timeout_s": 30})["settled"]:
-                    raise RuntimeError("the daemon's disk writes did not settle within 30 s")
+                    settle()
         stats = admin.call("stats")
         out = {"victim": victim.hit_rate, "flood": flooder.hit_rate if flooder else None, "stats": stats}
         victim.close()

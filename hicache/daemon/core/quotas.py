@@ -19,9 +19,9 @@ The rules, applied when a tenant's page needs room:
   others (lent), and takes it back from them (they are over their minimum)
   when it stores again.
 
-Without any quota none of this runs: namespaces share the tiers by the eviction
-policy alone (CacheService.alloc_host, DiskMover._make_room). With quotas the
-engine cycle and the disk mover call `alloc_host` and `make_disk_room` here.
+Without a quota on a tier none of this runs there: namespaces share it by the
+eviction policy alone (CacheService.alloc_host, DiskMover._make_room). With one,
+the engine cycle and the disk mover call `alloc_host` and `make_disk_room` here.
 Victims are taken one index node at a time, so a tenant above its minimum is
 never taken below it. `within_quota` is the cheap question the pins ask.
 """
@@ -101,6 +101,10 @@ class TenantQuotas:
     @property
     def active(self) -> bool:
         return any(self.quotas.values())
+
+    def applies(self, tier: str) -> bool:
+        """Whether any quota names `tier`: without one, the tier is shared by the policy alone."""
+        return bool(self.quotas[tier])
 
     # -- the table ---------------------------------------------------------------------
     def replace_all(self, specs: Iterable[QuotaSpec]) -> None:

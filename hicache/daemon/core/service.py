@@ -371,7 +371,7 @@ class CacheService:
         anywhere make room: ns's own LRU leaves, or a whole slab taken from the
         namespace that holds them (slab_reclaim.py). Under tenant quotas their rules
         choose instead (quotas.py)."""
-        if self.quotas is not None and self.quotas.active:
+        if self.quotas is not None and self.quotas.applies("host"):
             return self.quotas.alloc_host(ns, n_pages)
         cls = ns.page_class
         pages = cls.alloc(n_pages)

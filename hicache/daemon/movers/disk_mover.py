@@ -237,7 +237,7 @@ class DiskMover:
         tenant quotas their rules choose the victims (hicache/daemon/core/quotas.py)."""
         budget = self._page_budget(ns)
         quotas = self.service.quotas
-        if quotas is not None and quotas.active:
+        if quotas is not None and quotas.applies("disk"):
             return quotas.make_disk_room(ns, nbytes, lambda: budget - self._used_bytes() - self.inflight_bytes)
         while (used := self._used_bytes()) + self.inflight_bytes + nbytes > budget:
             over = used + self.inflight_bytes + nbytes - budget
