@@ -153,6 +153,8 @@ class Share:
 
 def parse_share(value: str | int) -> Share:
     """`25%` (of the tier's capacity), or a size: `2GiB`, `1048576`."""
+    if isinstance(value, float):  # 0.25 would read as 0 bytes
+        raise ConfigError(f"not a share: {value!r} (write a share of the tier as '25%', or a size)")
     if isinstance(value, str) and value.strip().endswith("%"):
         try:
             pct = float(value.strip()[:-1])

@@ -88,8 +88,8 @@ class CacheService:
         # the KV; it hears of every dropped pin (its checkpoint locks go with it).
         self.hybrid: Any = None
         self.on_pin_dropped: Callable[[Pin], None] | None = None
-        # Tenant quotas (hicache/daemon/core/quotas.py): with any quota set, host pages and
-        # the disk's room are taken by its rules instead of the eviction policy alone.
+        # Tenant quotas (hicache/daemon/core/quotas.py): with a quota on a tier, host pages
+        # and the disk's room are taken by their rules instead of the eviction policy alone.
         self.quotas: Any = None
 
     @property
