@@ -68,8 +68,10 @@ def quota_lines(rows: list[dict]) -> list[str]:
         return []
     lines = [f"{'quota':<6}{'tenant':<36}{'used':>10}{'min':>18}{'max':>18}  namespaces"]
     for r in rows:
-        def bound(share: str | None, nbytes: int) -> str:
-            return "-" if share is None else f"{format_size(nbytes)} ({share})"
+        def bound(share: str | None, nbytes: int) -> str:  # a share of the tier shows what it is now
+            if share is None:
+                return "-"
+            return f"{format_size(nbytes)} ({share})" if share.endswith("%") else format_size(nbytes)
         flag = "" if r["within_quota"] else "  over max"
         lines.append(f"{r['tier']:<6}{r['tenant'][:35]:<36}{format_size(r['used_bytes']):>10}"
                      f"{bound(r['min'], r['min_bytes']):>18}{bound(r['max'], r['max_bytes']):>18}"
