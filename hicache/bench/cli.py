@@ -110,6 +110,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--flood-per-request", type=int, default=3,
                    help="one-shot prompts (8 pages each) the flooder sends between two of the victim's requests")
     b.add_argument("--victim-min", default="40%", help="the victim's guaranteed share of the tier")
+    b.add_argument("--flood-max", help="with the quota, also cap the flooder's share of the tier (e.g. 25%%)")
 
     b = bench("remote", "remote tier put / get GB/s and lookup latency vs plain redis-py on the same store")
     b.add_argument("--backend", choices=["redis", "mooncake"], default="redis",

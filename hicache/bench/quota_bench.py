@@ -53,6 +53,7 @@ class QuotaWorkload:
     flood_per_request: int = 3  # flood prompts between two of the victim's requests
     rounds: int = 5
     victim_min: str = "40%"
+    flood_max: str | None = None  # with the quota: also cap the flooder's share of the tier
 
     def layout(self) -> KVLayout:
         head_dim = max(1, self.page_bytes // (PAGE_TOKENS * 2 * 2))  # one layer, one head, fp16 K and V
@@ -64,6 +65,8 @@ class QuotaWorkload:
         out += ["--disk-capacity", self.disk_capacity] if self.tier == "disk" else ["--no-disk"]
         if quota:
             out += ["--quota", f"model={MODEL},extra_key=victim,tier={self.tier},min={self.victim_min}"]
+            if self.flood_max is not None:
+                out += ["--quota", f"model={MODEL},extra_key=flood,tier={self.tier},max={self.flood_max}"]
         return out
 
 
@@ -145,7 +148,8 @@ def run(args: Any) -> list[dict]:
     host = args.host_capacity or ("8MiB" if args.tier == "host" else "2MiB")
     wl = QuotaWorkload(tier=args.tier, host_capacity=host, disk_capacity=args.disk_capacity,
                        rounds=args.rounds, victim_prompts=args.victim_prompts,
-                       flood_per_request=args.flood_per_request, victim_min=args.victim_min)
+                       flood_per_request=args.flood_per_request, victim_min=args.victim_min,
+                       flood_max=args.flood_max)
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="hicache-quota-") as tmp:
         alone = run_scenario(Path(tmp) / "alone", wl, flood=False, quota=False)

@@ -27,6 +27,16 @@ def test_a_victim_keeps_its_hit_rate_under_a_flood_only_with_a_quota(tmp_path, t
     assert row["tier"] == tier and row["used_bytes"] <= row["min_bytes"] and row["within_quota"]
 
 
+def test_a_flooder_at_its_disk_max_evicts_its_own_pages(tmp_path):
+    wl = QuotaWorkload(tier="disk", host_capacity="2MiB", rounds=2, flood_max="25%")
+    run = run_scenario(tmp_path / "capped", wl, flood=True, quota=True)
+    rows = {r["extra_key"]: r for r in run["stats"]["quotas"]["rows"] if r["min"] is not None}
+    flood = rows["flood"]
+    assert flood["max_bytes"] == (8 << 20) // 4 and flood["used_bytes"] <= flood["max_bytes"] and flood["within_quota"]
+    assert run["stats"]["quotas"]["throttled_pages"]["disk"] > 0  # it kept storing, at its own expense
+    assert run["victim"] >= 0.45  # 2 passes: the second hits
+
+
 def test_quotas_from_the_flag_the_cli_and_the_rpc(daemon_factory):
     d = daemon_factory("--host-capacity", "16MiB", "--no-disk",
                        "--quota", "model=m,extra_key=a,tier=host,min=25%,max=50%").start()
