@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--remote-password-file", help="the remote store's password, from a file (wins over the URL's)")
     s.add_argument("--remote-secret-file", help="cluster secret(s) that sign remote records, one per line: the "
                                                 "first signs, all verify (without it records are unauthenticated)")
+    s.add_argument("--quota", dest="quotas", action="append", metavar="SPEC",
+                   help="a tenant quota, repeatable: model=NAME[,extra_key=KEY] or namespace=SALT, then "
+                        "tier=host|disk,min=SHARE,max=SHARE (a size or a share of the tier, e.g. 25%%)")
     s.add_argument("--config", dest="config_file", help="TOML file ([hicache] table or top-level keys)")
 
     for name, helptext in (("stats", "tier and engine statistics"), ("ls", "the prefix tree per namespace")):
@@ -136,9 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from hicache.bench.cli import add_parser as add_bench
     from hicache.cli_admin import add_parsers as add_admin
+    from hicache.cli_quota import add_parser as add_quota
 
     add_bench(sub)
     add_admin(sub)  # doctor, export, import
+    add_quota(sub)
 
     p = sub.add_parser("demo", help="start a daemon with embedded defaults and run a demo workload through it")
     p.add_argument("--requests", type=int, default=48)
@@ -187,6 +192,11 @@ def _print_stats(st: dict) -> None:
     if p and p["puts"]:  # engines with their own device cache (vLLM) store through puts
         print(f"puts {p['puts']} ({p['committed_pages']} pages stored)  pending {p['pending']}  "
               f"failed {p['failed']}  expired {p['expired']}  no space {p['skipped_no_space']}")
+    q = st.get("quotas")
+    if q and q["rows"]:
+        from hicache.cli_quota import quota_lines
+
+        print("\n".join(quota_lines(q["rows"])))
     if st["engines"]:
         print(f"{'engine':<8}{'model':<24}{'tp':>4}{'pid':>8}{'resident':>10}{'pool':>8}")
         for e in st["engines"]:
@@ -220,7 +230,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                                "disk_enabled", "reset_disk", "write_policy", "load_policy",
                                                "eviction_policy", "disk_admission", "disk_placement",
                                                "metrics_port", "remote_url", "remote_password_file",
-                                               "remote_secret_file")}
+                                               "remote_secret_file", "quotas")}
     config = load_config(args.config_file, overrides)
     return serve(config)
 
@@ -320,6 +330,12 @@ def cmd_admin(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_quota(args: argparse.Namespace) -> int:
+    from hicache.cli_quota import run
+
+    return run(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from hicache.bench.cli import run
 
@@ -327,7 +343,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"bench": cmd_bench, "serve": cmd_serve, "stats": cmd_stats, "ls": cmd_ls, "evict": cmd_evict, "flush": cmd_flush,
-            "demo": cmd_demo, "doctor": cmd_admin, "export": cmd_admin, "import": cmd_admin}
+            "demo": cmd_demo, "doctor": cmd_admin, "export": cmd_admin, "import": cmd_admin, "quota": cmd_quota}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -73,3 +73,43 @@ def test_admin_groups_and_limits(tmp_path):
 def test_bad_limits_are_refused(key, value, tmp_path):
     with pytest.raises(ConfigError):
         load_config(environ={"HICACHE_STATE_DIR": str(tmp_path)}, overrides={key: value})
+
+
+def test_quotas_from_toml_env_and_flags(tmp_path):
+    toml = tmp_path / "q.toml"
+    toml.write_text('[hicache]\nhost_capacity = "1GiB"\ndisk_capacity = "4GiB"\n'
+                    '[[hicache.quotas]]\nmodel = "llama"\nextra_key = "tenant-a"\ntier = "host"\nmin = "25%"\n'
+                    'max = "512MiB"\n'
+                    '[[hicache.quotas]]\nnamespace = "' + "ab" * 16 + '"\ntier = "disk"\nmin = "1GiB"\n')
+    cfg = load_config(toml, environ={"HICACHE_STATE_DIR": str(tmp_path)})
+    host, disk = cfg.quotas
+    assert (host.model, host.extra_key, host.tier, str(host.min), str(host.max)) == (
+        "llama", "tenant-a", "host", "25%", "512.0MiB")
+    assert host.bounds(cfg.host_capacity) == (256 << 20, 512 << 20)
+    assert disk.namespace == "ab" * 16 and disk.max is None and disk.bounds(cfg.disk_capacity) == (1 << 30, 4 << 30)
+    env = {"HICACHE_STATE_DIR": str(tmp_path), "HICACHE_HOST_CAPACITY": "1GiB",
+           "HICACHE_QUOTAS": "model=a,tier=host,min=10%;model=b,tier=host,max=50%"}
+    assert [q.model for q in load_config(environ=env).quotas] == ["a", "b"]
+    flags = load_config(environ=env, overrides={"quotas": ["model=c,tier=host,min=1GiB"]})
+    assert [q.model for q in flags.quotas] == ["c"]  # the flags replace the variable's
+
+
+@pytest.mark.parametrize("spec, why", [
+    ("model=m,tier=device,min=1%", "quota tier must be one of"),
+    ("model=m,tier=host,min=60%,max=50%", "more than max"),
+    ("model=m,tier=host,min=2GiB", "more than the tier"),
+    ("model=m,tier=host,min=120%", "between 0% and 100%"),
+    ("tier=host,min=1%", "by model"),
+    ("extra_key=x,tier=host", "by model"),
+    ("namespace=abc,tier=host", "32 lowercase hex"),
+    ("model=m,tier=host,size=1", "unknown keys"),
+    ("model=m,min=1%", "no tier"),
+    ("model=m,tier", "not key=value"),
+    ("model=a,tier=host,min=60%;model=b,tier=host,min=50%", "add up to"),
+    ("model=a,tier=host,min=10%;model=a,tier=host,max=50%", "two quotas"),
+    ("model=a,tier=disk,min=10%", "no disk tier"),
+])
+def test_bad_quotas_are_refused_with_the_reason(spec, why, tmp_path):
+    with pytest.raises(ConfigError, match=why):
+        load_config(environ={"HICACHE_STATE_DIR": str(tmp_path)},
+                    overrides={"host_capacity": "1GiB", "disk_enabled": False, "quotas": spec})

@@ -100,6 +100,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="simulate placement and admission variants at these fractions of the unique blocks")
     _add_plot(b, "hit rate against capacity: hicache, OPT, LRU and the other policies")
 
+    b = bench("quota", "a victim tenant's hit rate alone, under another tenant's flood, and under it with a quota")
+    b.add_argument("--tier", choices=["host", "disk"], default="host",
+                   help="host: no disk tier, the quota on host; disk: a small host, the quota on disk")
+    b.add_argument("--host-capacity", help="default 8MiB, with --tier disk 2MiB")
+    b.add_argument("--disk-capacity", default="8MiB", help="--tier disk: the disk tier's size")
+    b.add_argument("--rounds", type=int, default=5, help="passes over the victim's prompts")
+    b.add_argument("--victim-prompts", type=int, default=8, help="the victim's prompts (4 pages of 64 KiB each)")
+    b.add_argument("--flood-per-request", type=int, default=3,
+                   help="one-shot prompts (8 pages each) the flooder sends between two of the victim's requests")
+    b.add_argument("--victim-min", default="40%", help="the victim's guaranteed share of the tier")
+    b.add_argument("--flood-max", help="with the quota, also cap the flooder's share of the tier (e.g. 25%%)")
+
     b = bench("remote", "remote tier put / get GB/s and lookup latency vs plain redis-py on the same store")
     b.add_argument("--backend", choices=["redis", "mooncake"], default="redis",
                    help="mooncake: the tier on a local Mooncake Store vs raw batch_put_from/batch_get_into "
@@ -182,6 +194,9 @@ def run(args: argparse.Namespace) -> int:
         rows = go(args.trace, limit=args.limit, capacity_pages=args.capacity)
     elif args.bench == "trace":
         from hicache.bench.trace_bench import run as go
+        rows = go(args)
+    elif args.bench == "quota":
+        from hicache.bench.quota_bench import run as go
         rows = go(args)
     elif args.bench == "remote":
         if args.backend == "mooncake":

@@ -42,16 +42,18 @@ METHODS = ("hello", "register", "unregister", "match", "load", "load_done", "map
            "backup_done", "state_backup_done", "evict", "stats", "flush", "evict_tier", "ls", "subscribe",
            "doctor", "export_open", "export_next", "import_open", "import_pages", "remote_flush", "settle",
            "put", "put_done",  # host puts (hicache/daemon/ingest/puts.py)
-           "exists", "fetch", "store", "store_done")  # keyed pages (hicache/daemon/ingest/keyed.py)
+           "exists", "fetch", "store", "store_done",  # keyed pages (hicache/daemon/ingest/keyed.py)
+           "quota_set", "quota_clear", "quota_list")  # tenant quotas (hicache/daemon/serve/quota_rpc.py)
 # Costly admin calls that wipe what the sequences build: drawn less often.
-RARE = {"flush": 0.15, "evict_tier": 0.3, "doctor": 0.3, "subscribe": 0.3, "unregister": 0.3, "remote_flush": 0.3, "settle": 0.3}
+RARE = {"flush": 0.15, "evict_tier": 0.3, "doctor": 0.3, "subscribe": 0.3, "unregister": 0.3, "remote_flush": 0.3, "settle": 0.3,
+        "quota_set": 0.3, "quota_clear": 0.3}
 
 INTS = [0, 1, -1, 2, 3, 7, 16, 255, 4096, 65535, 2**31 - 1, 2**31, -2**31, 2**32 - 1, 2**32, 2**53 + 1,
         2**63 - 1, -2**63, 2**64 - 1]
 PARAM_NAMES = ("version", "want_arena", "model", "layout", "device_pages", "tp_rank", "tp_size", "extra_key",
                "state", "engine", "keys", "tokens", "pin", "states", "backup", "ok", "num_pages", "tier",
                "bytes", "depth", "namespace", "export", "max_bytes", "header", "import", "data", "have",
-               "store", "put")
+               "store", "put", "min", "max")
 
 
 @dataclass(slots=True)
@@ -333,6 +335,15 @@ class FrameFuzzer:
             return {"tier": r.choice(["host", "disk"]), "bytes": r.choice([0, 1, 4096, 1 << 20])}
         if method == "ls":
             return {"depth": r.randrange(0, 6)}
+        if method in ("quota_set", "quota_clear"):  # a tenant by model (and extra key) or by salt prefix
+            p = ({"model": r.choice(["fuzz-a", "fuzz-b"])} if r.random() < 0.7 or not ctx.namespaces
+                 else {"namespace": r.choice(ctx.namespaces)[:r.randrange(4, 33)]})
+            if "model" in p and r.random() < 0.5:
+                p["extra_key"] = r.choice(["", "tenant"])
+            if method == "quota_clear":
+                return p | ({"tier": r.choice(["host", "disk"])} if r.random() < 0.5 else {})
+            return p | {"tier": r.choice(["host", "disk"]), "min": r.choice(["0", "5%", "1MiB", 0, 4096]),
+                        "max": r.choice([None, "50%", "100%", "8MiB"])}
         if method == "remote_flush":  # the fuzzed daemon has no remote tier: refused, never INTERNAL
             return {"namespace": r.choice(ctx.namespaces)[:r.randrange(4, 33)] if ctx.namespaces else "fuzz-a"}
         if method == "export_open":

@@ -21,7 +21,9 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run cli
 ADMIN_CALLS = [("flush", {"tier": "host"}), ("evict_tier", {"tier": "host", "bytes": 1 << 30}),
                ("doctor", {}), ("export_open", {"namespace": "tenant-a"}), ("export_next", {"export": 1}),
                ("import_open", {"header": b"x"}), ("import_pages", {"import": 1, "data": b""}),
-               ("remote_flush", {"namespace": "tenant-a"}), ("settle", {})]
+               ("remote_flush", {"namespace": "tenant-a"}), ("settle", {}),
+               ("quota_set", {"model": "tenant-a", "tier": "host", "min": "10%"}),
+               ("quota_clear", {"model": "tenant-a"}), ("quota_list", {})]
 
 
 def store(conn: RpcConnection, model: str, seed: int, pages: int = 8) -> dict:

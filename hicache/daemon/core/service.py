@@ -88,6 +88,9 @@ class CacheService:
         # the KV; it hears of every dropped pin (its checkpoint locks go with it).
         self.hybrid: Any = None
         self.on_pin_dropped: Callable[[Pin], None] | None = None
+        # Tenant quotas (hicache/daemon/core/quotas.py): with a quota on a tier, host pages
+        # and the disk's room are taken by their rules instead of the eviction policy alone.
+        self.quotas: Any = None
 
     @property
     def backups(self) -> dict[int, PendingBackup]:
@@ -366,7 +369,10 @@ class CacheService:
     def alloc_host(self, ns: NamespaceState, n_pages: int) -> np.ndarray | None:
         """n host pages of ns's own slabs. When the arena is full the oldest host pages
         anywhere make room: ns's own LRU leaves, or a whole slab taken from the
-        namespace that holds them (slab_reclaim.py)."""
+        namespace that holds them (slab_reclaim.py). Under tenant quotas their rules
+        choose instead (quotas.py)."""
+        if self.quotas is not None and self.quotas.applies("host"):
+            return self.quotas.alloc_host(ns, n_pages)
         cls = ns.page_class
         pages = cls.alloc(n_pages)
         while pages is None:
@@ -386,6 +392,14 @@ class CacheService:
         if self.before_host_evict is not None:
             self.before_host_evict(ns, n_pages)
         freed = ns.index.evict(Tier.HOST, n_pages)
+        if not freed:
+            return False
+        self._apply_freed(ns, freed, None)
+        return True
+
+    def evict_disk(self, ns: NamespaceState, n_pages: int) -> bool:
+        """Drop about n_pages of ns's lowest-priority disk pages; False when none can go."""
+        freed = ns.index.evict(Tier.DISK, n_pages)
         if not freed:
             return False
         self._apply_freed(ns, freed, None)

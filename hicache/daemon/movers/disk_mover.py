@@ -121,6 +121,7 @@ class DiskMover:
         self.loop = loop
         self.capacity_bytes = config.disk_capacity
         self.inflight_bytes = 0
+        self.inflight_by_ns: dict[bytes, int] = {}  # write-through bytes in flight per salt (quotas count them)
         self.writes: dict[int, _Write] = {}
         self._wid = 0
         self.skipped_writes = 0
@@ -141,6 +142,8 @@ class DiskMover:
         service.on_match = self.prefetch
         self._next_pin_dropped = service.on_pin_dropped  # the hybrid states' hook, called first
         service.on_pin_dropped = self._pin_dropped
+        if service.quotas is not None:
+            service.quotas.disk_inflight = lambda ns: self.inflight_by_ns.get(ns.salt, 0)
 
     def post(self, fn: Callable[..., None], *args: Any) -> None:
         """Run fn(*args) on the event loop; callable from the disk threads. Completions
@@ -230,8 +233,12 @@ class DiskMover:
         return min(self.tier.used_bytes, indexed)
 
     def _make_room(self, ns: NamespaceState, nbytes: int) -> bool:
-        """Evict disk LRU leaves (any namespace) until nbytes more fit the budget."""
+        """Evict disk LRU leaves (any namespace) until nbytes more fit the budget; under
+        tenant quotas their rules choose the victims (hicache/daemon/core/quotas.py)."""
         budget = self._page_budget(ns)
+        quotas = self.service.quotas
+        if quotas is not None and quotas.applies("disk"):
+            return quotas.make_disk_room(ns, nbytes, lambda: budget - self._used_bytes() - self.inflight_bytes)
         while (used := self._used_bytes()) + self.inflight_bytes + nbytes > budget:
             over = used + self.inflight_bytes + nbytes - budget
             if self.service.evict_tier(Tier.DISK, over) == 0:
@@ -314,6 +321,8 @@ class DiskMover:
         queued = 0
         for i, key in enumerate(node.keys):
             self.inflight_bytes += page_bytes
+            if not write.demote:  # a demoted page counts on disk from its queueing (set_disk)
+                self.inflight_by_ns[ns.salt] = self.inflight_by_ns.get(ns.salt, 0) + page_bytes
             done = self._done_cb(wid, page_bytes)
             if queued == i:
                 toks = node.tokens[i * ns.index.page_size:(i + 1) * ns.index.page_size]
@@ -336,6 +345,12 @@ class DiskMover:
         if write is None:
             return
         self.inflight_bytes -= page_bytes
+        if not write.demote:
+            left = self.inflight_by_ns.get(write.ns.salt, 0) - page_bytes
+            if left > 0:
+                self.inflight_by_ns[write.ns.salt] = left
+            else:
+                self.inflight_by_ns.pop(write.ns.salt, None)
         write.ok &= ok
         write.remaining -= 1
         if write.remaining:

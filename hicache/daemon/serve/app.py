@@ -28,6 +28,7 @@ from hicache.daemon.serve.handlers import ADMIN_METHODS, build_handlers
 from hicache.daemon.core.host_tier import HostTier
 from hicache.daemon.hybrid.states import HybridStates
 from hicache.daemon.ingest.puts import HostPuts
+from hicache.daemon.core.quotas import TenantQuotas
 from hicache.daemon.core.service import CacheService
 from hicache.errors import HiCacheError
 from hicache.index.admission import AdmissionConfig, DiskAdmission, admission_capacity_pages
@@ -163,6 +164,11 @@ class Daemon:
                                     max_device_pages=cfg.max_device_pages,
                                     eviction_policy=make_policy(cfg.eviction_policy))
         self.puts = HostPuts(self.service, lease_s=cfg.put_lease_s)
+        # checked again against the arena as built (slabs round its size down); before the
+        # disk tier, whose mover reports its writes in flight to the quotas
+        self.service.quotas = TenantQuotas(self.service, {
+            "host": self.host.capacity_bytes, "disk": cfg.disk_capacity if cfg.disk_enabled else None})
+        self.service.quotas.replace_all(cfg.quotas)
         if cfg.disk_enabled:
             pages = admission_capacity_pages(self.host.capacity_bytes + cfg.disk_capacity)
             self.service.admission = DiskAdmission(AdmissionConfig(mode=cfg.disk_admission), pages)
@@ -383,6 +389,7 @@ class Daemon:
                 "puts": asdict(self.puts.counters) | {"pending": len(self.puts.puts)} if self.puts else None,
                 "connections": len(self.server.connections) if self.server else 0,
                 "states": self.hybrid.stats() if self.hybrid is not None else None,
+                "quotas": svc.quotas.stats() if svc.quotas is not None and svc.quotas.active else None,
                 "gc": self.gc.stats() if self.gc is not None else {"managed": False},
                 **self._rpc_stats()}
 

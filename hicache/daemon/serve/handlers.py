@@ -25,6 +25,7 @@ from hicache import __version__
 from hicache.daemon.hybrid.states import state_layout_param
 from hicache.daemon.serve.keyed_rpc import keyed_handlers
 from hicache.daemon.serve.portable import portable_handlers
+from hicache.daemon.serve.quota_rpc import QUOTA_METHODS, quota_handlers
 from hicache.daemon.movers.state_dir import allocated_bytes
 from hicache.daemon.serve.tree_view import MAX_DEPTH, tree_summary
 from hicache.errors import LayoutError
@@ -43,7 +44,7 @@ TIERS = {"device": Tier.DEVICE, "host": Tier.HOST, "disk": Tier.DISK}
 
 # Destructive or cross-namespace: the server checks these before the handler runs.
 ADMIN_METHODS = frozenset({"flush", "evict_tier", "doctor", "export_open", "export_next",
-                           "import_open", "import_pages", "remote_flush", "settle"})
+                           "import_open", "import_pages", "remote_flush", "settle", *QUOTA_METHODS})
 MAX_SETTLE_S = 60.0
 MAX_NAME_CHARS = 1024  # model names, extra keys, namespace queries
 MAX_TP_SIZE = 1 << 16
@@ -288,6 +289,9 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
         if not conn.admin:  # other tenants' engines (model, pid) are theirs; counts stay aggregate
             mine = {r.engine_id for r in svc.engines.values() if r.owner is conn}
             st["engines"] = [e for e in st["engines"] if e["engine"] in mine]
+            if st.get("quotas"):  # the quotas naming its own namespaces only
+                st["quotas"]["rows"] = [r for r in st["quotas"]["rows"] if r["min"] is not None
+                                        and conn.namespaces.intersection(r["namespaces"])]
         return st
 
     async def flush(conn: Connection, p: dict) -> Any:
@@ -388,4 +392,4 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
             "state_backup_done": state_backup_done,
             "evict": evict, "stats": stats, "flush": flush, "settle": settle, "evict_tier": evict_tier, "ls": ls,
             "subscribe": subscribe, "doctor": doctor, "remote_flush": remote_flush, **portable_handlers(daemon),
-            **keyed_handlers(daemon, keys_of)}
+            **keyed_handlers(daemon, keys_of), **quota_handlers(daemon)}
