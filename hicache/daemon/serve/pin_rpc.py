@@ -68,7 +68,7 @@ def pin_handlers(daemon: DaemonContext, keys_of: Any) -> dict[str, Any]:
         name = p.get("tier", default)
         if name is None:
             return None
-        if name not in PIN_TIERS:
+        if not isinstance(name, str) or name not in PIN_TIERS:
             raise RpcError(Code.BAD_PARAMS, f"tier must be one of {tuple(PIN_TIERS)}")
         return PIN_TIERS[name]
 
