@@ -3,5 +3,7 @@
 records.py (namespaces, engines, match handles, counters: plain records),
 host_tier.py (the host arena's slabs, owned by one namespace at a time),
 slab_reclaim.py (emptying a slab so another namespace can grow), service.py
-(CacheService: register, match, load, insert, evict, release, the shared host budget).
+(CacheService: register, match, load, insert, evict, release, the shared host budget),
+retention.py (pinned prefixes: bounds, expiry, quotas, restore) and pin_file.py (the
+pins file kept next to the disk tier).
 """
