@@ -139,11 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     from hicache.bench.cli import add_parser as add_bench
     from hicache.cli_admin import add_parsers as add_admin
+    from hicache.cli_pins import add_parsers as add_pins
     from hicache.cli_quota import add_parser as add_quota
 
     add_bench(sub)
     add_admin(sub)  # doctor, export, import
     add_quota(sub)
+    add_pins(sub)  # pin, unpin
 
     p = sub.add_parser("demo", help="start a daemon with embedded defaults and run a demo workload through it")
     p.add_argument("--requests", type=int, default=48)
@@ -183,6 +185,11 @@ def _print_stats(st: dict) -> None:
     r = st["requests"]
     print(f"matches {r['matches']}  inserts {r['inserts']}  loaded pages {r['loaded_pages']}  "
           f"backups {r['backups']} ({r['backup_pages']} pages)  pins {st['pins']}")
+    pn = st.get("pinned")
+    if pn and (pn["host"]["pins"] or pn["disk"]["pins"] or pn["expired"]):
+        print("pinned " + "  ".join(f"{t} {pn[t]['pins']} ({pn[t]['pages']} pages, {pn[t]['suspended']} suspended)"
+                                     for t in ("host", "disk"))
+              + f"  expired {pn['expired']}  refused {pn['refused']}")
     g = st.get("gc")
     if g and g["managed"]:
         print(f"gc managed: {g['passes']} passes (longest {g['max_pass_ms']:.1f} ms), "
@@ -276,6 +283,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    import time
+
     tree = _admin_call(args, "ls", {"depth": args.depth})
     if args.json:
         print(json.dumps(tree))
@@ -293,6 +302,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 show(n["children"], indent + 1)
 
         show(ns["tree"], 1)
+        for pin in ns.get("pins", ()):
+            until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(pin["expires_at"]))
+            print(f"  pin {pin['key'][:16]}  {pin['tier']}  {pin['pages']} pages  until {until}  "
+                  f"priority {pin['priority']}" + ("" if pin["active"] else "  (suspended: over quota)"))
     return 0
 
 
@@ -336,6 +349,12 @@ def cmd_quota(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_pins(args: argparse.Namespace) -> int:
+    from hicache.cli_pins import run
+
+    return run(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from hicache.bench.cli import run
 
@@ -343,7 +362,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"bench": cmd_bench, "serve": cmd_serve, "stats": cmd_stats, "ls": cmd_ls, "evict": cmd_evict, "flush": cmd_flush,
-            "demo": cmd_demo, "doctor": cmd_admin, "export": cmd_admin, "import": cmd_admin, "quota": cmd_quota}
+            "demo": cmd_demo, "doctor": cmd_admin, "export": cmd_admin, "import": cmd_admin, "quota": cmd_quota,
+            "pin": cmd_pins, "unpin": cmd_pins}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -287,6 +287,10 @@ class Config:
     index_clock: str = "wall"
     prefetch_timeout_s: float = 0.05
     put_lease_s: float = 60.0  # a host put (puts.py) nobody finishes is dropped after this long
+    # Pinned prefixes (hicache/index/pins.py): the share of a tier's capacity one namespace
+    # may keep pinned there, and the longest a pin may last
+    pin_max_share: float = 0.25
+    pin_max_ttl_s: float = 86400.0
     disk_queue_pages: int = 1024  # queued disk writes before write-through skips (counted)
     allowed_uids: tuple[int, ...] = ()  # empty = the daemon's uid and root
     allowed_gids: tuple[int, ...] = ()
@@ -356,6 +360,8 @@ class Config:
             raise ConfigError("remote_ttl_s and remote_negative_ttl_s must be >= 0, remote_queue_pages > 0")
         if self.remote_publish_pages < 0:
             raise ConfigError("remote_publish_pages must be >= 0")
+        if not 0 <= self.pin_max_share <= 1 or not self.pin_max_ttl_s > 0:
+            raise ConfigError("pin_max_share must be in [0, 1] and pin_max_ttl_s > 0")
         if not 0 <= self.remote_write_hold_s <= 600:
             raise ConfigError("remote_write_hold_s must be in [0, 600]")
         if not 0 <= self.metrics_port < 65536:

@@ -7,6 +7,7 @@ import platform
 import sys
 import time
 
+from hicache.bench.pin_bench import add_arguments as pin_arguments
 from hicache.bench.plot import plot, plot_file, require_matplotlib
 from hicache.bench.report import print_rows
 from hicache.bench.sglang_serve_bench import add_arguments as sglang_serve_arguments
@@ -149,6 +150,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--turns", type=int, default=4)
     _add_plot(b, "prefill tokens computed and TTFT per setup")
 
+    b = bench("pins", "pinned prefixes' hit rate under a flood of one-shot prompts, with pins vs without")
+    pin_arguments(b)
+
     b = benches.add_parser("plot", help="draw the chart of a saved `hicache bench trace|vllm|multiturn --json` output")
     b.add_argument("results", help="the file the bench's --json output went to")
     b.add_argument("out", metavar="FILE", help="the chart to write (.png or .svg)")
@@ -220,6 +224,9 @@ def run(args: argparse.Namespace) -> int:
     elif args.bench == "pauses":
         from hicache.bench.pause_bench import run as go
         rows = go(args.nodes, args.seconds, args.workdir)
+    elif args.bench == "pins":
+        from hicache.bench.pin_bench import run as go
+        rows = go(args)
     elif args.bench == "multiturn":
         from hicache.bench.multiturn_bench import run as go
         rows = go(args)

@@ -31,6 +31,7 @@ from hicache.state_layout import StateLayout
 from hicache.rpc.framing import bytes_to_ids, ids_to_bytes
 from hicache.client.connection import RpcConnection, _close_fd
 from hicache.client.deadlines import CallDeadlines
+from hicache.client.hints import RetainHint
 from hicache.client.peer import trusted_daemon_uids
 from hicache.client.reconnect import Reconnector
 from hicache.tiers.arena import HostArena
@@ -563,6 +564,37 @@ class HiCacheClient:
         except DaemonUnavailable:
             return EMPTY, None
         return bytes_to_ids(r["free_pages"]), self._plan(r["backup"])
+
+    # -- retention hints (hicache/client/hints.py) -------------------------------------
+    def pin(self, hint: RetainHint, tokens: Any = None, *, keys: list[bytes] | None = None,
+            wait: bool = True) -> dict | None:
+        """Keep the stored part of a prefix in `hint.tier` for `hint.ttl_s` seconds. Returns
+        the daemon's answer (pages pinned, expiry), None when the daemon is away, refused
+        (not stored, over the namespace's bound; logged) or with `wait=False`."""
+        if keys is None:
+            keys = self.page_keys(tokens)
+        if not keys:
+            return None
+        params = {"engine": self.engine_id, "keys": b"".join(keys), **hint.params()}
+        if not wait:
+            self._post("pin", params)
+            return None
+        try:
+            return self._call("pin", params, self.deadlines.update_s)
+        except DaemonUnavailable:
+            return None
+
+    def unpin(self, tokens: Any = None, *, keys: list[bytes] | None = None, tier: str | None = None) -> int:
+        """Drop the pins of the prefix (in `tier`, or both); how many went (0 when away)."""
+        if keys is None:
+            keys = self.page_keys(tokens)
+        params: dict[str, Any] = {"engine": self.engine_id, "keys": b"".join(keys)}
+        if tier is not None:
+            params["tier"] = tier
+        try:
+            return int(self._call("unpin", params, self.deadlines.update_s)["removed"]) if keys else 0
+        except DaemonUnavailable:
+            return 0
 
     def stats(self) -> dict:
         """The daemon's stats (connecting now if needed); DaemonUnavailable when it is away."""

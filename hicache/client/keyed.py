@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hicache.client.client import HiCacheClient
+from hicache.client.hints import RetainHint
 from hicache.errors import DaemonUnavailable
 from hicache.index.keys import KEY_BYTES, page_keys
 from hicache.rpc.framing import bytes_to_ids
@@ -107,6 +108,11 @@ class KeyedPagesClient:
             return None
         r = self._call("store_done", {"store": reserved.store_id, "ok": ok}, self.client.deadlines.update_s)
         return None if r is None else int(r["stored"])
+
+    def pin(self, keys: list[bytes], hint: RetainHint) -> dict | None:
+        """Keep the chain ending at keys[-1] (SGLang: the page names' keys, `named_page`) per
+        `hint`; None when the daemon is away or refused (logged)."""
+        return self._call("pin", {"keys": b"".join(keys), **hint.params()}, self.client.deadlines.update_s)
 
     def mapped(self, host_pages: np.ndarray) -> bool:
         """Whether every slot lies in a slab mapped here (never touch one that does not)."""

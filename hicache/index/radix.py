@@ -264,6 +264,21 @@ class RadixIndex:
             node, i = child, i + j
         return node, i
 
+    def stored_prefix(self, keys: list[bytes]) -> tuple[TreeNode, int]:
+        """As host_prefix, for the leading run of `keys` the daemon holds itself (a host
+        copy or on disk): what a pin can keep (hicache/index/pins.py)."""
+        keys = check_keys(keys)
+        node, i, n = self.root, 0, len(keys)
+        while i < n:
+            child = node.children.get(keys[i])
+            if child is None or (child.host is None and not child.on_disk):
+                break
+            j = _common_pages(child.keys, keys, i)
+            if j < len(child.keys):
+                return self._split(child, j), i + j
+            node, i = child, i + j
+        return node, i
+
     def extend_host(self, parent: TreeNode, keys: list[bytes], tokens: np.ndarray,
                     host_pages: np.ndarray) -> InsertResult:
         """insert() of host-resident pages continuing the path that ends at `parent` (a

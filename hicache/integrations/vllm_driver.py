@@ -9,7 +9,8 @@ SPEC: {"model": dir, "socket": path or null (no connector), "block_size": 32,
        "reset_between_rounds": true, "corrupt_load": false, "fail_load": false, "kv_cache_bytes": 67108864,
        "kill_in_round" | "stop_in_round": k, "cont_before_round": k2, "fault_delay_s": 0.02,
        "daemon_pid": pid, "kv_events_endpoint": "tcp://127.0.0.1:PORT", "extra_config": {...},
-       "pause_dir": dir, "pause_before_rounds": [k, ...]}
+       "pause_dir": dir, "pause_before_rounds": [k, ...],
+       "kv_transfer_params": [[params or null per prompt] or null, per round] (e.g. hicache's retention hint)}
 or, for concurrent conversations through AsyncLLM (hicache/integrations/vllm_async_driver.py),
       {"arrivals": "poisson", "conversations": [[turn prompts], ...], "gaps": [[seconds], ...], ...}
 
@@ -124,7 +125,16 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         if spec.get("cont_before_round") == i:
             os.kill(int(spec["daemon_pid"]), signal.SIGCONT)
         t = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        per_prompt = (spec.get("kv_transfer_params") or {})
+        per_prompt = per_prompt[i] if i < len(per_prompt) else None
+        if per_prompt:  # each request its own kv_transfer_params, as an API server passes them on
+            params_of = [params if kv is None else params.clone() for kv in per_prompt]
+            for sp, kv in zip(params_of, per_prompt):
+                if kv is not None:
+                    sp.extra_args = {"kv_transfer_params": kv}
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params_of, use_tqdm=False)
+        else:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         wall = time.perf_counter() - t
         rounds.append({"outputs": [list(o.outputs[0].token_ids) for o in outs],
                        "cached": [o.num_cached_tokens for o in outs],

@@ -43,7 +43,8 @@ METHODS = ("hello", "register", "unregister", "match", "load", "load_done", "map
            "doctor", "export_open", "export_next", "import_open", "import_pages", "remote_flush", "settle",
            "put", "put_done",  # host puts (hicache/daemon/ingest/puts.py)
            "exists", "fetch", "store", "store_done",  # keyed pages (hicache/daemon/ingest/keyed.py)
-           "quota_set", "quota_clear", "quota_list")  # tenant quotas (hicache/daemon/serve/quota_rpc.py)
+           "quota_set", "quota_clear", "quota_list",  # tenant quotas (hicache/daemon/serve/quota_rpc.py)
+           "pin", "unpin")  # pinned prefixes (hicache/daemon/serve/pin_rpc.py)
 # Costly admin calls that wipe what the sequences build: drawn less often.
 RARE = {"flush": 0.15, "evict_tier": 0.3, "doctor": 0.3, "subscribe": 0.3, "unregister": 0.3, "remote_flush": 0.3, "settle": 0.3,
         "quota_set": 0.3, "quota_clear": 0.3}
@@ -53,7 +54,7 @@ INTS = [0, 1, -1, 2, 3, 7, 16, 255, 4096, 65535, 2**31 - 1, 2**31, -2**31, 2**32
 PARAM_NAMES = ("version", "want_arena", "model", "layout", "device_pages", "tp_rank", "tp_size", "extra_key",
                "state", "engine", "keys", "tokens", "pin", "states", "backup", "ok", "num_pages", "tier",
                "bytes", "depth", "namespace", "export", "max_bytes", "header", "import", "data", "have",
-               "store", "put", "min", "max")
+               "store", "put", "min", "max", "ttl_s", "priority", "key")
 
 
 @dataclass(slots=True)
@@ -290,6 +291,21 @@ class FrameFuzzer:
                 p["tokens"] = toks[:len(keys) * ps].astype("<i4").tobytes()
                 if r.random() < 0.5:  # the page before the batch: stored, unknown, or malformed
                     p["parent"] = r.choice([keys[-1] if keys else r.randbytes(16), r.randbytes(16), r.randbytes(5)])
+            return p
+        if method in ("pin", "unpin"):  # a prefix an engine stored (or not), by keys or tokens
+            ps = eng.layout.page_size if eng else 4
+            toks = self._tokens(r.randrange(0, 12), ps, eng)
+            p = {"engine": eid} if r.random() < 0.7 else {"namespace": r.choice(ctx.namespaces or ["fuzz-a"])[:8]}
+            if r.random() < 0.5:
+                p["keys"] = b"".join(page_keys(eng.salt if eng else r.randbytes(16), toks, ps))
+            else:
+                p["tokens"] = toks.astype("<i4").tobytes()
+            if r.random() < 0.7:
+                p["tier"] = r.choice(["host", "disk"])
+            if method == "pin":
+                p["ttl_s"] = r.choice([0.01, 1, 60.0, 3600])
+                if r.random() < 0.5:
+                    p["priority"] = r.randrange(-5, 6)
             return p
         if method == "put":  # a chained prefix, as insert sends it, without device pages
             ps = eng.layout.page_size if eng else 4

@@ -269,6 +269,13 @@ class DiskMover:
         for node in todo:  # parents before children: the order the tier must commit them in
             self._write_path(ns, node, view, writing)
 
+    def write_pinned(self, ns: NamespaceState, node: TreeNode) -> None:
+        """A disk pin (hicache/index/pins.py) on pages not on disk yet: written now, whatever
+        the placement and the admission say."""
+        if node.on_disk or node.host is None or not self._remember(ns):
+            return
+        self._write_path(ns, node, self._host_view(ns), self._nodes_in_flight())
+
     def _nodes_in_flight(self) -> set[int]:
         return {id(w.node) for w in self.writes.values()}
 

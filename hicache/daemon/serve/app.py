@@ -26,6 +26,8 @@ from hicache.config import Config, format_size, private_socket_dir
 from hicache.daemon.serve.gc_steward import GcSteward
 from hicache.daemon.serve.handlers import ADMIN_METHODS, build_handlers
 from hicache.daemon.core.host_tier import HostTier
+from hicache.daemon.core.pin_file import PinFile
+from hicache.daemon.core.retention import Retention
 from hicache.daemon.hybrid.states import HybridStates
 from hicache.daemon.ingest.puts import HostPuts
 from hicache.daemon.core.quotas import TenantQuotas
@@ -115,6 +117,7 @@ class Daemon:
         self.remote: Any = None  # RemoteMover with --remote-url
         self.hybrid: HybridStates | None = None  # state checkpoints of hybrid models
         self.puts: HostPuts | None = None  # host-direct stores of engines with their own device cache
+        self.retention: Retention | None = None  # pinned prefixes (hicache/index/pins.py)
         self.instance = os.urandom(8).hex()  # tells engines a restarted daemon (a new arena) from this one
         self._stop: asyncio.Event | None = None
         self._bound_path: Path | None = None
@@ -183,6 +186,15 @@ class Daemon:
         else:
             log.info("disk tier: off")
         self.hybrid.attach_disk(self.disk.tier if self.disk is not None else None, loop)
+        # after the disk rebuild: the pins saved next to it are applied to the restored index
+        self.retention = Retention(self.service, host_capacity=self.host.capacity_bytes,
+                                   disk_capacity=cfg.disk_capacity if self.disk is not None else 0,
+                                   max_share=cfg.pin_max_share, max_ttl_s=cfg.pin_max_ttl_s,
+                                   pin_file=PinFile(cfg.state_dir) if self.disk is not None else None,
+                                   within_quota=self._pins_within_quota)
+        if self.disk is not None:
+            self.retention.write_pinned = self.disk.write_pinned
+            self.retention.restore()
         if remote_store is not None:
             from hicache.daemon.movers.remote_mover import RemoteMover  # the remote tier is optional
 
@@ -224,6 +236,7 @@ class Daemon:
             self._spawn(self._refresh_metrics())
             log.info("metrics on %s", self._metrics_http.url)
         self._spawn(self.puts.sweep(min(1.0, cfg.put_lease_s / 4)))
+        self._spawn(self.retention.sweep())
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
         if self.notifier.watchdog_interval_s:
@@ -235,6 +248,13 @@ class Daemon:
             self._spawn(self.gc.run())
         self.notifier.ready(f"serving; host {format_size(self.host.capacity_bytes)}")
 
+
+    def _pins_within_quota(self, salt: bytes, tier: Tier) -> bool:
+        """The pins' question to the tenant quotas: a namespace over its maximum share of a
+        tier has its pins there given up, lowest priority first (hicache/index/pins.py)."""
+        ns = self.service.namespaces.get(salt)
+        quotas = self.service.quotas
+        return ns is None or quotas is None or quotas.within_quota(ns, tier)
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
@@ -327,6 +347,8 @@ class Daemon:
             loop.remove_signal_handler(sig)
         if self.server is not None:
             await self.server.drain(self.config.drain_timeout_s)
+        if self.retention is not None:
+            self.retention.save()
         if self.remote is not None:  # queued remote writes are best effort: not waited for
             await asyncio.to_thread(self.remote.close)
         if self.disk is not None:
@@ -382,6 +404,7 @@ class Daemon:
                 "write_policy": svc.write_policy.value,
                 "eviction_policy": svc.eviction_policy.name, "tiers": tiers, "engines": engines,
                 "namespaces": len(svc.namespaces), "pins": len(svc.pins), "pending_backups": len(svc.backups),
+                "pinned": self.retention.stats() if self.retention is not None else None,
                 "requests": {"matches": c.matches, "requested_pages": c.requested_pages,
                              "inserts": c.inserts, "inserted_pages": c.inserted_pages,
                              "loaded_pages": c.loaded_pages, "backups": c.backups_planned,

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from hicache.config import Config
     from hicache.daemon.core.host_tier import HostTier
+    from hicache.daemon.core.retention import Retention
     from hicache.daemon.hybrid.states import HybridStates
     from hicache.daemon.ingest.puts import HostPuts
     from hicache.daemon.core.service import CacheService
@@ -30,6 +31,7 @@ class DaemonContext(Protocol):
     remote: Any  # RemoteMover with --remote-url (redis-py stays optional)
     hybrid: HybridStates | None
     puts: HostPuts | None
+    retention: Retention | None  # pinned prefixes
     instance: str  # random per daemon start: a new instance has a new arena
 
     def stats(self) -> dict: ...

@@ -24,6 +24,7 @@ import numpy as np
 from hicache import __version__
 from hicache.daemon.hybrid.states import state_layout_param
 from hicache.daemon.serve.keyed_rpc import keyed_handlers
+from hicache.daemon.serve.pin_rpc import pin_handlers
 from hicache.daemon.serve.portable import portable_handlers
 from hicache.daemon.serve.quota_rpc import QUOTA_METHODS, quota_handlers
 from hicache.daemon.movers.state_dir import allocated_bytes
@@ -310,7 +311,10 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
     async def ls(conn: Connection, p: dict) -> Any:
         depth = _int(p, "depth", 0, MAX_DEPTH, 2)
         spaces = [ns for ns in svc.namespaces.values() if conn.admin or ns.salt.hex() in conn.namespaces]
-        return await tree_summary(spaces, depth)
+        out = await tree_summary(spaces, depth)
+        for ns, entry in zip(spaces, out["namespaces"]):
+            entry["pins"] = daemon.retention.listing(ns.salt)
+        return out
 
     async def settle(conn: Connection, p: dict) -> Any:
         """Wait until every disk write and delete queued so far is committed and no write is
@@ -392,4 +396,4 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
             "state_backup_done": state_backup_done,
             "evict": evict, "stats": stats, "flush": flush, "settle": settle, "evict_tier": evict_tier, "ls": ls,
             "subscribe": subscribe, "doctor": doctor, "remote_flush": remote_flush, **portable_handlers(daemon),
-            **keyed_handlers(daemon, keys_of), **quota_handlers(daemon)}
+            **keyed_handlers(daemon, keys_of), **quota_handlers(daemon), **pin_handlers(daemon, keys_of)}

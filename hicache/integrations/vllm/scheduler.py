@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hicache.client.client import HiCacheClient, Match, PutPlan
+from hicache.client.hints import RetainHint
 from hicache.client.deadlines import CallDeadlines
 from hicache.integrations.request_keys import RequestKeys
 from hicache.integrations.vllm.layout import EngineShape
@@ -62,6 +63,7 @@ class _Req:
     puts: dict[int, tuple[int, PutPlan]] = field(default_factory=dict)  # put id -> (rank, plan), not reported
     finished: bool = False  # vLLM finished it; kept while its saves run
     load_failed: bool = False  # an async load failed: vLLM recomputes it, we offer it nothing more
+    hint: RetainHint | None = None  # kv_transfer_params {"hicache": {...}}: pin the prompt once stored
 
 
 def request_extras(request: Any) -> tuple[list[str], list[tuple[str, int, int]]] | None:
@@ -79,6 +81,17 @@ def request_extras(request: Any) -> tuple[list[str], list[tuple[str, int, int]]]
     items = [(str(f.identifier), int(f.mm_position.offset), int(f.mm_position.length))
              for f in (getattr(request, "mm_features", None) or [])]
     return extras, items
+
+
+def request_hint(request: Any) -> RetainHint | None:
+    """The retention hint a request carries in kv_transfer_params (vLLM fills them from
+    SamplingParams.extra_args["kv_transfer_params"]); a malformed one is logged and
+    ignored: a cache hint never fails a request."""
+    try:
+        return RetainHint.from_transfer_params(getattr(request, "kv_transfer_params", None))
+    except ValueError as e:
+        log.warning("request %s: hicache hint ignored: %s", getattr(request, "request_id", "?"), e)
+        return None
 
 
 class SchedulerSide:
@@ -113,8 +126,21 @@ class SchedulerSide:
                 return None
             keys = {r: RequestKeys(c.salt, self.page_size, extras=ex[0], items=ex[1])
                     for r, c in self.clients.items()}
-            st = self.reqs[request.request_id] = _Req(request, keys)
+            st = self.reqs[request.request_id] = _Req(request, keys, hint=request_hint(request))
         return st
+
+    def _pin_prompt(self, st: _Req) -> None:
+        """The request finished and its saves are reported: pin its prompt's stored pages
+        as its hint asks. Posted after the puts' put_done, which the daemon handles first."""
+        if st.hint is None:
+            return
+        tokens = st.request.all_token_ids
+        prompt = getattr(st.request, "num_prompt_tokens", len(tokens))
+        n = min(st.saved_pages, prompt // self.page_size)
+        if n <= 0:
+            return
+        for r, c in self.clients.items():
+            c.pin(st.hint, keys=st.keys[r].upto(tokens, n), wait=False)
 
     def _release(self, st: _Req) -> None:
         for r, m in st.matches.items():
@@ -302,7 +328,7 @@ class SchedulerSide:
             del st.puts[put_id]
             self.clients[rank].put_done(plan, ok, wait=False)
         for req_id in [r for r, st in self.reqs.items() if st.finished and not st.puts]:
-            del self.reqs[req_id]
+            self._pin_prompt(self.reqs.pop(req_id))
 
     def request_finished(self, request: Any) -> bool:
         """True: the blocks stay until the workers report the request's saves done."""
@@ -314,7 +340,7 @@ class SchedulerSide:
             st.finished = True
             self.delayed.append(request.request_id)
             return True
-        del self.reqs[request.request_id]
+        self._pin_prompt(self.reqs.pop(request.request_id))
         return False
 
     def has_pending_saves(self) -> bool:
