@@ -1,6 +1,7 @@
 """The tier movers: pages between the host tier and the tiers below it.
 
-disk_mover.py (write-through, demotion, prefetch, the rebuild at startup),
+disk_mover.py (write-through, demotion, prefetch, the rebuild at startup), disk_jobs.py
+(its writes and prefetches in flight),
 disk_namespaces.py (the namespaces file the rebuild reads), disk_startup.py
 (opening the LMDB tier, quarantining a damaged one), state_dir.py (the daemon's
 private state directory), remote_mover.py (the shared remote tier, Redis / Valkey

@@ -55,7 +55,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +62,7 @@ import numpy as np
 
 from hicache.config import Config
 from hicache.daemon.core.service import CacheService, NamespaceState, Pin, path_with_offsets
+from hicache.daemon.movers.disk_jobs import DiskWrite, PageViews, Prefetch
 from hicache.daemon.movers.disk_namespaces import NAMESPACES_FILE, NamespaceFile
 from hicache.daemon.movers.disk_startup import Quarantine, open_tier
 from hicache.daemon.movers.state_dir import prepare_state_dir
@@ -74,44 +74,6 @@ from hicache.tiers.disk_format import footprint
 
 log = logging.getLogger(__name__)
 
-@dataclass(slots=True, frozen=True)
-class _PageViews:
-    """Zero-copy views of one page size's slots in the arena (the daemon never imports torch)."""
-
-    arena: np.ndarray
-    page_bytes: int
-
-    def page_view(self, slot: int) -> memoryview:
-        return memoryview(self.arena[slot * self.page_bytes:(slot + 1) * self.page_bytes])
-
-
-@dataclass(slots=True, eq=False)
-class _Write:
-    ns: NamespaceState
-    node: TreeNode  # write-through: HOST- and DISK-locked while the write is in flight
-    keys: list[bytes]  # the node's keys when queued (a split may shorten node.keys)
-    start: int
-    end: int
-    remaining: int
-    ok: bool = True
-    started: float = 0.0
-    demote: bool = False  # flagged on disk when queued; not locked (its host copy is going)
-
-
-@dataclass(slots=True, eq=False)
-class Prefetch:
-    """Disk -> host reads for the disk part of one match."""
-
-    nodes: list[tuple[TreeNode, int]]  # (node, end of its pages relative to the disk part), in path order
-    host_pages: np.ndarray  # one per page of `nodes`, in order
-    future: asyncio.Future | None
-    loaded_pages: int = 0  # contiguous pages now host-resident and HOST-locked by the pin
-    done: bool = False
-    last_node: TreeNode | None = None
-    started: float = field(default_factory=time.monotonic)
-    promoted: list[TreeNode] = field(default_factory=list)  # exclusive placement: disk copies to drop
-
-
 class DiskMover:
     def __init__(self, config: Config, service: CacheService, tier: DiskTier, loop: asyncio.AbstractEventLoop
                  ) -> None:
@@ -122,7 +84,7 @@ class DiskMover:
         self.capacity_bytes = config.disk_capacity
         self.inflight_bytes = 0
         self.inflight_by_ns: dict[bytes, int] = {}  # write-through bytes in flight per salt (quotas count them)
-        self.writes: dict[int, _Write] = {}
+        self.writes: dict[int, DiskWrite] = {}
         self._wid = 0
         self.skipped_writes = 0
         self.demoted_pages = 0
@@ -213,8 +175,8 @@ class DiskMover:
         return restored
 
     # -- host -> disk ----------------------------------------------------------------
-    def _host_view(self, ns: NamespaceState) -> _PageViews:
-        return _PageViews(self.service.host.arena.array, ns.page_class.page_bytes)
+    def _host_view(self, ns: NamespaceState) -> PageViews:
+        return PageViews(self.service.host.arena.array, ns.page_class.page_bytes)
 
     def _page_budget(self, ns: NamespaceState) -> int:
         """The page bytes the disk tier's map holds, at this namespace's footprint per
@@ -294,7 +256,7 @@ class DiskMover:
         chain.reverse()
         return chain
 
-    def _write_path(self, ns: NamespaceState, node: TreeNode, view: _PageViews, writing: set[int]) -> bool:
+    def _write_path(self, ns: NamespaceState, node: TreeNode, view: PageViews, writing: set[int]) -> bool:
         """Queue `node` (host-resident, not on disk) for writing through, after whatever
         of its path above is not on disk yet; False when it could not be queued."""
         if id(node) in writing:  # queued already (as the parent of an earlier one)
@@ -310,14 +272,14 @@ class DiskMover:
                 self.skipped_writes += node.n_pages if x is not node else x.n_pages
                 return False
             pos = path_with_offsets(x)[-1][1]
-            write = _Write(ns, x, x.keys, pos, pos + x.n_pages, x.n_pages, started=time.monotonic())
+            write = DiskWrite(ns, x, x.keys, pos, pos + x.n_pages, x.n_pages, started=time.monotonic())
             ns.index.lock(x, Tier.HOST)  # its slots stay put under the writer
             ns.index.lock(x, Tier.DISK)  # no ancestor leaves the disk before this commits
             self._queue(write, view, page_bytes, copy=False)
             writing.add(id(x))
         return True
 
-    def _queue(self, write: _Write, view: _PageViews, page_bytes: int, copy: bool) -> int:
+    def _queue(self, write: DiskWrite, view: PageViews, page_bytes: int, copy: bool) -> int:
         """Queue the node's pages in order; after the first refusal the rest are
         refused too (a page is never written without the one before it)."""
         self._wid += 1
@@ -404,7 +366,7 @@ class DiskMover:
                 self.skipped_writes += node.n_pages
                 continue
             pos = path_with_offsets(node)[-1][1]
-            write = _Write(ns, node, node.keys, pos, pos + node.n_pages, node.n_pages, started=time.monotonic(),
+            write = DiskWrite(ns, node, node.keys, pos, pos + node.n_pages, node.n_pages, started=time.monotonic(),
                            demote=True)
             queued = self._queue(write, view, page_bytes, copy=True)  # the slots are reused right after this
             if queued == node.n_pages:

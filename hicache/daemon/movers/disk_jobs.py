@@ -1,0 +1,53 @@
+"""What the disk mover has in flight: a node's pages on their way to disk, the reads of a
+match's disk part into host pages, and the arena views the writes copy from."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hicache.daemon.core.service import NamespaceState
+from hicache.index.radix import TreeNode
+
+
+@dataclass(slots=True, frozen=True)
+class PageViews:
+    """Zero-copy views of one page size's slots in the arena (the daemon never imports torch)."""
+
+    arena: np.ndarray
+    page_bytes: int
+
+    def page_view(self, slot: int) -> memoryview:
+        return memoryview(self.arena[slot * self.page_bytes:(slot + 1) * self.page_bytes])
+
+
+@dataclass(slots=True, eq=False)
+class DiskWrite:
+    """One node's pages on their way to disk (write-through or demotion)."""
+
+    ns: NamespaceState
+    node: TreeNode  # write-through: HOST- and DISK-locked while the write is in flight
+    keys: list[bytes]  # the node's keys when queued (a split may shorten node.keys)
+    start: int
+    end: int
+    remaining: int
+    ok: bool = True
+    started: float = 0.0
+    demote: bool = False  # flagged on disk when queued; not locked (its host copy is going)
+
+
+@dataclass(slots=True, eq=False)
+class Prefetch:
+    """Disk -> host reads for the disk part of one match."""
+
+    nodes: list[tuple[TreeNode, int]]  # (node, end of its pages relative to the disk part), in path order
+    host_pages: np.ndarray  # one per page of `nodes`, in order
+    future: asyncio.Future | None
+    loaded_pages: int = 0  # contiguous pages now host-resident and HOST-locked by the pin
+    done: bool = False
+    last_node: TreeNode | None = None
+    started: float = field(default_factory=time.monotonic)
+    promoted: list[TreeNode] = field(default_factory=list)  # exclusive placement: disk copies to drop
