@@ -65,7 +65,9 @@ def pin_handlers(daemon: DaemonContext, keys_of: Any) -> dict[str, Any]:
         return keys
 
     def tier_of(p: dict, default: str | None) -> Any:
-        name = p.get("tier", default)
+        name = p.get("tier")
+        if name is None:  # absent or nil: the default (pin: host; unpin: every tier)
+            name = default
         if name is None:
             return None
         if not isinstance(name, str) or name not in PIN_TIERS:
