@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 import statistics
 import subprocess
@@ -136,6 +137,23 @@ def test_hicache_computes_only_the_new_tokens_of_warm_turns(measured):
     assert "connector time in steps, cold (turn 1) [none]" not in table
     share = table["connector time in steps / cold TTFT of vLLM alone [hicache]"]["value"]
     assert share == pytest.approx(steps[0] * 1e3 / table["ttft mean, cold (turn 1) [none]"]["value"])
+
+
+def test_rows_of_a_peer_without_step_times_say_not_exposed():
+    from hicache.bench.vllm_bench import Measured, rows
+
+    def run(name: str, ttft: float, step_s: list[float] | None) -> Measured:
+        reqs = [{"conversation": 0, "turn": t, "outputs": [1], "cached": 0, "ttft": ttft, "prompt_tokens": 64}
+                for t in (0, 1)]
+        return Measured(name, reqs, 2.0, 1.0, 1.0, {}, step_s)
+
+    measured = {"none": run("none", 0.5, None), "hicache": run("hicache", 0.5, [0.01, 0.02]),
+                "lmcache": run("lmcache", 0.5, None)}
+    table = {r["name"]: r for r in rows(measured, 16384, poisson=False)}
+    assert table["connector time in steps, cold (turn 1) [hicache]"]["value"] == pytest.approx(10.0)
+    assert table["connector time in steps, warm (turns 2+) [hicache]"]["value"] == pytest.approx(20.0)
+    assert math.isnan(table["connector time in steps, cold (turn 1) [lmcache]"]["value"])
+    assert table["connector time in steps / cold TTFT of vLLM alone [hicache]"]["value"] == pytest.approx(0.02)
 
 
 @pytest.mark.slow
