@@ -112,6 +112,8 @@ def test_lookups_of_an_engine_that_stores_by_puts_teach_the_admission(daemon_fac
                        env={"HICACHE_LOAD_POLICY": "wait_complete", "HICACHE_DISK_ADMISSION": "reuse"}).start()
     c = HiCacheClient(layout, 64, model="m", socket_path=d.socket, timeout_s=30.0)
     assert c.connect()
+    admin = RpcConnection.connect(d.socket, timeout_s=60)
+    admin.hello()
 
     def prompt(seed: int) -> np.ndarray:
         return np.random.default_rng(seed).integers(0, 30000, 8 * 16, dtype=np.int32)  # 8 pages
@@ -126,6 +128,9 @@ def test_lookups_of_an_engine_that_stores_by_puts_teach_the_admission(daemon_fac
         for i, slot in enumerate(plan.host_pages):
             c.arena.array[slot * pb:(slot + 1) * pb] = (seed * 31 + plan.present + i) % 251
         assert c.put_done(plan) is not None
+        # the disk writes of this request end before the next one: a write in flight keeps its
+        # pages HOST-locked, so how far the flood evicts would follow the writer thread's speed
+        assert admin.call("settle", {"timeout_s": 30})["settled"]
 
     for seed in range(1, 21):  # one-shot prompts fill the disk while it has room
         serve(seed)
@@ -142,3 +147,4 @@ def test_lookups_of_an_engine_that_stores_by_puts_teach_the_admission(daemon_fac
         assert (c.arena.array[slot * pb:(slot + 1) * pb] == (100 * 31 + i) % 251).all()
     c.release(m)
     c.close()
+    admin.close()
