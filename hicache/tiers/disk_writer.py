@@ -151,6 +151,7 @@ class DiskWriter:
         self._skipped_disabled = 0
         self._touches: dict[bytes, float] = {}
         self._closing = False
+        self._writer_waiting = False  # in _take_batch's wait: puts notify only then
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="hicache-disk-hash")
         self._thread = threading.Thread(target=self._main, name="hicache-disk-writer", daemon=True)
         self._thread.start()
@@ -173,7 +174,8 @@ class DiskWriter:
             self._queued_pages += 1
             self._queued_bytes += page.nbytes
             self._puts += 1
-            self._cond.notify()
+            if self._writer_waiting:  # a notify costs ~0.5 us of Python; only a waiting writer needs one
+                self._cond.notify()
         return True
 
     def delete(self, keys: list[bytes]) -> None:
@@ -275,26 +277,35 @@ class DiskWriter:
         cfg = self.config
         with self._cond:
             while not self._queue and not self._closing:
-                if not self._cond.wait(cfg.touch_interval_s) and self._touches:
-                    return [], False
+                self._writer_waiting = True
+                try:
+                    if not self._cond.wait(cfg.touch_interval_s) and self._touches:
+                        return [], False
+                finally:
+                    self._writer_waiting = False
             ops: list = []
             n_bytes = 0
             n_keys = 0  # puts and deleted keys: each copies up to a B-tree path per database
-            while self._queue and n_keys < self.batch_ops and n_bytes < self.batch_limit:
-                op = self._queue.popleft()
-                if isinstance(op, DeleteOp) and n_keys + len(op.keys) > self.batch_ops:
-                    room = max(1, self.batch_ops - n_keys)  # the rest waits for the next transaction
-                    self._queue.appendleft(DeleteOp(op.keys[room:]))
-                    op = DeleteOp(op.keys[:room])
-                ops.append(op)
-                n_keys += len(op.keys) if isinstance(op, DeleteOp) else 1
-                if isinstance(op, PutOp):
+            queue, psize, footprint = self._queue, self._psize, fmt.footprint
+            while queue and n_keys < self.batch_ops and n_bytes < self.batch_limit:
+                op = queue.popleft()
+                kind = type(op)
+                if kind is PutOp:  # the common case first
+                    ops.append(op)
+                    n_keys += 1
                     self._queued_pages -= 1
                     self._queued_bytes -= op.page.nbytes
-                    op.charge = fmt.footprint(op.page.nbytes, len(op.tokens) // 4, self._psize)
+                    op.charge = footprint(op.page.nbytes, len(op.tokens) // 4, psize)
                     n_bytes += op.charge
-                elif isinstance(op, BarrierOp):
-                    break  # commit everything before it, then release the waiter
+                    continue
+                if kind is DeleteOp and n_keys + len(op.keys) > self.batch_ops:
+                    room = max(1, self.batch_ops - n_keys)  # the rest waits for the next transaction
+                    queue.appendleft(DeleteOp(op.keys[room:]))
+                    op = DeleteOp(op.keys[:room])
+                ops.append(op)
+                n_keys += len(op.keys) if kind is DeleteOp else 1
+                if kind is BarrierOp:
+                    break  # commit everything before it, then release the waiter (a barrier ends a batch)
             return ops, self._closing and not self._queue
 
     def _run_batch(self, ops: list, force_touch: bool) -> None:
@@ -315,9 +326,8 @@ class DiskWriter:
                         p.on_done(p.key, ok)
                     except Exception:
                         log.exception("disk tier on_done callback failed")
-            for op in ops:
-                if isinstance(op, BarrierOp):
-                    op.done.set()
+            if ops and type(ops[-1]) is BarrierOp:  # only ever last (_take_batch)
+                ops[-1].done.set()
 
     def _write(self, ops: list, force_touch: bool) -> list[tuple[PutOp, bool]]:
         big = [op for op in ops if isinstance(op, PutOp) and op.digest is None and op.job is None
