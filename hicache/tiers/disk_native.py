@@ -1,6 +1,7 @@
 """The disk writer's put loop in C: one call writes a run of queued puts (parent
-check, budget check, XXH3, the meta record, whose insert is also the dedup
-lookup, then the page) inside the writer's open LMDB transaction, with the GIL
+check, dedup lookup, budget check, page, XXH3, meta record, in
+``DiskWriter._put``'s order, so LMDB allocates the map's pages as it does for
+the Python loop) inside the writer's open LMDB transaction, with the GIL
 released for the whole run.
 
 Why: py-lmdb drops the GIL in every call, and a thread that drops it waits to
@@ -68,9 +69,7 @@ typedef int (*hc_put_fn)(void *, unsigned, hc_val *, hc_val *, unsigned); /* mdb
 typedef uint64_t (*hc_hash_fn)(const void *, size_t);              /* XXH3_64bits */
 
 #define HC_NOTFOUND (-30798)
-#define HC_KEYEXIST (-30799)
 #define HC_RESERVE 0x10000
-#define HC_NOOVERWRITE 0x10
 #define HC_META_HEADER 72
 #define HC_PARENT_SCAN 16
 
@@ -197,29 +196,30 @@ static void hc_loop(hc_op *v, char *res, Py_ssize_t n, Py_ssize_t lo, void *txn,
                 if (rc) { hc_stop(st, lo + i, 2, rc); return; }
             }
         }
+        rc = get(txn, meta, &k, &d);
+        if (rc == 0) {
+            if (hc_same(&d, o)) {
+                res[i] = 2; st->dedup_puts++; st->put_bytes_done += o->page.len;
+                continue;
+            }
+            hc_stop(st, lo + i, 1, 0); return;  /* another namespace's or size's record: Python replaces it */
+        }
+        if (rc != HC_NOTFOUND) { hc_stop(st, lo + i, 2, rc); return; }
         int64_t size = o->page.len, charge = o->charge;
         int64_t max_fp = charge > st->max_footprint ? charge : st->max_footprint;  /* kept once written */
         int64_t map_budget = st->map_size - st->headroom - 2 * (st->batch_limit + max_fp);
         if (st->used_bytes + size > st->capacity_bytes ||
             st->map_bytes - st->deleted_bytes + charge > map_budget) {
-            hc_stop(st, lo + i, 1, 0); return;  /* over a budget (or a duplicate): Python decides */
+            hc_stop(st, lo + i, 1, 0); return;  /* over a budget: the evict hook is Python's */
         }
         if (st->may_defer && st->map_bytes + st->freed_bytes + charge + st->headroom > st->map_size) {
             hc_stop(st, lo + i, 1, 0); return;  /* fits only once freed pages are reusable */
         }
-        uint64_t digest = hash(o->page.buf, (size_t)size);  /* LMDB's copy then finds it in cache */
-        /* One descent for the dedup lookup and the meta insert: NOOVERWRITE answers
-           KEYEXIST with the record on disk, and changes nothing then. */
+        hc_val pv = {(size_t)size, o->page.buf};
+        if ((rc = put(txn, pages, &k, &pv, 0))) { hc_stop(st, lo + i, 2, rc); return; }
+        uint64_t digest = hash(o->page.buf, (size_t)size);  /* the source, in cache after LMDB's copy */
         hc_val mv = {HC_META_HEADER + (size_t)o->tokens_len, NULL};
-        rc = put(txn, meta, &k, &mv, HC_RESERVE | HC_NOOVERWRITE);
-        if (rc == HC_KEYEXIST) {
-            if (hc_same(&mv, o)) {
-                res[i] = 2; st->dedup_puts++; st->put_bytes_done += size;
-                continue;
-            }
-            hc_stop(st, lo + i, 1, 0); return;  /* another namespace's or size's record: Python replaces it */
-        }
-        if (rc) { hc_stop(st, lo + i, 2, rc); return; }
+        if ((rc = put(txn, meta, &k, &mv, HC_RESERVE))) { hc_stop(st, lo + i, 2, rc); return; }
         unsigned char *m = mv.data;  /* disk_format.META_HEADER: "<16s16sQQQdIHH" + tokens */
         uint64_t zero = 0, usize = (uint64_t)size;
         uint32_t n_tokens = (uint32_t)(o->tokens_len / 4);
@@ -234,8 +234,6 @@ static void hc_loop(hc_op *v, char *res, Py_ssize_t n, Py_ssize_t lo, void *txn,
         memcpy(m + 68, &algo, 2);
         memcpy(m + 70, &flags, 2);
         memcpy(m + HC_META_HEADER, o->tokens, (size_t)o->tokens_len);
-        hc_val pv = {(size_t)size, o->page.buf};
-        if ((rc = put(txn, pages, &k, &pv, 0))) { hc_stop(st, lo + i, 2, rc); return; }
         st->max_footprint = max_fp;
         st->used_bytes += size;
         st->map_bytes += charge;
