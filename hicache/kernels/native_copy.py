@@ -12,10 +12,8 @@ than a streaming copy. Streaming suits copies far larger than the caches (the
 bytes would be evicted before use anyway); `ChunkCopier` picks it by total size.
 
 The library is compiled on first use with the system C compiler (`$CC`, else
-`cc`) into a per-user cache directory (`$HICACHE_NATIVE_DIR`, else
-`$XDG_CACHE_HOME/hicache` or `~/.cache/hicache`, mode 0700; one that another
-user owns or could write is passed over for a fresh temporary directory) and
-loaded with ctypes; no build step at install. Without a compiler, or with
+`cc`) into a per-user cache directory and loaded with ctypes
+(hicache/kernels/native_build.py); no build step at install. Without a compiler, or with
 `HICACHE_NATIVE_COPY=0`, `chunk_copy()` returns None and callers fall back to
 one `ctypes.memmove` per chunk: same bytes, slower.
 
@@ -26,18 +24,16 @@ forward copy); host arena and device pool never do.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
 import subprocess
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
+from hicache.kernels import native_build
 
 log = logging.getLogger(__name__)
 
@@ -165,44 +161,6 @@ def _load() -> NativeChunkCopy | None:
         return None
 
 
-def _cache_dir() -> Path:
-    if env := os.environ.get("HICACHE_NATIVE_DIR"):
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "hicache"
-
-
 def _build() -> Path:
     """The compiled library, built once per (source, compiler, machine) and reused."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise OSError("no C compiler (cc / gcc / $CC)")
-    key = hashlib.sha256(f"{_SOURCE}\0{cc}\0{platform.machine()}".encode()).hexdigest()[:16]
-    out_dir = _cache_dir()
-    try:
-        out_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        _check_private(out_dir)
-    except OSError as e:
-        log.debug("native copy cache %s not usable (%s): building in a private temporary directory", out_dir, e)
-        out_dir = Path(tempfile.mkdtemp(prefix="hicache-native-"))
-    lib = out_dir / f"copy_chunks-{key}.so"
-    if lib.exists():
-        _check_private(lib)
-        return lib
-    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        src = Path(tmp) / "copy_chunks.c"
-        src.write_text(_SOURCE)
-        built = Path(tmp) / "copy_chunks.so"
-        subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(built), str(src)],
-                       check=True, capture_output=True, timeout=120)
-        os.replace(built, lib)  # atomic: a concurrent builder's result is the same file
-    log.debug("built %s", lib)
-    return lib
-
-
-def _check_private(path: Path) -> None:
-    """Refuse (OSError) a cache entry another user could have written: the library
-    is loaded into engine processes."""
-    st = path.stat()
-    if st.st_uid != os.getuid() or st.st_mode & 0o022:
-        raise OSError(f"{path} is not private to this user (owner {st.st_uid}, mode {st.st_mode & 0o777:o})")
+    return native_build.build("copy_chunks", _SOURCE)

@@ -79,12 +79,14 @@ warm verified gets 0.68 / 1.19 / 0.84 / 0.84 / 0.77 of raw for 16 KiB / 64 KiB
 / 256 KiB / 1 MiB / 4 MiB pages, puts into freed pages 0.23 / 0.53 / 0.59 /
 0.74 / 0.73 (a second run: gets 0.73-1.14, puts 0.25-0.59). What is left is
 work raw does not do: per page, a meta lookup and put, ~3 us of put_async on
-the producer's thread, and GIL hand-offs (py-lmdb drops the GIL in every
-call; the writer's txn.put of a 64 KiB page averaged ~13 us, waiting for the
-producer, against ~6 us for raw's whole put); per byte, the XXH3 pass (~60
+the producer's thread, the writer's Python per page (taking the batch,
+on_done) and, on the Python loop, GIL hand-offs (py-lmdb drops the GIL in
+every call; the writer's txn.put of a 64 KiB page averaged ~13 us, waiting for
+the producer, against ~6 us for raw's whole put); per byte, the XXH3 pass (~60
 GB/s, against raw puts at 12-16 GB/s from cache-hot sources: 20-25% more CPU
-for 1-4 MiB pages on its own). On a busy machine the GIL hand-offs dominate small
-pages (16 KiB puts ~0.2 of raw, 2026-11-26); cold gets run at the device's
+for 1-4 MiB pages on its own). Runs of puts under 1 MiB therefore go through
+a C loop with the GIL released (disk_native.py): the writer's CPU per 16 KiB
+page fell by ~45% (docs/benchmarks.md, 2026-11-26). Cold gets run at the device's
 random-read rate (disk_bench's ``random_pread`` row): reads outside the map and
 ``madvise``/``fadvise`` readahead measured no faster (docs/benchmarks.md).
 

@@ -38,6 +38,9 @@ class DiskTierConfig:
     # After a batch fails with an I/O (or any non-budget) error even op by op,
     # puts are refused this long before the writer tries the disk again.
     write_retry_s: float = 30.0
+    # Runs of puts are written by a C loop with the GIL released (disk_native.py)
+    # where it can be built; False keeps the Python loop (the same writes, slower).
+    native_writer: bool = True
 
     def __post_init__(self) -> None:
         for name in ("readers", "max_queue_pages", "max_queue_bytes", "batch_pages", "batch_bytes",

@@ -33,6 +33,7 @@ written. Any other id makes the record malformed (a miss, the entry dropped).
 
 from __future__ import annotations
 
+import functools
 import struct
 import time
 import zlib
@@ -95,6 +96,7 @@ def _value_footprint(value_bytes: int, psize: int) -> int:
     return -(-(value_bytes + LMDB_PAGE_HEADER) // psize) * psize + 2 * (_LMDB_NODE + KEY_BYTES + 8 + 2)
 
 
+@functools.lru_cache(maxsize=1024)  # the writer asks for every page, and pages come in a few sizes
 def footprint(page_bytes: int, num_tokens: int, psize: int = 4096) -> int:
     """A bound on the map bytes one stored page takes: the page and its meta record,
     each in a leaf at half fill or in whole overflow pages (a 64 KiB page takes 17

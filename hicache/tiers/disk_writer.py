@@ -13,6 +13,13 @@ transaction of hicache/tiers/disk.py, the queue that feeds it, and the budget.
   Measured on this 2-vCPU VM with nothing else running, puts / raw py-lmdb:
   inline everywhere 0.71-0.80 at 1-2 MiB; with the hasher 0.9 there (256 KiB
   pages lose more to the hand-off than they gain, so they stay inline).
+- Runs of puts go through a C loop where one can be built (disk_native.py):
+  one call per run, the GIL released throughout, LMDB called from C. It takes
+  the common case (parent check, budget check, XXH3, meta record, page) and
+  hands anything else back to ``_put`` (a key rewritten under another
+  namespace or size, a put the evict hook must make room for or that has to
+  wait for freed pages); pages of 1 MiB and more, hashed on the hasher thread,
+  stay on the Python loop. The Python loop is the fallback and does the same.
 - Two budgets: ``capacity_bytes`` of page bytes, and the map. Each put is
   charged its footprint in the map (``disk_format.footprint``: whole overflow
   pages, B-tree leaves at half fill), and the pages in use are re-measured from
@@ -62,83 +69,19 @@ from concurrent.futures import ThreadPoolExecutor
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import lmdb
 
 from hicache.errors import DiskTierError
 from hicache.tiers import disk_format as fmt
+from hicache.tiers import disk_native
 from hicache.tiers.disk_config import DiskTierConfig
+from hicache.tiers.disk_ops import (HASH_OFFLOAD_BYTES, BarrierOp, DeleteOp, DropOp, HashJob, OnDone, PutOp,
+                                    native_ok)
 
 log = logging.getLogger(__name__)
 
 EvictHook = Callable[[int], Iterable[bytes]]
-OnDone = Callable[[bytes, bool], None]
-
-
-@dataclass(slots=True)
-class _Put:
-    salt: bytes
-    key: bytes
-    parent: bytes | None
-    tokens: bytes
-    page: memoryview
-    on_done: OnDone | None
-    parent_required: bool = True
-    digest: tuple[int, int] | None = None  # kept for a retry of the batch
-    job: _HashJob | None = None  # computes `digest` on the hasher thread
-    charge: int = 0  # footprint in the map (disk_format.footprint), set when a batch takes it
-
-
-HASH_OFFLOAD_BYTES = 1 << 20  # smaller pages are hashed inline: the hand-off costs more
-
-
-class _HashJob:
-    """XXH3 of one batch's big pages, in order, on the hasher thread while the writer
-    copies earlier pages into the map (one task per batch: cheaper than a future each)."""
-
-    def __init__(self, ops: list[_Put]) -> None:
-        self.ops = ops
-        self.cond = threading.Condition(threading.Lock())
-        self.finished = False
-
-    def run(self) -> None:
-        try:
-            for op in self.ops:
-                digest = fmt.checksum(op.page)
-                with self.cond:
-                    op.digest = digest
-                    self.cond.notify_all()
-        finally:
-            with self.cond:
-                self.finished = True
-                self.cond.notify_all()
-
-    def digest(self, op: _Put) -> tuple[int, int]:
-        with self.cond:
-            self.cond.wait_for(lambda: op.digest is not None or self.finished)
-        if op.digest is None:  # the job failed before this page: hash it here
-            op.digest = fmt.checksum(op.page)
-        return op.digest
-
-
-@dataclass(slots=True)
-class _Delete:
-    keys: list[bytes]
-
-
-@dataclass(slots=True)
-class _Drop:
-    """Delete corrupt entry `key` unless it was rewritten since a reader saw it
-    (its record's checksum is still `checksum`; None: the record was malformed)."""
-
-    key: bytes
-    checksum: tuple[int, int] | None
-
-
-@dataclass(slots=True)
-class _Barrier:
-    done: threading.Event
 
 
 class DiskWriter:
@@ -164,6 +107,11 @@ class DiskWriter:
         self._put_in_tx: set[bytes] = set()  # keys put by the open transaction and not deleted since
         self._num_pages_tx = num_pages
         self._psize = env.stat()["psize"]
+        self._native = disk_native.loop(env) if config.native_writer else None
+        if self._native is not None:
+            with env.begin() as txn:
+                self._native_dbis = (self._native.dbi(txn, fmt.DB_PAGES), self._native.dbi(txn, fmt.DB_META))
+        self._native_state = disk_native.State()
         self._main_db = env.open_db(None)  # counted too: it holds the other databases' records
         with env.begin() as txn:
             self.map_bytes, self._tree_bytes = self._measure(txn)  # pages in use; B-tree pages of them
@@ -195,7 +143,7 @@ class DiskWriter:
         self._last_touch_flush = time.monotonic()
         # Queue state, guarded by _cond.
         self._cond = threading.Condition()
-        self._queue: deque[_Put | _Delete | _Drop | _Barrier] = deque()
+        self._queue: deque[PutOp | DeleteOp | DropOp | BarrierOp] = deque()
         self._queued_pages = 0
         self._queued_bytes = 0
         self._puts = 0
@@ -203,6 +151,7 @@ class DiskWriter:
         self._skipped_disabled = 0
         self._touches: dict[bytes, float] = {}
         self._closing = False
+        self._writer_waiting = False  # in _take_batch's wait: puts notify only then
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="hicache-disk-hash")
         self._thread = threading.Thread(target=self._main, name="hicache-disk-writer", daemon=True)
         self._thread.start()
@@ -212,7 +161,7 @@ class DiskWriter:
     def put(self, salt: bytes, key: bytes, parent: bytes | None, tokens: bytes, page: memoryview,
             on_done: OnDone | None, parent_required: bool = True) -> bool:
         """Queue one (validated) page; False (counted) when full, closing or disabled."""
-        op = _Put(salt, key, parent, tokens, page, on_done, parent_required)
+        op = PutOp(salt, key, parent, tokens, page, on_done, parent_required)
         with self._cond:
             if self._fault and time.monotonic() < self._retry_at:
                 self._skipped_disabled += 1
@@ -225,15 +174,16 @@ class DiskWriter:
             self._queued_pages += 1
             self._queued_bytes += page.nbytes
             self._puts += 1
-            self._cond.notify()
+            if self._writer_waiting:  # a notify costs ~0.5 us of Python; only a waiting writer needs one
+                self._cond.notify()
         return True
 
     def delete(self, keys: list[bytes]) -> None:
-        self._enqueue(_Delete(keys))
+        self._enqueue(DeleteOp(keys))
 
     def drop(self, key: bytes, checksum: tuple[int, int] | None) -> None:
         """Delete a corrupt entry unless it is rewritten before the writer gets to it."""
-        self._enqueue(_Drop(key, checksum))
+        self._enqueue(DropOp(key, checksum))
 
     def touch(self, keys: Iterable[bytes]) -> None:
         now = time.time()
@@ -249,7 +199,7 @@ class DiskWriter:
     def flush(self, timeout_s: float | None = None) -> bool:
         """Block until everything queued so far is committed; False on timeout."""
         done = threading.Event()
-        if not self._enqueue(_Barrier(done)):
+        if not self._enqueue(BarrierOp(done)):
             return True
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not done.wait(0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))):
@@ -271,7 +221,7 @@ class DiskWriter:
             self._hasher.shutdown(wait=True)
         return first
 
-    def _enqueue(self, op: _Delete | _Drop | _Barrier) -> bool:
+    def _enqueue(self, op: DeleteOp | DropOp | BarrierOp) -> bool:
         with self._cond:
             if self._closing:
                 return False
@@ -310,7 +260,7 @@ class DiskWriter:
             try:
                 ops, stop = self._take_batch()
                 if ops or self._touch_due(stop):
-                    self._run_batch(ops, stop or any(isinstance(o, _Barrier) for o in ops))
+                    self._run_batch(ops, stop or any(isinstance(o, BarrierOp) for o in ops))
             except Exception:  # a bug; the writer must outlive it
                 log.exception("disk tier %s: writer loop error", self.path)
                 time.sleep(0.1)
@@ -327,26 +277,35 @@ class DiskWriter:
         cfg = self.config
         with self._cond:
             while not self._queue and not self._closing:
-                if not self._cond.wait(cfg.touch_interval_s) and self._touches:
-                    return [], False
+                self._writer_waiting = True
+                try:
+                    if not self._cond.wait(cfg.touch_interval_s) and self._touches:
+                        return [], False
+                finally:
+                    self._writer_waiting = False
             ops: list = []
             n_bytes = 0
             n_keys = 0  # puts and deleted keys: each copies up to a B-tree path per database
-            while self._queue and n_keys < self.batch_ops and n_bytes < self.batch_limit:
-                op = self._queue.popleft()
-                if isinstance(op, _Delete) and n_keys + len(op.keys) > self.batch_ops:
-                    room = max(1, self.batch_ops - n_keys)  # the rest waits for the next transaction
-                    self._queue.appendleft(_Delete(op.keys[room:]))
-                    op = _Delete(op.keys[:room])
-                ops.append(op)
-                n_keys += len(op.keys) if isinstance(op, _Delete) else 1
-                if isinstance(op, _Put):
+            queue, psize, footprint = self._queue, self._psize, fmt.footprint
+            while queue and n_keys < self.batch_ops and n_bytes < self.batch_limit:
+                op = queue.popleft()
+                kind = type(op)
+                if kind is PutOp:  # the common case first
+                    ops.append(op)
+                    n_keys += 1
                     self._queued_pages -= 1
                     self._queued_bytes -= op.page.nbytes
-                    op.charge = fmt.footprint(op.page.nbytes, len(op.tokens) // 4, self._psize)
+                    op.charge = footprint(op.page.nbytes, len(op.tokens) // 4, psize)
                     n_bytes += op.charge
-                elif isinstance(op, _Barrier):
-                    break  # commit everything before it, then release the waiter
+                    continue
+                if kind is DeleteOp and n_keys + len(op.keys) > self.batch_ops:
+                    room = max(1, self.batch_ops - n_keys)  # the rest waits for the next transaction
+                    queue.appendleft(DeleteOp(op.keys[room:]))
+                    op = DeleteOp(op.keys[:room])
+                ops.append(op)
+                n_keys += len(op.keys) if kind is DeleteOp else 1
+                if kind is BarrierOp:
+                    break  # commit everything before it, then release the waiter (a barrier ends a batch)
             return ops, self._closing and not self._queue
 
     def _run_batch(self, ops: list, force_touch: bool) -> None:
@@ -360,22 +319,21 @@ class DiskWriter:
             log.exception("disk tier %s: write batch failed", self.path)
         finally:
             if results is None:
-                results = [(op, False) for op in ops if isinstance(op, _Put)]
+                results = [(op, False) for op in ops if isinstance(op, PutOp)]
             for p, ok in results:
                 if p.on_done is not None:
                     try:
                         p.on_done(p.key, ok)
                     except Exception:
                         log.exception("disk tier on_done callback failed")
-            for op in ops:
-                if isinstance(op, _Barrier):
-                    op.done.set()
+            if ops and type(ops[-1]) is BarrierOp:  # only ever last (_take_batch)
+                ops[-1].done.set()
 
-    def _write(self, ops: list, force_touch: bool) -> list[tuple[_Put, bool]]:
-        big = [op for op in ops if isinstance(op, _Put) and op.digest is None and op.job is None
+    def _write(self, ops: list, force_touch: bool) -> list[tuple[PutOp, bool]]:
+        big = [op for op in ops if isinstance(op, PutOp) and op.digest is None and op.job is None
                and op.page.nbytes >= HASH_OFFLOAD_BYTES]
         if big:
-            job = _HashJob(big)
+            job = HashJob(big)
             for op in big:
                 op.job = job
             self._hasher.submit(job.run)
@@ -388,7 +346,7 @@ class DiskWriter:
                 log.warning("disk tier %s: the map filled up with pages free but scattered; keeping 1/%d of it "
                             "free from now on", self.path, self._frag_divisor)
             self.warn("write failed (%s); evicting and retrying", e)
-            self._make_room(sum(op.page.nbytes for op in ops if isinstance(op, _Put)))
+            self._make_room(sum(op.page.nbytes for op in ops if isinstance(op, PutOp)))
             try:
                 return self._commit(ops, force_touch)
             except lmdb.Error:
@@ -396,7 +354,7 @@ class DiskWriter:
         except Exception:
             log.exception("disk tier %s: write batch failed; retrying op by op", self.path)
         # Commit op by op, in order: what fits goes in, the rest is rejected.
-        results: list[tuple[_Put, bool]] = []
+        results: list[tuple[PutOp, bool]] = []
         self._op_fault = None
         committed = 0
         for op in ops:
@@ -407,7 +365,7 @@ class DiskWriter:
             self._disable(self._op_fault)
         return results
 
-    def _commit_alone(self, op: object, force_touch: bool) -> tuple[list[tuple[_Put, bool]], bool]:
+    def _commit_alone(self, op: object, force_touch: bool) -> tuple[list[tuple[PutOp, bool]], bool]:
         try:
             return self._commit([op], force_touch), True
         except Exception as e:
@@ -416,22 +374,22 @@ class DiskWriter:
                 self._op_fault = e
             return self._keep_or_reject(op, e), False
 
-    def _keep_or_reject(self, op: object, e: BaseException | None) -> list[tuple[_Put, bool]]:
+    def _keep_or_reject(self, op: object, e: BaseException | None) -> list[tuple[PutOp, bool]]:
         """An op that could not be committed: a put is rejected (counted), a deletion
         is kept for the next transaction (never lost)."""
-        if isinstance(op, _Put):
+        if isinstance(op, PutOp):
             self._w["rejected_errors"] += 1
             log.debug("disk tier %s: put %s rejected: %s", self.path, op.key.hex(), e)
             return [(op, False)]
-        if isinstance(op, _Delete):
+        if isinstance(op, DeleteOp):
             self._doomed.update(dict.fromkeys(op.keys, False))
-        elif isinstance(op, _Drop):
+        elif isinstance(op, DropOp):
             self._drops[op.key] = op.checksum
         return []
 
-    def _refuse(self, ops: list) -> list[tuple[_Put, bool]]:
+    def _refuse(self, ops: list) -> list[tuple[PutOp, bool]]:
         """While writes are disabled: reject the batch without touching the disk."""
-        results: list[tuple[_Put, bool]] = []
+        results: list[tuple[PutOp, bool]] = []
         for op in ops:
             results += self._keep_or_reject(op, None)
         return results
@@ -468,7 +426,7 @@ class DiskWriter:
             total += (st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]) * self._psize
         return total, tree
 
-    def _commit(self, ops: list, force_touch: bool) -> list[tuple[_Put, bool]]:
+    def _commit(self, ops: list, force_touch: bool) -> list[tuple[PutOp, bool]]:
         """Apply leftover deletions, then `ops` in order, then due touches, in
         ONE write transaction. Shared state changes only after the commit."""
         self._used_bytes_tx, self._num_pages_tx = self.used_bytes, self.num_pages
@@ -481,28 +439,36 @@ class DiskWriter:
         self._now_tx = time.time()
         c = dict(evicted_pages=0, deleted_pages=0, pages_written=0, bytes_written=0, dedup_puts=0,
                  rejected_budget=0, rejected_orphan=0)
-        results: list[tuple[_Put, bool]] = []
+        results: list[tuple[PutOp, bool]] = []
         touches = None
         with self._env.begin(write=True, buffers=True) as txn:
             for k, evicted in list(self._doomed.items()):
                 c["evicted_pages" if evicted else "deleted_pages"] += self._delete(txn, k)
             for k, checksum in self._drops.items():
                 self._drop(txn, k, checksum)
-            remaining = sum(op.page.nbytes for op in ops if isinstance(op, _Put))
+            remaining = sum(op.page.nbytes for op in ops if isinstance(op, PutOp))
             hook_dry = False
-            for i, op in enumerate(ops):
-                if isinstance(op, _Delete):
+            i = 0
+            while i < len(ops):
+                op = ops[i]
+                if self._native is not None and native_ok(op):
+                    i, remaining = self._put_native(txn, ops, i, remaining, c, results)
+                    if i == len(ops):
+                        break
+                    op = ops[i]  # the op after the run, or one handed back: the Python path below
+                if isinstance(op, DeleteOp):
                     for k in op.keys:
                         c["deleted_pages"] += self._delete(txn, k)
-                elif isinstance(op, _Drop):
+                elif isinstance(op, DropOp):
                     self._drop(txn, op.key, op.checksum)
-                elif isinstance(op, _Put):
+                elif isinstance(op, PutOp):
                     remaining -= op.page.nbytes
                     ok, hook_dry = self._put(txn, op, remaining, hook_dry, c)
                     if ok is None:  # fits once the freed pages are reusable: after this commit
                         self._deferred = ops[i:]
                         break
                     results.append((op, ok))
+                i += 1
             if self._touches and (force_touch or self._touch_due(False)):
                 with self._cond:
                     touches, self._touches = self._touches, {}
@@ -541,7 +507,7 @@ class DiskWriter:
                 self._may_defer = True
         return results
 
-    def _put(self, txn: lmdb.Transaction, p: _Put, remaining: int, hook_dry: bool,
+    def _put(self, txn: lmdb.Transaction, p: PutOp, remaining: int, hook_dry: bool,
              c: dict[str, int]) -> tuple[bool | None, bool]:
         """One put inside the writer's transaction; (accepted, hook_dry), accepted None:
         it fits only once pages freed by recent commits are reusable (module docstring)."""
@@ -589,6 +555,32 @@ class DiskWriter:
         c["pages_written"] += 1
         c["bytes_written"] += size
         return True, hook_dry
+
+    def _put_native(self, txn: lmdb.Transaction, ops: list, lo: int, remaining: int,
+                    c: dict[str, int], results: list[tuple[PutOp, bool]]) -> tuple[int, int]:
+        """Puts the run of ops from ops[lo] that the C loop takes (disk_native.py), on the
+        transaction's running totals; (the index it stopped at, bytes of puts left). The op
+        there goes through the Python path (a deletion, a big page, or one handed back);
+        an LMDB error is raised as py-lmdb raises it."""
+        st = self._native_state
+        st.used_bytes, st.map_bytes, st.deleted_bytes = self._used_bytes_tx, self._map_bytes_tx, self._deleted_tx
+        st.capacity_bytes, st.map_size, st.headroom = self.capacity_bytes, self.map_size, self._headroom_tx
+        st.batch_limit, st.max_footprint = self.batch_limit, self._max_footprint
+        st.freed_bytes, st.may_defer, st.now = sum(self._freed), self._may_defer, self._now_tx
+        st.pages_written = st.bytes_written = st.dedup_puts = st.rejected_orphan = st.put_bytes_done = 0
+        codes = self._native.run(txn, *self._native_dbis, ops, lo, PutOp, st)
+        self._used_bytes_tx, self._map_bytes_tx = st.used_bytes, st.map_bytes
+        self._max_footprint = st.max_footprint
+        self._num_pages_tx += st.pages_written
+        c["pages_written"] += st.pages_written
+        c["bytes_written"] += st.bytes_written
+        c["dedup_puts"] += st.dedup_puts
+        c["rejected_orphan"] += st.rejected_orphan
+        stop = st.stop_index
+        results += zip(ops[lo:stop], map(disk_native.ORPHAN.__ne__, codes[:stop - lo]))
+        if st.stop_why == disk_native.STOP_ERROR:
+            raise self._native.error(st.stop_rc)
+        return stop, remaining - st.put_bytes_done
 
     def _drop(self, txn: lmdb.Transaction, key: bytes, checksum: tuple[int, int] | None) -> None:
         cur = txn.get(key, db=self._meta)

@@ -1,0 +1,414 @@
+"""The disk writer's put loop in C: one call writes a run of queued puts (parent
+check, dedup lookup, budget check, page, XXH3, meta record, in
+``DiskWriter._put``'s order, so LMDB allocates the map's pages as it does for
+the Python loop) inside the writer's open LMDB transaction, with the GIL
+released for the whole run.
+
+Why: py-lmdb drops the GIL in every call, and a thread that drops it waits to
+get it back for as long as another thread runs Python (the daemon's event loop,
+an engine's producer). The writer made 3-4 such calls per page; a 16 KiB page's
+``txn.put`` took ~19 us in the writer against ~4 us for raw py-lmdb's whole put
+(docs/benchmarks.md), and puts ran at ~0.2 of raw. Here a batch costs one GIL
+hand-off, and LMDB's own functions are called from C.
+
+How the C code reaches LMDB without linking it: py-lmdb (3.x) exports its
+bundled LMDB's functions (``mdb09_put``, ``mdb10_get``, ...) and one table per
+engine (``lmdb_api_v09``, ``lmdb_api_v10``) from its extension module, and a
+``Transaction`` object keeps its engine's table pointer right before its
+``MDB_txn *``. ``_locate`` finds that table pointer among the object's words
+(by comparing with the exported tables' addresses, reading only inside the
+object) and accepts the layout only if LMDB's own ``txn_id`` of the pointer
+after it equals ``Transaction.id()``. Anything else (another py-lmdb build, the
+cffi binding, no C compiler, no Python headers, ``HICACHE_NATIVE_DISK=0``)
+leaves ``loop()`` None and the writer on its Python path, which the tests run
+too. XXH3 is the ``xxhash`` extension's own exported ``XXH3_64bits_dispatch``
+(``XXH3_64bits`` where there is no dispatcher), so the checksums are the ones
+reads verify with.
+
+The C loop decides only the common case and hands anything else back to the
+writer (``STOP_PYTHON``, at that op, nothing of it done): a key already on disk
+under another namespace or size, a put over the byte budget or the map budget
+(the evict hook is Python's), or one that fits only once freed pages are
+reusable. Its budget arithmetic is ``DiskWriter._put``'s, on the same running
+totals (``State``). An LMDB error stops the run (``STOP_ERROR``); the writer
+raises it as py-lmdb would, so the transaction aborts and the batch is retried
+as before: every durability guarantee is LMDB's transaction, unchanged.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import subprocess
+import sysconfig
+import threading
+
+import lmdb
+
+from hicache.kernels import native_build
+from hicache.tiers import disk_format as fmt
+
+log = logging.getLogger(__name__)
+
+# Per-op results written by the C loop.
+NOT_DONE, WRITTEN, DEDUP, ORPHAN = 0, 1, 2, 3
+STOP_DONE, STOP_PYTHON, STOP_ERROR = 0, 1, 2
+
+_MDB_MAP_FULL = -30792
+
+_SOURCE = r"""
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct { size_t size; void *data; } hc_val;               /* MDB_val */
+typedef int (*hc_get_fn)(void *, unsigned, hc_val *, hc_val *);    /* mdb_get */
+typedef int (*hc_put_fn)(void *, unsigned, hc_val *, hc_val *, unsigned); /* mdb_put */
+typedef uint64_t (*hc_hash_fn)(const void *, size_t);              /* XXH3_64bits */
+
+#define HC_NOTFOUND (-30798)
+#define HC_RESERVE 0x10000
+#define HC_META_HEADER 72
+#define HC_PARENT_SCAN 16
+
+/* The writer's running totals for its open transaction (DiskWriter._put's inputs),
+   updated in place. Must match State in disk_native.py. */
+typedef struct {
+    int64_t used_bytes, map_bytes, deleted_bytes, capacity_bytes, map_size, headroom,
+            batch_limit, max_footprint, freed_bytes, may_defer;
+    double now;
+    int64_t pages_written, bytes_written, dedup_puts, rejected_orphan;
+    int64_t put_bytes_done;  /* page bytes of the ops done (written, duplicates, orphans) */
+    int64_t stop_index, stop_why, stop_rc;
+} hc_state;
+
+typedef struct {
+    const char *key, *salt, *parent, *tokens;
+    Py_ssize_t tokens_len;
+    int64_t charge;
+    int parent_required;
+    Py_buffer page;
+} hc_op;
+
+static const char hc_none[1] = {0};  /* marks a parent of None */
+static PyObject *n_key, *n_salt, *n_parent, *n_tokens, *n_page, *n_charge, *n_required, *n_job, *n_digest;
+
+static int hc_names(void) {
+    if (n_key) return 0;
+    n_salt = PyUnicode_InternFromString("salt");
+    n_parent = PyUnicode_InternFromString("parent");
+    n_tokens = PyUnicode_InternFromString("tokens");
+    n_page = PyUnicode_InternFromString("page");
+    n_charge = PyUnicode_InternFromString("charge");
+    n_required = PyUnicode_InternFromString("parent_required");
+    n_job = PyUnicode_InternFromString("job");
+    n_digest = PyUnicode_InternFromString("digest");
+    n_key = PyUnicode_InternFromString("key");
+    return (n_key && n_salt && n_parent && n_tokens && n_page && n_charge && n_required && n_job
+            && n_digest) ? 0 : -1;
+}
+
+/* A 16-byte bytes attribute; the op (alive in the caller's list) keeps it alive. */
+static const char *hc_key16(PyObject *op, PyObject *name, int none_ok) {
+    PyObject *v = PyObject_GetAttr(op, name);
+    const char *p = NULL;
+    if (!v) return NULL;
+    if (v == Py_None && none_ok) { Py_DECREF(v); return hc_none; }
+    if (PyBytes_CheckExact(v) && PyBytes_GET_SIZE(v) == 16) p = PyBytes_AS_STRING(v);
+    else PyErr_Format(PyExc_TypeError, "disk put: %U must be 16 bytes", name);
+    Py_DECREF(v);
+    return p;
+}
+
+/* Whether the C loop takes `obj`: a put whose page it hashes itself (none of a hasher
+   job's, nor a retry that carries its digest). 1 yes, 0 no, -1 error. */
+static int hc_eligible(PyObject *obj, PyObject *put_type) {
+    PyObject *job, *digest;
+    int ok;
+    if (Py_TYPE(obj) != (PyTypeObject *)put_type) return 0;
+    if (!(job = PyObject_GetAttr(obj, n_job))) return -1;
+    if (!(digest = PyObject_GetAttr(obj, n_digest))) { Py_DECREF(job); return -1; }
+    ok = job == Py_None && digest == Py_None;
+    Py_DECREF(job);
+    Py_DECREF(digest);
+    return ok;
+}
+
+static int hc_take(PyObject *obj, hc_op *o) {
+    PyObject *t, *c, *r, *pg;
+    if (!(o->key = hc_key16(obj, n_key, 0)) || !(o->salt = hc_key16(obj, n_salt, 0))) return -1;
+    if (!(o->parent = hc_key16(obj, n_parent, 1))) return -1;
+    if (o->parent == hc_none) o->parent = NULL;
+    if (!(t = PyObject_GetAttr(obj, n_tokens))) return -1;
+    if (!PyBytes_CheckExact(t)) { Py_DECREF(t); PyErr_SetString(PyExc_TypeError, "disk put: tokens"); return -1; }
+    o->tokens = PyBytes_AS_STRING(t);
+    o->tokens_len = PyBytes_GET_SIZE(t);
+    Py_DECREF(t);
+    if (!(c = PyObject_GetAttr(obj, n_charge))) return -1;
+    o->charge = PyLong_AsLongLong(c);
+    Py_DECREF(c);
+    if (o->charge == -1 && PyErr_Occurred()) return -1;
+    if (!(r = PyObject_GetAttr(obj, n_required))) return -1;
+    o->parent_required = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    if (o->parent_required < 0) return -1;
+    if (!(pg = PyObject_GetAttr(obj, n_page))) return -1;
+    int rc = PyObject_GetBuffer(pg, &o->page, PyBUF_SIMPLE);
+    Py_DECREF(pg);
+    return rc;
+}
+
+/* The record on disk under this key is this page's (DiskWriter._put's dedup test:
+   a well-formed header of the same namespace and size). */
+static int hc_same(const hc_val *d, const hc_op *o) {
+    const unsigned char *p = d->data;
+    uint32_t n_tokens; uint16_t algo; uint64_t size;
+    if (d->size < HC_META_HEADER) return 0;
+    memcpy(&n_tokens, p + 64, 4);
+    memcpy(&algo, p + 68, 2);
+    memcpy(&size, p + 32, 8);
+    if (d->size != HC_META_HEADER + 4 * (size_t)n_tokens || algo < 1 || algo > 3) return 0;
+    return memcmp(p + 16, o->salt, 16) == 0 && size == (uint64_t)o->page.len;
+}
+
+static void hc_stop(hc_state *st, Py_ssize_t i, int64_t why, int64_t rc) {
+    st->stop_index = i; st->stop_why = why; st->stop_rc = rc;
+}
+
+static void hc_loop(hc_op *v, char *res, Py_ssize_t n, Py_ssize_t lo, void *txn, unsigned pages,
+                    unsigned meta, hc_get_fn get, hc_put_fn put, hc_hash_fn hash, hc_state *st) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        hc_op *o = &v[i];
+        hc_val k = {16, (void *)o->key}, d;
+        int rc, found = 0;
+        if (o->parent && o->parent_required) {
+            for (Py_ssize_t j = i - 1; j >= 0 && j >= i - HC_PARENT_SCAN && !found; j--)
+                found = res[j] == 1 && memcmp(v[j].key, o->parent, 16) == 0;
+            if (!found) {
+                hc_val pk = {16, (void *)o->parent};
+                rc = get(txn, meta, &pk, &d);
+                if (rc == HC_NOTFOUND) {
+                    res[i] = 3; st->rejected_orphan++; st->put_bytes_done += o->page.len;
+                    continue;
+                }
+                if (rc) { hc_stop(st, lo + i, 2, rc); return; }
+            }
+        }
+        rc = get(txn, meta, &k, &d);
+        if (rc == 0) {
+            if (hc_same(&d, o)) {
+                res[i] = 2; st->dedup_puts++; st->put_bytes_done += o->page.len;
+                continue;
+            }
+            hc_stop(st, lo + i, 1, 0); return;  /* another namespace's or size's record: Python replaces it */
+        }
+        if (rc != HC_NOTFOUND) { hc_stop(st, lo + i, 2, rc); return; }
+        int64_t size = o->page.len, charge = o->charge;
+        int64_t max_fp = charge > st->max_footprint ? charge : st->max_footprint;  /* kept once written */
+        int64_t map_budget = st->map_size - st->headroom - 2 * (st->batch_limit + max_fp);
+        if (st->used_bytes + size > st->capacity_bytes ||
+            st->map_bytes - st->deleted_bytes + charge > map_budget) {
+            hc_stop(st, lo + i, 1, 0); return;  /* over a budget: the evict hook is Python's */
+        }
+        if (st->may_defer && st->map_bytes + st->freed_bytes + charge + st->headroom > st->map_size) {
+            hc_stop(st, lo + i, 1, 0); return;  /* fits only once freed pages are reusable */
+        }
+        hc_val pv = {(size_t)size, o->page.buf};
+        if ((rc = put(txn, pages, &k, &pv, 0))) { hc_stop(st, lo + i, 2, rc); return; }
+        uint64_t digest = hash(o->page.buf, (size_t)size);  /* the source, in cache after LMDB's copy */
+        hc_val mv = {HC_META_HEADER + (size_t)o->tokens_len, NULL};
+        if ((rc = put(txn, meta, &k, &mv, HC_RESERVE))) { hc_stop(st, lo + i, 2, rc); return; }
+        unsigned char *m = mv.data;  /* disk_format.META_HEADER: "<16s16sQQQdIHH" + tokens */
+        uint64_t zero = 0, usize = (uint64_t)size;
+        uint32_t n_tokens = (uint32_t)(o->tokens_len / 4);
+        uint16_t algo = 3, flags = o->parent ? 1 : 0;
+        if (o->parent) memcpy(m, o->parent, 16); else memset(m, 0, 16);
+        memcpy(m + 16, o->salt, 16);
+        memcpy(m + 32, &usize, 8);
+        memcpy(m + 40, &digest, 8);
+        memcpy(m + 48, &zero, 8);
+        memcpy(m + 56, &st->now, 8);
+        memcpy(m + 64, &n_tokens, 4);
+        memcpy(m + 68, &algo, 2);
+        memcpy(m + 70, &flags, 2);
+        memcpy(m + HC_META_HEADER, o->tokens, (size_t)o->tokens_len);
+        st->max_footprint = max_fp;
+        st->used_bytes += size;
+        st->map_bytes += charge;
+        st->pages_written++;
+        st->bytes_written += size;
+        st->put_bytes_done += size;
+        res[i] = 1;
+    }
+    hc_stop(st, lo + n, 0, 0);
+}
+
+/* Write the run of puts the C loop takes (hc_eligible) from ops[lo], in the open
+   transaction `txn`, up to the first op it does not take; results[i - lo] gets each
+   op's outcome, `st` where and why the run stopped. Returns 0, or -1 with a Python
+   exception set (nothing written then). */
+int hicache_disk_put_run(PyObject *ops, Py_ssize_t lo, PyObject *put_type, void *txn, unsigned pages,
+                         unsigned meta, void *get, void *put, void *hash, hc_state *st, char *results) {
+    Py_ssize_t n = 0, taken = 0, ok = 1;
+    if (hc_names() < 0) return -1;
+    if (!PyList_Check(ops) || lo < 0 || lo > PyList_GET_SIZE(ops)) {
+        PyErr_SetString(PyExc_ValueError, "disk put run: bad op range");
+        return -1;
+    }
+    Py_ssize_t room = PyList_GET_SIZE(ops) - lo;
+    hc_op *v = PyMem_Calloc(room ? room : 1, sizeof *v);
+    if (!v) { PyErr_NoMemory(); return -1; }
+    for (; n < room; n++) {
+        int e = hc_eligible(PyList_GET_ITEM(ops, lo + n), put_type);
+        if (e <= 0) { ok = e == 0; break; }
+        if (hc_take(PyList_GET_ITEM(ops, lo + n), &v[n]) < 0) { ok = 0; break; }
+        taken = n + 1;
+    }
+    if (ok) {
+        memset(results, 0, (size_t)n);
+        Py_BEGIN_ALLOW_THREADS
+        hc_loop(v, results, n, lo, txn, pages, meta, (hc_get_fn)get, (hc_put_fn)put, (hc_hash_fn)hash, st);
+        Py_END_ALLOW_THREADS
+    }
+    for (Py_ssize_t i = 0; i < taken; i++) PyBuffer_Release(&v[i].page);
+    PyMem_Free(v);
+    return ok ? 0 : -1;
+}
+
+/* LMDB's txn_id of `txn`, to check the located pointer. */
+uint64_t hicache_disk_txn_id(void *fn, void *txn) { return ((size_t (*)(void *))fn)(txn); }
+
+int hicache_disk_dbi(void *fn, void *txn, const char *name, unsigned *dbi) {
+    return ((int (*)(void *, const char *, unsigned, unsigned *))fn)(txn, name, 0, dbi);
+}
+"""
+
+
+class State(ctypes.Structure):
+    """hc_state: the running totals of the writer's open transaction, in and out."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in (
+        "used_bytes", "map_bytes", "deleted_bytes", "capacity_bytes", "map_size", "headroom",
+        "batch_limit", "max_footprint", "freed_bytes", "may_defer")] + [("now", ctypes.c_double)] + [
+        (name, ctypes.c_int64) for name in (
+            "pages_written", "bytes_written", "dedup_puts", "rejected_orphan", "put_bytes_done",
+            "stop_index", "stop_why", "stop_rc")]
+
+
+class NativePutLoop:
+    """The loaded loop, bound to one py-lmdb build; ``run`` is per transaction."""
+
+    def __init__(self, lib: ctypes.PyDLL, engine: str, txn_offset: int, lmdb_lib: ctypes.CDLL,
+                 hash_fn: int) -> None:
+        self._run = lib.hicache_disk_put_run  # PyDLL: called with the GIL, which C drops for the loop
+        self._run.argtypes = [ctypes.py_object, ctypes.c_ssize_t, ctypes.py_object, ctypes.c_void_p,
+                              ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p,
+                              ctypes.c_void_p, ctypes.POINTER(State), ctypes.c_char_p]
+        self._run.restype = ctypes.c_int
+        self._dbi = lib.hicache_disk_dbi
+        self._dbi.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint)]
+        self._dbi.restype = ctypes.c_int
+        self.engine = engine
+        self._txn_offset = txn_offset
+        self._get = ctypes.cast(getattr(lmdb_lib, f"mdb{engine}_get"), ctypes.c_void_p).value
+        self._put = ctypes.cast(getattr(lmdb_lib, f"mdb{engine}_put"), ctypes.c_void_p).value
+        self._dbi_open = ctypes.cast(getattr(lmdb_lib, f"mdb{engine}_dbi_open"), ctypes.c_void_p).value
+        self._strerror = getattr(lmdb_lib, f"mdb{engine}_strerror")
+        self._strerror.argtypes = [ctypes.c_int]
+        self._strerror.restype = ctypes.c_char_p
+        self._hash = hash_fn
+
+    def txn_pointer(self, txn: lmdb.Transaction) -> int:
+        return ctypes.c_void_p.from_address(id(txn) + self._txn_offset).value or 0
+
+    def dbi(self, txn: lmdb.Transaction, name: bytes) -> int:
+        """The handle of named database `name` (already open in this environment)."""
+        out = ctypes.c_uint()
+        rc = self._dbi(self._dbi_open, self.txn_pointer(txn), name, ctypes.byref(out))
+        if rc:
+            raise lmdb.Error(f"mdb_dbi_open {name!r}: {self.error_text(rc)}")
+        return out.value
+
+    def run(self, txn: lmdb.Transaction, pages: int, meta: int, ops: list, lo: int, put_type: type,
+            state: State) -> bytes:
+        """Write the run of puts (objects of `put_type` with no ``job`` and no ``digest``)
+        from ops[lo]; returns a result per op from ops[lo] on (WRITTEN / DEDUP / ORPHAN;
+        NOT_DONE from ``state.stop_index``, where it stopped, ``stop_why`` says why)."""
+        ptr = self.txn_pointer(txn)
+        if not ptr:
+            raise lmdb.Error("the transaction is not open")
+        results = ctypes.create_string_buffer(len(ops) - lo)  # per call: writers of several tiers share the loop
+        self._run(ops, lo, put_type, ptr, pages, meta, self._get, self._put, self._hash, ctypes.byref(state),
+                  results)
+        return results.raw
+
+    def error_text(self, rc: int) -> str:
+        return (self._strerror(rc) or b"").decode(errors="replace")
+
+    def error(self, rc: int) -> lmdb.Error:
+        """The exception py-lmdb raises for `rc` (the writer's recovery keys on MapFullError)."""
+        cls = lmdb.MapFullError if rc == _MDB_MAP_FULL else lmdb.Error
+        return cls(f"mdb_put: {self.error_text(rc)}")
+
+
+_lock = threading.Lock()
+_loaded: list[NativePutLoop | None] = []  # [] = not tried yet
+
+
+def loop(env: lmdb.Environment) -> NativePutLoop | None:
+    """The native put loop for environments of this py-lmdb build, or None (logged
+    once) where it cannot be built or the binding is not the one it knows."""
+    with _lock:
+        if not _loaded:
+            _loaded.append(_load(env))
+        return _loaded[0]
+
+
+def _load(env: lmdb.Environment) -> NativePutLoop | None:
+    if os.environ.get("HICACHE_NATIVE_DISK", "1") == "0":
+        log.info("native disk writer disabled by HICACHE_NATIVE_DISK=0")
+        return None
+    try:
+        import xxhash._xxhash as xxhash_ext
+        import lmdb.cpython as lmdb_ext
+        if fmt.META_HEADER_BYTES != 72 or fmt.CHECKSUM_XXH3 != 3:
+            raise LookupError("the meta record is not the one the C loop writes")
+        lmdb_lib = ctypes.CDLL(lmdb_ext.__file__)  # already loaded: the same handle
+        xxh = ctypes.CDLL(xxhash_ext.__file__)
+        # the dispatcher picks the CPU's widest path (AVX2: ~3.5x the plain XXH3_64bits here)
+        hash_fn = ctypes.cast(getattr(xxh, "XXH3_64bits_dispatch", None) or xxh.XXH3_64bits, ctypes.c_void_p).value
+        with env.begin() as txn:
+            engine, offset = _locate(lmdb_lib, txn, lmdb_ext)
+        include = sysconfig.get_paths()["include"]
+        lib = ctypes.PyDLL(str(native_build.build("disk_put", _SOURCE, ["-I" + include])))
+        return NativePutLoop(lib, engine, offset, lmdb_lib, hash_fn)
+    except (ImportError, AttributeError, OSError, LookupError, subprocess.SubprocessError) as e:
+        log.warning("native disk writer unavailable, writing from Python: %s", e)
+        return None
+
+
+def _locate(lmdb_lib: ctypes.CDLL, txn: lmdb.Transaction, binding: object) -> tuple[str, int]:
+    """(engine, offset of the ``MDB_txn *`` in a Transaction object); LookupError
+    when the object does not have the layout described in the module docstring."""
+    tables = {}
+    for engine in ("09", "10"):
+        try:
+            tables[ctypes.addressof(ctypes.c_char.in_dll(lmdb_lib, f"lmdb_api_v{engine}"))] = engine
+        except ValueError:
+            pass
+    if type(txn) is not getattr(binding, "Transaction", None) or not tables:
+        raise LookupError("py-lmdb's C binding with exported engine tables is not loaded")
+    base, size = id(txn), type(txn).__basicsize__
+    for off in range(16, size - 15, 8):  # both words inside the object
+        engine = tables.get(ctypes.c_void_p.from_address(base + off).value or 0)
+        if engine is None:
+            continue
+        ptr = ctypes.c_void_p.from_address(base + off + 8).value
+        txn_id = getattr(lmdb_lib, f"mdb{engine}_txn_id")
+        txn_id.argtypes, txn_id.restype = [ctypes.c_void_p], ctypes.c_size_t
+        if ptr and txn_id(ptr) == txn.id():
+            return engine, off + 8
+    raise LookupError("py-lmdb's Transaction has an unknown layout")
+
