@@ -160,6 +160,12 @@ class Config:
     # across restarts)
     index_clock: str = "wall"
     prefetch_timeout_s: float = 0.05
+    # A match stops before a disk or remote part the engine computes faster than the tier reads
+    # it (hicache/daemon/core/fetch_or_recompute.py; needs the engine's prefill rate). false:
+    # every cached page is loaded.
+    fetch_or_recompute: bool = True
+    recompute_context_tokens: int = 32768  # context at which attention costs as much as the rest (0: flat)
+    fetch_remeasure_s: float = 30.0  # a tier last measured longer ago is read anyway, to measure it again
     put_lease_s: float = 60.0  # a host put (puts.py) nobody finishes is dropped after this long
     disk_queue_pages: int = 1024  # queued disk writes before write-through skips (counted)
     allowed_uids: tuple[int, ...] = ()  # empty = the daemon's uid and root
@@ -229,6 +235,8 @@ class Config:
             raise ConfigError("remote_publish_pages must be >= 0")
         if not 0 <= self.remote_write_hold_s <= 600:
             raise ConfigError("remote_write_hold_s must be in [0, 600]")
+        if self.recompute_context_tokens < 0 or not 0 < self.fetch_remeasure_s <= 86400:
+            raise ConfigError("recompute_context_tokens must be >= 0 and fetch_remeasure_s in (0, 86400]")
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError("metrics_port must be in 0..65535")
         if self.host_capacity == 0:

@@ -3,5 +3,6 @@
 records.py (namespaces, engines, match handles, counters: plain records),
 host_tier.py (the host arena's slabs, owned by one namespace at a time),
 slab_reclaim.py (emptying a slab so another namespace can grow), service.py
-(CacheService: register, match, load, insert, evict, release, the shared host budget).
+(CacheService: register, match, load, insert, evict, release, the shared host budget),
+fetch_or_recompute.py (whether a disk or remote part of a match is worth loading).
 """

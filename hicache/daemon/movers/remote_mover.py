@@ -18,7 +18,10 @@ there at any moment — so the store is asked, not remembered:
   them to the engine under the load policy (best_effort / wait_complete /
   timeout), behind the disk part. A continuation the store lacks is remembered
   for `remote_negative_ttl_s` (a negative cache): a prompt that misses is probed
-  once, not at every lookup.
+  once, not at every lookup. Pages the engine computes faster than the store
+  delivers them are not fetched (hicache/daemon/core/fetch_or_recompute.py, fed
+  with the fetches' timings), and a match whose disk part was left to be
+  recomputed does not probe at all.
 - Writes. Pages that become host-resident from an engine's backup are written
   through asynchronously: their host nodes are locked only until their records
   are built (a copy with the checksum, on the worker's CPU pool), then sent as
@@ -225,6 +228,9 @@ class RemoteMover:
             self._remember_missing(all_keys[start + remote_len])
         if remote_len == 0 or pin.pin_id not in self.service.pins or pin.loaded:
             return
+        if not self.service.worth_loading("remote", pin.engine, start, remote_len):
+            pin.recompute_from = start  # cheaper to compute (fetch_or_recompute.py)
+            return
         reserved = self.service.ingest.reserve("fetch", ns, remote_len, engine=None)  # the daemon's own
         if reserved is None:
             return
@@ -279,6 +285,8 @@ class RemoteMover:
             c.corrupt_records += count
             c.corrupt_reasons[reason] = c.corrupt_reasons.get(reason, 0) + count
             log.warning("remote tier: %d record(s) refused (%s); served as a miss", count, reason)
+        if nbytes and self.service.fetch_cost is not None:  # the store's read speed: fetch or recompute
+            self.service.fetch_cost.observe("remote", nbytes, time.monotonic() - rf.started)
         if n_ok < len(rf.keys):
             c.fetch_missing += len(rf.keys) - n_ok - sum(corrupt.values())
             self._remember_missing(rf.keys[n_ok])
