@@ -174,6 +174,8 @@ def _print_stats(st: dict) -> None:
               f"auth {rt.get('auth', '-')}  "
               f"errors {rt['errors']}  dropped {rt['dropped_pages']}  "
               f"read {format_size(rt['bytes_read'])}  written {format_size(rt['bytes_written'])}"
+              + (f"  full: {rt['admission']['rejected_pages']} pages not admitted"
+                 if rt.get("admission", {}).get("rejected_pages") else "")
               + (f"  last error: {rt['last_error']}" if rt["last_error"] else ""))
     fr = st.get("fetch_or_recompute")
     if fr and fr["enabled"] and (fr["engines_with_rate"] or any(fr["skipped_pages"].values())):

@@ -196,6 +196,9 @@ class Config:
     remote_write_hold_s: float = 5.0  # a write waits this long for a store that failed, then drops (counted)
     remote_secret_file: str = ""  # the cluster secret(s) records are signed with; none: unauthenticated
     remote_publish_pages: int = 4096  # disk-only pages offered to the store each time it comes up (0: none)
+    # "reuse": once the store is full, only pages expected back are written (remote_admission.py);
+    # "all": every one
+    remote_admission: str = "reuse"
     mlock: bool = True
     log_level: str = "INFO"
 
@@ -231,6 +234,8 @@ class Config:
             raise ConfigError("remote_lookup_timeout_s must be in (0, 10] and remote_timeout_s in (0, 60]")
         if self.remote_ttl_s < 0 or self.remote_negative_ttl_s < 0 or self.remote_queue_pages <= 0:
             raise ConfigError("remote_ttl_s and remote_negative_ttl_s must be >= 0, remote_queue_pages > 0")
+        if self.remote_admission not in DISK_ADMISSION:
+            raise ConfigError(f"remote_admission must be one of {DISK_ADMISSION}, got {self.remote_admission!r}")
         if self.remote_publish_pages < 0:
             raise ConfigError("remote_publish_pages must be >= 0")
         if not 0 <= self.remote_write_hold_s <= 600:

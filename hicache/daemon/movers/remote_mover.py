@@ -23,7 +23,8 @@ there at any moment — so the store is asked, not remembered:
   with the fetches' timings), and a match whose disk part was left to be
   recomputed does not probe at all.
 - Writes. Pages that become host-resident from an engine's backup are written
-  through asynchronously: their host nodes are locked only until their records
+  through asynchronously (once the store is full, only those the admission
+  expects back: remote_admission.py): their host nodes are locked only until their records
   are built (a copy with the checksum, on the worker's CPU pool), then sent as
   one pipeline per batch with `remote_ttl_s`. At most `remote_queue_pages` pages
   are in flight; beyond that writes are dropped and counted. A write that meets
@@ -56,6 +57,7 @@ import numpy as np
 
 from hicache.config import Config
 from hicache.daemon.core.service import CacheService, NamespaceState, Pin, path_with_offsets
+from hicache.daemon.movers.remote_admission import RemoteAdmission
 from hicache.index.radix import Tier, TreeNode
 from hicache.tiers import remote_record
 from hicache.tiers.remote_auth import RecordAuth
@@ -132,6 +134,8 @@ class RemoteMover:
         self._latencies: list[tuple[str, float]] = []
         self._buffers = remote_record.BufferPool()
         self.publisher: Any = None  # RemotePublisher, with a disk tier
+        # Which pages are written (remote_admission.py): all while the store has room.
+        self.admission = RemoteAdmission(config.remote_admission, self, service.admission)
         # Chain behind the disk tier's write-through: both hear of new host pages, and
         # pages fetched from the store go on to the disk tier through the saved hook only.
         self._disk_hook = service.on_host_stored
@@ -344,7 +348,7 @@ class RemoteMover:
             self.write_through(ns, nodes)
 
     def write_through(self, ns: NamespaceState, nodes: list[TreeNode]) -> None:
-        todo = [n for n in nodes if n.host is not None and not n.removed]
+        todo = [n for n in nodes if n.host is not None and not n.removed and self.admission.admit(n)]
         n_pages = sum(n.n_pages for n in todo)
         if not n_pages:
             return
@@ -458,7 +462,8 @@ class RemoteMover:
     def stats(self) -> dict[str, Any]:
         c, w = self.counters, self.worker
         published = self.publisher.stats() if self.publisher is not None else {}
-        return {**self.store.describe(), **published, "state": w.state, "available": w.available,
+        return {**self.store.describe(), **published, **self.admission.stats(), "state": w.state,
+                "available": w.available,
                 "last_error": w.last_error,
                 "auth": self.auth.describe() if self.auth is not None else "none (unauthenticated records)",
                 "errors": w.errors, "breaker_opens": w.breaker_opens,

@@ -167,8 +167,9 @@ class Daemon:
                                                    context_tokens=cfg.recompute_context_tokens,
                                                    remeasure_s=cfg.fetch_remeasure_s)
         self.puts = HostPuts(self.service, lease_s=cfg.put_lease_s)
-        if cfg.disk_enabled:
-            pages = admission_capacity_pages(self.host.capacity_bytes + cfg.disk_capacity)
+        if cfg.disk_enabled or cfg.remote_url:  # the tiers below the host take what it expects back
+            disk_bytes = cfg.disk_capacity if cfg.disk_enabled else 0
+            pages = admission_capacity_pages(self.host.capacity_bytes + disk_bytes)
             self.service.admission = DiskAdmission(AdmissionConfig(mode=cfg.disk_admission), pages)
         # before the disk tier: its rebuild hands state checkpoint records to HybridStates
         self.hybrid = HybridStates(self.service, disk_capacity=cfg.disk_capacity if cfg.disk_enabled else 0,
