@@ -10,8 +10,18 @@ from tests.wait import wait_until
 
 
 def set_maxmemory(cluster, full: bool) -> None:
-    """full: every master's maxmemory just above what it uses (over 90% of it: no room);
-    else the fixture's 512 MiB back."""
+    """full: some 12 MiB of other records, then every master's maxmemory just above what it
+    uses (over 90% of it: no room; the fixture's allkeys-lru evicts those records to take
+    new writes); else the fixture's 512 MiB back."""
+    if full:
+        from redis.cluster import RedisCluster
+
+        other = RedisCluster.from_url(cluster.url)
+        try:
+            for i in range(384):
+                other.set(f"other-tenant:{i}", b"x" * (32 << 10))
+        finally:
+            other.close()
     for node in cluster.masters_now():
         used = int(node.info("memory")["used_memory"])
         node.cmd("CONFIG", "SET", "maxmemory", str(int(used / 0.95)) if full else "512mb")

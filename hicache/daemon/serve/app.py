@@ -283,8 +283,9 @@ class Daemon:
                     m.observe_remote(op, seconds)
                 m.set_remote_up(r["available"], r["kind"])
                 m.set_queue_depth("remote_write", r["queue_pages"])
+            skipped = st["fetch_or_recompute"]["skipped_pages"]
             for tier in FETCH_TIERS:
-                m.add_recomputed(tier, delta(f"recompute.{tier}", st["fetch_or_recompute"]["skipped_pages"][tier]))
+                m.add_recomputed(tier, delta(f"recompute.{tier}", skipped[tier]))
             m.set_engines(len(st["engines"]))
             m.set_namespaces(self._namespace_usage())
             m.add_dropped_subscribers(delta("dropped_subscribers", st["events"]["dropped_subscribers"]))
