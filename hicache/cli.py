@@ -181,7 +181,12 @@ def _print_stats(st: dict) -> None:
               f"auth {rt.get('auth', '-')}  "
               f"errors {rt['errors']}  dropped {rt['dropped_pages']}  "
               f"read {format_size(rt['bytes_read'])}  written {format_size(rt['bytes_written'])}"
+              + (f"  full: {rt['admission']['rejected_pages']} pages not admitted"
+                 if rt.get("admission", {}).get("rejected_pages") else "")
               + (f"  last error: {rt['last_error']}" if rt["last_error"] else ""))
+    fr = st.get("fetch_or_recompute")
+    if fr and fr["enabled"] and (fr["engines_with_rate"] or any(fr["skipped_pages"].values())):
+        print(_fetch_line(fr))
     r = st["requests"]
     print(f"matches {r['matches']}  inserts {r['inserts']}  loaded pages {r['loaded_pages']}  "
           f"backups {r['backups']} ({r['backup_pages']} pages)  pins {st['pins']}")
@@ -209,6 +214,18 @@ def _print_stats(st: dict) -> None:
         for e in st["engines"]:
             print(f"{e['engine']:<8}{e['model'][:23]:<24}{e['tp_rank']:>4}{e['pid'] or '-':>8}"
                   f"{e['resident_pages']:>10}{e['device_pages']:>8}")
+
+
+def _fetch_line(fr: dict) -> str:
+    """Fetch or recompute: the tiers' measured read speed and what was left to be recomputed."""
+    parts = []
+    for tier, s in fr["tiers"].items():
+        if s["samples"] and s["bytes_per_s"]:
+            parts.append(f"{tier} {format_size(int(s['bytes_per_s']))}/s + {s['latency_s'] * 1e3:.2f} ms")
+    skipped = "  ".join(f"{t} {fr['skipped_pages'][t]} pages ({fr['skipped_tokens'][t]} tokens)"
+                        for t in fr["skipped_pages"])
+    return (f"fetch or recompute: {fr['engines_with_rate']} engine(s) report a prefill rate; reads "
+            f"{', '.join(parts) or 'not measured yet'}; recomputed instead: {skipped}")
 
 
 def _interval_line(before: dict, after: dict, seconds: float) -> str:

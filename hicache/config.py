@@ -286,6 +286,12 @@ class Config:
     # across restarts)
     index_clock: str = "wall"
     prefetch_timeout_s: float = 0.05
+    # A match stops before a disk or remote part the engine computes faster than the tier reads
+    # it (hicache/daemon/core/fetch_or_recompute.py; needs the engine's prefill rate). false:
+    # every cached page is loaded.
+    fetch_or_recompute: bool = True
+    recompute_context_tokens: int = 32768  # context at which attention costs as much as the rest (0: flat)
+    fetch_remeasure_s: float = 30.0  # a tier last measured longer ago is read anyway, to measure it again
     put_lease_s: float = 60.0  # a host put (puts.py) nobody finishes is dropped after this long
     # Pinned prefixes (hicache/index/pins.py): the share of a tier's capacity one namespace
     # may keep pinned there, and the longest a pin may last
@@ -323,6 +329,9 @@ class Config:
     # Tenant quotas (hicache/daemon/core/quotas.py): a minimum and maximum share of host and disk
     # per model, model and extra key, or namespace; `hicache quota` changes them at run time.
     quotas: tuple[QuotaSpec, ...] = ()
+    # "reuse": once the store is full, only pages expected back are written (remote_admission.py);
+    # "all": every one
+    remote_admission: str = "reuse"
     mlock: bool = True
     log_level: str = "INFO"
 
@@ -358,12 +367,16 @@ class Config:
             raise ConfigError("remote_lookup_timeout_s must be in (0, 10] and remote_timeout_s in (0, 60]")
         if self.remote_ttl_s < 0 or self.remote_negative_ttl_s < 0 or self.remote_queue_pages <= 0:
             raise ConfigError("remote_ttl_s and remote_negative_ttl_s must be >= 0, remote_queue_pages > 0")
+        if self.remote_admission not in DISK_ADMISSION:
+            raise ConfigError(f"remote_admission must be one of {DISK_ADMISSION}, got {self.remote_admission!r}")
         if self.remote_publish_pages < 0:
             raise ConfigError("remote_publish_pages must be >= 0")
         if not 0 <= self.pin_max_share <= 1 or not self.pin_max_ttl_s > 0:
             raise ConfigError("pin_max_share must be in [0, 1] and pin_max_ttl_s > 0")
         if not 0 <= self.remote_write_hold_s <= 600:
             raise ConfigError("remote_write_hold_s must be in [0, 600]")
+        if self.recompute_context_tokens < 0 or not 0 < self.fetch_remeasure_s <= 86400:
+            raise ConfigError("recompute_context_tokens must be >= 0 and fetch_remeasure_s in (0, 86400]")
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError("metrics_port must be in 0..65535")
         if self.host_capacity == 0:

@@ -148,6 +148,10 @@ class Metrics:
         self._remote_up = gauge("hicache_remote_up", "1 while the remote store answers (circuit breaker closed).")
         self._remote_backend = gauge("hicache_remote_backend", "1 for the remote tier's store kind (redis, "
                                      "mooncake).", ("backend",))
+        self._recomputed = counter(
+            "hicache_recompute_pages", "Pages on disk or in the remote store a match left to be recomputed, "
+            "the engine computing them faster than the tier reads them.", ("tier",)
+        )
         self._disk_degraded = gauge("hicache_disk_degraded", "1 while the disk tier is degraded (writes refused).")
         self._engines = gauge("hicache_engines_connected", "Engine connections currently open.")
         self._queue_depth = gauge("hicache_queue_depth", "Items waiting in a daemon work queue.", ("queue",))
@@ -245,6 +249,11 @@ class Metrics:
             _check_label(fault)
             child = self._fault_children.setdefault(fault, self._disk_faults.labels(fault))
         child.inc(_count(n))
+
+    def add_recomputed(self, tier: str, pages: int = 1) -> None:
+        """Pages of `tier` (disk, remote) not loaded because recomputing them was cheaper."""
+        _check_label(tier)
+        self._recomputed.labels(tier).inc(_count(pages))
 
     def set_disk_degraded(self, degraded: bool) -> None:
         self._disk_degraded.set(1 if degraded else 0)

@@ -33,6 +33,7 @@ from hicache.client.connection import RpcConnection, _close_fd
 from hicache.client.deadlines import CallDeadlines
 from hicache.client.hints import RetainHint
 from hicache.client.peer import trusted_daemon_uids
+from hicache.client.prefill_rate import PrefillRate
 from hicache.client.reconnect import Reconnector
 from hicache.tiers.arena import HostArena
 
@@ -127,6 +128,7 @@ class _Handshake:
     hello: dict
     fds: list[int]
     reply: dict = field(default_factory=dict)
+    prefill_rate: float | None = None  # the rate register told the daemon
 
     def close(self) -> None:
         self.conn.close()
@@ -139,12 +141,15 @@ class HiCacheClient:
     """`deadlines` (default CallDeadlines()): seconds per call kind; `timeout_s` is a shorthand
     for the same deadline on every call. `backoff_s`: (first, longest) pause between background
     reconnect attempts. `daemon_uids`: uids (or user names) trusted to serve the socket besides
-    this user and root (default: $HICACHE_DAEMON_UIDS, else the `hicache` service user)."""
+    this user and root (default: $HICACHE_DAEMON_UIDS, else the `hicache` service user).
+    `prefill_tokens_per_s`: the engine's prefill rate, for the daemon's fetch-or-recompute rule;
+    without it the engine may time its prefills (`note_prefill`) instead."""
 
     def __init__(self, layout: KVLayout, device_pages: int, *, model: str, socket_path: str | None = None,
                  tp_rank: int = 0, tp_size: int = 1, extra_key: str = "", timeout_s: float | None = None,
                  backoff_s: tuple[float, float] = (0.05, 2.0), state: StateLayout | None = None,
-                 deadlines: CallDeadlines | None = None, daemon_uids: Iterable[int | str] | None = None) -> None:
+                 deadlines: CallDeadlines | None = None, daemon_uids: Iterable[int | str] | None = None,
+                 prefill_tokens_per_s: float | None = None) -> None:
         if timeout_s is not None and deadlines is not None:
             raise ValueError("pass timeout_s or deadlines, not both")
         self.layout = layout
@@ -172,6 +177,7 @@ class HiCacheClient:
         self.round_trips = 0  # calls that waited for the daemon's answer (hello and slab mapping aside)
         self.posted = 0  # calls sent without waiting (`_post`)
         self._reconnector: Reconnector[_Handshake] | None = None
+        self.prefill_rate = PrefillRate(prefill_tokens_per_s)  # before connecting: register sends it
 
     # -- connection management -------------------------------------------------
     @property
@@ -228,6 +234,9 @@ class HiCacheClient:
                       "extra_key": self.namespace.extra_key, "device_pages": self.device_pages}
             if self.namespace.state is not None:
                 params["state"] = self.namespace.state.to_dict()
+            hs.prefill_rate = self.prefill_rate.tokens_per_s
+            if hs.prefill_rate is not None:
+                params["prefill_tokens_per_s"] = hs.prefill_rate
             hs.reply = conn.call("register", params, timeout_s=d.connect_s)
         except BaseException:
             hs.close()
@@ -259,6 +268,7 @@ class HiCacheClient:
         conn.on_close = self._closing
         self.instance = hello.get("instance")
         self.engine_id = int(reply["engine"])
+        self.prefill_rate.sent(hs.prefill_rate)
         self.epoch += 1
         log.info("connected to hicache daemon %s (engine %d, epoch %d)", hello.get("server"), self.engine_id,
                  self.epoch)
@@ -394,6 +404,16 @@ class HiCacheClient:
         if self.arena is not None:
             self.arena.close()
             self.arena = None
+
+    def note_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine computed `tokens` prompt tokens in `seconds` of model time; the daemon
+        hears the rate when it moved (a posted `report`: no round trip). Ignored with a
+        configured rate."""
+        self.prefill_rate.add(tokens, seconds)
+        rate = self.prefill_rate.to_report()
+        if rate is not None and self.connected:
+            self._post("report", {"engine": self.engine_id, "prefill_tokens_per_s": rate})
+            self.prefill_rate.sent(rate)
 
     # -- keys ------------------------------------------------------------------
     def page_keys(self, tokens: Any) -> list[bytes]:

@@ -6,7 +6,9 @@ Per request (one at a time; the model runs one sequence per step here):
                          then a host part whose per-layer copy into fresh pages
                          starts now (the daemon may first read part of it from disk)
   prefill(suffix, layer_hook=prefix.wait_layer)
-                         layer l's attention waits for layer l of that copy only
+                         layer l's attention waits for layer l of that copy only;
+                         a prefill that loads nothing is timed (note_prefill): the
+                         daemon's fetch-or-recompute rule needs the engine's rate
   finish_load            the copied pages become cached device pages
   decode N tokens
   store(prefix, tokens, pages)
@@ -159,11 +161,15 @@ class CachedEngine:
         prefix = self.cache.lookup(np.asarray(prompt[:-1], dtype=np.int32)) if self.cache is not None else None
         req = Request(list(prompt))
         try:
+            loading = prefix is not None and prefix.load is not None
+            t_model = time.perf_counter()
             logits = self._prefill(req, prefix)
             if logits is None:
                 return self._fail(req, prefix)
-            out = [int(logits[0].argmax())]
+            out = [int(logits[0].argmax())]  # waits for the device: the prefill is done
             ttft = time.perf_counter() - t0
+            if self.cache is not None and not loading:  # a prefill under a load would time the copy too
+                self.cache.client.note_prefill(len(prompt) - req.prefix_len, time.perf_counter() - t_model)
             kept = [logits[0].clone()] if keep_logits else None
             if prefix is not None:
                 self.cache.finish_load(prefix)

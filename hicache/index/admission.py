@@ -156,9 +156,11 @@ class DiskAdmission:
         self._tails.add(keys[-1])
 
     def expects_reuse(self, key: int) -> bool:
+        return self.config.mode == "all" or self.predicts_reuse(key)
+
+    def predicts_reuse(self, key: int) -> bool:
+        """The filter's verdict whatever the mode (the remote tier has its own mode)."""
         cfg = self.config
-        if cfg.mode == "all":
-            return True
         return self.sketch.estimate(key) >= cfg.min_count or self._hinted.estimate(key) > 0
 
     def admit(self, head: int, num_pages: int, has_room: bool) -> bool:

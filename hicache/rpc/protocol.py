@@ -10,6 +10,9 @@ from __future__ import annotations
 from enum import Enum
 
 PROTOCOL_VERSION = 2  # 2: slab fds by namespace (map_slabs), none with hello
+# The largest prefill rate (tokens/s) an engine may report (`register`, `report`): beyond any
+# real engine, far short of what would overflow the daemon's arithmetic.
+MAX_PREFILL_RATE = 1e12
 
 
 class Code(str, Enum):

@@ -37,6 +37,7 @@ KEY_PREFIX = b"hc1:"
 SCHEMES = ("redis", "rediss", "unix")
 SCAN_COUNT = 1000
 DELETE_BATCH = 512
+ROOM_FRACTION = 0.9  # a master using more of its maxmemory evicts soon: the store is full
 
 
 def check_url(url: str) -> None:
@@ -180,6 +181,17 @@ class RedisStore(RemoteStore):
         if errors:  # the caller's breaker must hear of it: a moved slot needs a fresh client
             raise PartialWrite(stored, errors[0])
         return stored
+
+    async def has_room(self) -> bool:
+        """No master near its `maxmemory` (none set: room, records then go only by their TTL)."""
+        client = self._require()
+        for node in client.get_primaries() if self.cluster else [None]:
+            info = await (client.info("memory") if node is None else client.info("memory", target_nodes=node))
+            for part in [info] if "used_memory" in info else list(info.values()):  # {node name: info}, maybe
+                limit = int(part.get("maxmemory", 0))
+                if limit and int(part.get("used_memory", 0)) > ROOM_FRACTION * limit:
+                    return False
+        return True
 
     async def delete_namespace(self, salt: bytes) -> int:
         client = self._require()

@@ -112,6 +112,11 @@ class RemoteStore(ABC):
         """Store records (overwriting; `ttl_s` > 0 lets the store expire them); returns how
         many were stored, or raises PartialWrite when only some were."""
 
+    async def has_room(self) -> bool | None:
+        """Whether the store takes more records without evicting any (the remote admission
+        filters writes only when it does not); None: it cannot say."""
+        return None
+
     @abstractmethod
     async def delete_namespace(self, salt: bytes) -> int:
         """Delete every record of the namespace; returns how many were deleted."""

@@ -38,7 +38,7 @@ LAYOUTS = [
 STATE = StateLayout(num_layers=1, conv_shapes=((4, 3),), temporal_shape=(2, 4), chunk_size=8)
 
 # Every method of hicache/daemon/serve/handlers.py and portable.py (the test checks the list is complete).
-METHODS = ("hello", "register", "unregister", "match", "load", "load_done", "map_slabs", "release", "insert",
+METHODS = ("hello", "register", "unregister", "report", "match", "load", "load_done", "map_slabs", "release", "insert",
            "backup_done", "state_backup_done", "evict", "stats", "flush", "evict_tier", "ls", "subscribe",
            "doctor", "export_open", "export_next", "import_open", "import_pages", "remote_flush", "settle",
            "put", "put_done",  # host puts (hicache/daemon/ingest/puts.py)
@@ -54,7 +54,7 @@ INTS = [0, 1, -1, 2, 3, 7, 16, 255, 4096, 65535, 2**31 - 1, 2**31, -2**31, 2**32
 PARAM_NAMES = ("version", "want_arena", "model", "layout", "device_pages", "tp_rank", "tp_size", "extra_key",
                "state", "engine", "keys", "tokens", "pin", "states", "backup", "ok", "num_pages", "tier",
                "bytes", "depth", "namespace", "export", "max_bytes", "header", "import", "data", "have",
-               "store", "put", "min", "max", "ttl_s", "priority", "key")
+               "store", "put", "min", "max", "ttl_s", "priority", "key", "prefill_tokens_per_s")
 
 
 @dataclass(slots=True)
@@ -272,9 +272,13 @@ class FrameFuzzer:
                  "extra_key": r.choice(["", "tenant"])}
             if r.random() < 0.2:
                 p["state"] = STATE.to_dict()
+            if r.random() < 0.3:  # the engine's prefill rate (fetch or recompute)
+                p["prefill_tokens_per_s"] = r.choice([0, 1.0, 5e4, 1e12])
             return p
         if method in ("unregister",):
             return {"engine": eid}
+        if method == "report":  # the prefill rate, from a huge one (its matches stop at host) to none
+            return {"engine": eid, "prefill_tokens_per_s": r.choice([0, 0.5, 1e4, 1e12, r.uniform(0, 1e6)])}
         if method == "map_slabs":  # the host slabs of the engine's namespace it does not map yet
             return {"engine": eid, "have": [[r.randrange(0, 64), r.randrange(0, 4)] for _ in range(r.randrange(0, 4))]}
         if method == "match":

@@ -43,6 +43,7 @@ class EngineRecord:
     ns: NamespaceState
     device_pages: int
     reclaim: list[np.ndarray] = field(default_factory=list)  # device pages dropped by others' removals
+    prefill_tokens_per_s: float = 0.0  # as the engine reported it; 0: unknown (fetch_or_recompute.py)
 
 
 @dataclass(slots=True, eq=False)
@@ -59,6 +60,7 @@ class Pin:
     loaded: bool = False
     prefetch: Any = None  # the disk tier's reads for the disk part (see DiskMover)
     remote: Any = None  # the remote tier's fetch after the disk part (see RemoteMover), counted in disk_len
+    recompute_from: int | None = None  # pages: the match stopped here, the rest is cheaper to recompute
 
 
 @dataclass(slots=True)

@@ -6,7 +6,8 @@ thread, so the index needs no locks.
 
 The cycle, for one request of engine E:
   match      -> E's device pages for the prefix it already holds, then host
-                pages it can load, then the length available on disk; the
+                pages it can load, then the length available on disk (when
+                reading it beats recomputing it: fetch_or_recompute.py); the
                 returned path is pinned (lock refs) until `release`.
   load_done  -> E copied the host part into its device pages: E's device
                 residency is recorded.
@@ -37,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from hicache.daemon.core.fetch_or_recompute import FetchOrRecompute
 from hicache.daemon.core.host_tier import HostTier
 from hicache.daemon.core.records import (  # noqa: F401  (NamespaceState, Pin, path_with_offsets: re-exported)
     EMPTY, TIER_NAMES, Counters, EngineRecord, NamespaceState, Pin, path_with_offsets,
@@ -84,6 +86,9 @@ class CacheService:
         # Which pages the tiers below the host take (hicache/index/admission.py); it hears
         # every inserted request. None: every page is written.
         self.admission: DiskAdmission | None = None
+        # Whether a disk or remote part of a match is worth loading (fetch_or_recompute.py);
+        # None: always.
+        self.fetch_cost: FetchOrRecompute | None = None
         # Hybrid models: HybridStates (hicache/daemon/hybrid/states.py) keeps state checkpoints beside
         # the KV; it hears of every dropped pin (its checkpoint locks go with it).
         self.hybrid: Any = None
@@ -158,11 +163,16 @@ class CacheService:
         if host_node is not None:
             index.lock(host_node, Tier.HOST)
             locks.append((host_node, Tier.HOST, None))
-        pin = Pin(next(self._ids), rec, locks, r.device_len, r.host_len, r.disk_len, host_node,
+        local = r.device_len + r.host_len
+        disk_nodes = r.disk_nodes if self.worth_loading("disk", rec, local, r.disk_len) else []
+        disk_len = r.disk_len if disk_nodes else 0
+        pin = Pin(next(self._ids), rec, locks, r.device_len, r.host_len, disk_len, host_node,
                   r.device_pages, r.host_pages)
+        if disk_len < r.disk_len:
+            pin.recompute_from = local
         self.pins[pin.pin_id] = pin
-        if r.disk_nodes and self.on_match is not None:
-            self.on_match(pin, r.disk_nodes)
+        if disk_nodes and self.on_match is not None:
+            self.on_match(pin, disk_nodes)
         if self.admission is not None and rec.ns.lookups_feed_admission:
             self.admission.request([admission_key(k) for k in keys], r.device_len + r.host_len + r.disk_len)
         c = self.counters
@@ -170,8 +180,16 @@ class CacheService:
         c.requested_pages += len(keys)
         c.matched_pages["device"] += r.device_len
         c.matched_pages["host"] += r.host_len
-        c.matched_pages["disk"] += r.disk_len
+        c.matched_pages["disk"] += disk_len  # a part left to be recomputed is no hit
         return pin
+
+    def worth_loading(self, tier: str, rec: EngineRecord, start_pages: int, n_pages: int) -> bool:
+        """Whether the engine should load a slow tier's part of its match rather than
+        recompute it (fetch_or_recompute.py). Hybrid namespaces load everything: their
+        usable prefix ends at a state checkpoint the KV must reach."""
+        if not n_pages or self.fetch_cost is None or rec.ns.namespace.state is not None:
+            return True
+        return self.fetch_cost.worth_loading(tier, rec, start_pages, n_pages)
 
     def pin(self, owner: object, pin_id: Any) -> Pin:
         pin = self.pins.get(pin_id) if isinstance(pin_id, int) else None

@@ -7,5 +7,5 @@ disk_namespaces.py (the namespaces file the rebuild reads), disk_startup.py
 private state directory), remote_mover.py (the shared remote tier, Redis / Valkey
 or Mooncake Store: write-through, probe + fetch at match, fold at load),
 remote_publish.py (offers the store the pages held only on disk, each time it
-comes up).
+comes up), remote_admission.py (which pages a full store is still sent).
 """

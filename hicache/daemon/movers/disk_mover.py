@@ -14,7 +14,9 @@ reader pool only move bytes and report back through `post` (batched
 - Budget: the index's disk LRU is the tier's: before queueing, disk leaves are
   evicted until the tier's bytes plus the bytes in flight fit the budget.
 - Prefetch: a match whose prefix continues on disk starts reading that part
-  into fresh host pages at once; `load` waits for it per the load policy.
+  into fresh host pages at once; `load` waits for it per the load policy. Its
+  timings measure the tier for the fetch-or-recompute rule, which skips a disk
+  part the engine computes faster (hicache/daemon/core/fetch_or_recompute.py).
 - Placement (`disk_placement`): "inclusive" writes pages through as they reach
   the host (so they survive a restart) and demotes the rest; "non-inclusive"
   only demotes, so the disk holds pages the host does not and the two tiers
@@ -413,8 +415,9 @@ class DiskMover:
 
     def _prefetched(self, pin: Pin, fut: asyncio.Future) -> None:
         pf = pin.prefetch
+        seconds = time.monotonic() - pf.started
         if len(self._latencies) < 10000:
-            self._latencies.append(("prefetch", time.monotonic() - pf.started))
+            self._latencies.append(("prefetch", seconds))
         ns = pin.engine.ns
         index = ns.index
         pf.done = True
@@ -423,6 +426,9 @@ class DiskMover:
         except Exception:
             log.exception("disk prefetch failed")
             hits = [False] * len(pf.host_pages)
+        else:
+            if self.service.fetch_cost is not None:  # the tier's read speed: fetch or recompute
+                self.service.fetch_cost.observe("disk", len(pf.host_pages) * ns.page_class.page_bytes, seconds)
         if pin.pin_id not in self.service.pins:  # released (or its engine left) meanwhile
             ns.page_class.free(pf.host_pages)
             return

@@ -18,9 +18,13 @@ there at any moment — so the store is asked, not remembered:
   them to the engine under the load policy (best_effort / wait_complete /
   timeout), behind the disk part. A continuation the store lacks is remembered
   for `remote_negative_ttl_s` (a negative cache): a prompt that misses is probed
-  once, not at every lookup.
+  once, not at every lookup. Pages the engine computes faster than the store
+  delivers them are not fetched (hicache/daemon/core/fetch_or_recompute.py, fed
+  with the fetches' timings), and a match whose disk part was left to be
+  recomputed does not probe at all.
 - Writes. Pages that become host-resident from an engine's backup are written
-  through asynchronously: their host nodes are locked only until their records
+  through asynchronously (once the store is full, only those the admission
+  expects back: remote_admission.py): their host nodes are locked only until their records
   are built (a copy with the checksum, on the worker's CPU pool), then sent as
   one pipeline per batch with `remote_ttl_s`. At most `remote_queue_pages` pages
   are in flight; beyond that writes are dropped and counted. A write that meets
@@ -53,6 +57,7 @@ import numpy as np
 
 from hicache.config import Config
 from hicache.daemon.core.service import CacheService, NamespaceState, Pin, path_with_offsets
+from hicache.daemon.movers.remote_admission import RemoteAdmission
 from hicache.index.radix import Tier, TreeNode
 from hicache.tiers import remote_record
 from hicache.tiers.remote_auth import RecordAuth
@@ -129,6 +134,8 @@ class RemoteMover:
         self._latencies: list[tuple[str, float]] = []
         self._buffers = remote_record.BufferPool()
         self.publisher: Any = None  # RemotePublisher, with a disk tier
+        # Which pages are written (remote_admission.py): all while the store has room.
+        self.admission = RemoteAdmission(config.remote_admission, self, service.admission)
         # Chain behind the disk tier's write-through: both hear of new host pages, and
         # pages fetched from the store go on to the disk tier through the saved hook only.
         self._disk_hook = service.on_host_stored
@@ -225,6 +232,9 @@ class RemoteMover:
             self._remember_missing(all_keys[start + remote_len])
         if remote_len == 0 or pin.pin_id not in self.service.pins or pin.loaded:
             return
+        if not self.service.worth_loading("remote", pin.engine, start, remote_len):
+            pin.recompute_from = start  # cheaper to compute (fetch_or_recompute.py)
+            return
         reserved = self.service.ingest.reserve("fetch", ns, remote_len, engine=None)  # the daemon's own
         if reserved is None:
             return
@@ -279,6 +289,8 @@ class RemoteMover:
             c.corrupt_records += count
             c.corrupt_reasons[reason] = c.corrupt_reasons.get(reason, 0) + count
             log.warning("remote tier: %d record(s) refused (%s); served as a miss", count, reason)
+        if nbytes and self.service.fetch_cost is not None:  # the store's read speed: fetch or recompute
+            self.service.fetch_cost.observe("remote", nbytes, time.monotonic() - rf.started)
         if n_ok < len(rf.keys):
             c.fetch_missing += len(rf.keys) - n_ok - sum(corrupt.values())
             self._remember_missing(rf.keys[n_ok])
@@ -336,7 +348,7 @@ class RemoteMover:
             self.write_through(ns, nodes)
 
     def write_through(self, ns: NamespaceState, nodes: list[TreeNode]) -> None:
-        todo = [n for n in nodes if n.host is not None and not n.removed]
+        todo = [n for n in nodes if n.host is not None and not n.removed and self.admission.admit(n)]
         n_pages = sum(n.n_pages for n in todo)
         if not n_pages:
             return
@@ -450,7 +462,8 @@ class RemoteMover:
     def stats(self) -> dict[str, Any]:
         c, w = self.counters, self.worker
         published = self.publisher.stats() if self.publisher is not None else {}
-        return {**self.store.describe(), **published, "state": w.state, "available": w.available,
+        return {**self.store.describe(), **published, **self.admission.stats(), "state": w.state,
+                "available": w.available,
                 "last_error": w.last_error,
                 "auth": self.auth.describe() if self.auth is not None else "none (unauthenticated records)",
                 "errors": w.errors, "breaker_opens": w.breaker_opens,

@@ -10,11 +10,12 @@ batches of PUBLISH_BATCH pages, asks the store which it lacks (one EXISTS round 
 reads those from disk (the node DISK-locked meanwhile) and writes their records
 through the mover's own write path (same records, signing, breaker and hold).
 
-Bounded: at most `remote_publish_pages` pages are probed per sweep (0: off), the
-writes share `remote_queue_pages` with write-through (a batch waits for room,
-never drops it), and a sweep stops when the store goes down. Hybrid namespaces are
-skipped, as everywhere in the remote tier. Runs on the daemon's loop; the disk
-reads and the store calls run on their own threads.
+Once the store is full, only nodes the admission expects back are offered
+(remote_admission.py). Bounded: at most `remote_publish_pages` pages are probed per
+sweep (0: off), the writes share `remote_queue_pages` with write-through (a batch
+waits for room, never drops it), and a sweep stops when the store goes down. Hybrid
+namespaces are skipped, as everywhere in the remote tier. Runs on the daemon's loop;
+the disk reads and the store calls run on their own threads.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ class RemotePublisher:
                 if budget <= 0 or not self.mover.worker.available:
                     break
                 if node.removed or not node.on_disk or node.host is not None:
+                    continue
+                if not self.mover.admission.admit(node):  # a full store takes what is expected back
                     continue
                 budget -= await self._publish_node(ns, node, budget)
         self.sweeps_done += 1

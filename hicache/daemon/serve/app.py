@@ -25,6 +25,7 @@ from hicache import __version__
 from hicache.config import Config, format_size, private_socket_dir
 from hicache.daemon.serve.gc_steward import GcSteward
 from hicache.daemon.serve.handlers import ADMIN_METHODS, build_handlers
+from hicache.daemon.core.fetch_or_recompute import FETCH_TIERS, FetchOrRecompute
 from hicache.daemon.core.host_tier import HostTier
 from hicache.daemon.core.pin_file import PinFile
 from hicache.daemon.core.retention import Retention
@@ -166,14 +167,18 @@ class Daemon:
                                     clock=index_clock(cfg.index_clock),
                                     max_device_pages=cfg.max_device_pages,
                                     eviction_policy=make_policy(cfg.eviction_policy))
+        self.service.fetch_cost = FetchOrRecompute(enabled=cfg.fetch_or_recompute,
+                                                   context_tokens=cfg.recompute_context_tokens,
+                                                   remeasure_s=cfg.fetch_remeasure_s)
         self.puts = HostPuts(self.service, lease_s=cfg.put_lease_s)
         # checked again against the arena as built (slabs round its size down); before the
         # disk tier, whose mover reports its writes in flight to the quotas
         self.service.quotas = TenantQuotas(self.service, {
             "host": self.host.capacity_bytes, "disk": cfg.disk_capacity if cfg.disk_enabled else None})
         self.service.quotas.replace_all(cfg.quotas)
-        if cfg.disk_enabled:
-            pages = admission_capacity_pages(self.host.capacity_bytes + cfg.disk_capacity)
+        if cfg.disk_enabled or cfg.remote_url:  # the tiers below the host take what it expects back
+            disk_bytes = cfg.disk_capacity if cfg.disk_enabled else 0
+            pages = admission_capacity_pages(self.host.capacity_bytes + disk_bytes)
             self.service.admission = DiskAdmission(AdmissionConfig(mode=cfg.disk_admission), pages)
         # before the disk tier: its rebuild hands state checkpoint records to HybridStates
         self.hybrid = HybridStates(self.service, disk_capacity=cfg.disk_capacity if cfg.disk_enabled else 0,
@@ -304,6 +309,9 @@ class Daemon:
                     m.observe_remote(op, seconds)
                 m.set_remote_up(r["available"], r["kind"])
                 m.set_queue_depth("remote_write", r["queue_pages"])
+            skipped = st["fetch_or_recompute"]["skipped_pages"]
+            for tier in FETCH_TIERS:
+                m.add_recomputed(tier, delta(f"recompute.{tier}", skipped[tier]))
             m.set_engines(len(st["engines"]))
             m.set_namespaces(self._namespace_usage())
             m.add_dropped_subscribers(delta("dropped_subscribers", st["events"]["dropped_subscribers"]))
@@ -413,6 +421,8 @@ class Daemon:
                 "connections": len(self.server.connections) if self.server else 0,
                 "states": self.hybrid.stats() if self.hybrid is not None else None,
                 "quotas": svc.quotas.stats() if svc.quotas is not None and svc.quotas.active else None,
+                "fetch_or_recompute": svc.fetch_cost.stats(list(svc.engines.values()))
+                if svc.fetch_cost is not None else None,
                 "gc": self.gc.stats() if self.gc is not None else {"managed": False},
                 **self._rpc_stats()}
 

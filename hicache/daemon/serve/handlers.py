@@ -34,7 +34,7 @@ from hicache.index.keys import KEY_BYTES, Namespace
 from hicache.index.radix import Tier
 from hicache.layout import KVLayout
 from hicache.rpc.framing import bytes_to_ids, ids_to_bytes
-from hicache.rpc.protocol import PROTOCOL_VERSION, Code, RpcError
+from hicache.rpc.protocol import MAX_PREFILL_RATE, PROTOCOL_VERSION, Code, RpcError
 from hicache.rpc.server import Connection, WithFds
 
 if TYPE_CHECKING:
@@ -97,6 +97,15 @@ def _tier(params: dict, allowed: tuple[str, ...]) -> Tier:
     return TIERS[name]
 
 
+def _prefill_rate(params: dict, default: Any = ...) -> float:
+    """An engine's prefill rate in tokens/s: a finite number in 0..MAX_PREFILL_RATE (0: unknown)."""
+    value = _get(params, "prefill_tokens_per_s", (int, float), default)
+    if isinstance(value, bool) or not 0 <= value <= MAX_PREFILL_RATE:  # NaN fails the comparison too
+        raise RpcError(Code.BAD_PARAMS,
+                       f"parameter 'prefill_tokens_per_s' must be a number in 0..{MAX_PREFILL_RATE:g}")
+    return float(value)
+
+
 def _backup_plan(backup: Any) -> dict | None:
     if backup is None:
         return None
@@ -137,7 +146,9 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
             raise RpcError(Code.BAD_PARAMS, "need 0 <= tp_rank < tp_size")
         if ns.state is not None and daemon.hybrid is not None:
             daemon.hybrid.check_namespace(ns)
+        rate = _prefill_rate(p, 0.0)
         rec = svc.register(conn, ns, _get(p, "device_pages", int))
+        rec.prefill_tokens_per_s = rate
         conn.namespaces.add(rec.ns.salt.hex())  # what this connection may see from now on
         reply = {"engine": rec.engine_id, "salt": rec.ns.salt, "page_bytes": layout.page_bytes,
                  "write_policy": svc.write_policy.value, "slabs": host.slab_version(rec.ns.salt)}
@@ -145,13 +156,20 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
             reply["state_bytes"] = ns.state.checkpoint_bytes
         return reply
 
+    def report(conn: Connection, p: dict) -> Any:
+        """What an engine measured of itself: its prefill rate (fetch_or_recompute.py)."""
+        rate = _prefill_rate(p)
+        svc.engine(conn, _get(p, "engine", int)).prefill_tokens_per_s = rate
+        return True
+
     def match(conn: Connection, p: dict) -> Any:
         keys = keys_of(p)
         if daemon.hybrid is not None:  # a hybrid namespace's match is cut at its usable prefix
             pin, state = daemon.hybrid.match(conn, _get(p, "engine", int), keys)
         else:
             pin, state = svc.match(conn, _get(p, "engine", int), keys), None
-        if daemon.remote is not None and state is None and pin.device_len + pin.host_len + pin.disk_len < len(keys):
+        if (daemon.remote is not None and state is None and pin.recompute_from is None
+                and pin.device_len + pin.host_len + pin.disk_len < len(keys)):
             return remote_match(pin, keys)  # the local prefix stops short: ask the remote store
         return match_reply(pin, state)
 
@@ -390,7 +408,7 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
                 "state_usage": {"allocated_bytes": allocated, "files": files,
                                 "disk_capacity": cfg.disk_capacity if cfg.disk_enabled else 0}}
 
-    return {"hello": hello, "register": register, "unregister": unregister, "match": match,
+    return {"hello": hello, "register": register, "unregister": unregister, "report": report, "match": match,
             "load": load, "load_done": load_done, "map_slabs": map_slabs, "release": release, "insert": insert,
             "backup_done": backup_done, "put": put, "put_done": put_done,
             "state_backup_done": state_backup_done,

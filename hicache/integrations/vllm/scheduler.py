@@ -96,7 +96,8 @@ def request_hint(request: Any) -> RetainHint | None:
 
 class SchedulerSide:
     def __init__(self, shape: EngineShape, num_blocks: int, socket_path: str | None, *,
-                 lease_s: float = 30.0, disk_wait_s: float = 0.5, deadlines: CallDeadlines | None = None) -> None:
+                 lease_s: float = 30.0, disk_wait_s: float = 0.5, deadlines: CallDeadlines | None = None,
+                 prefill_tokens_per_s: float | None = None) -> None:
         self.shape = shape
         self.page_size = shape.layout.page_size
         self.load_async = shape.is_hybrid
@@ -109,7 +110,7 @@ class SchedulerSide:
             tp_rank, tp_size = shape.namespace_rank(r)
             self.clients[r] = HiCacheClient(shape.layout, num_blocks, model=shape.model, socket_path=socket_path,
                                             tp_rank=tp_rank, tp_size=tp_size, extra_key=shape.extra_key(),
-                                            deadlines=deadlines)
+                                            deadlines=deadlines, prefill_tokens_per_s=prefill_tokens_per_s)
         for c in self.clients.values():
             c.connect()  # each step bounded by its deadline; if down, the probe keeps trying
         self.reqs: dict[str, _Req] = {}
