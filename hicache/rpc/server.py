@@ -152,13 +152,10 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closed:
             return
-        if (not self.decoder.buffered and self._turn is None and not self._output_paused
-                and len(data) > 4 and HEADER.unpack_from(data)[0] == len(data) - 4
-                and len(data) - 4 <= self.decoder.max_frame_bytes):
-            # One whole frame and nothing buffered (a blocking client's request): handled
-            # straight from the read, without copying it through the decoder's buffer.
-            self._handle(memoryview(data)[4:])
-            return
+        if not self.decoder.buffered and self._turn is None and not self._output_paused:
+            data = self._handle_whole(data)
+            if not data or self.closed:
+                return
         self.decoder.append(data)
         if self._turn is None and not self._output_paused:
             self._run_frames()
@@ -183,6 +180,30 @@ class Connection(asyncio.Protocol):
             self.server.on_disconnect(self)
         except Exception:
             log.exception("disconnect cleanup failed")
+
+    def _handle_whole(self, data: bytes) -> bytes | memoryview:
+        """With nothing buffered, handle the whole frames of a read straight from it (a
+        blocking client's request, or its posted calls and the request behind them),
+        without copying them through the decoder's buffer. Returns what is left: a partial
+        or oversized frame for the decoder, or frames past this turn's share (a later turn
+        takes them)."""
+        view = memoryview(data)
+        end, pos, handled = len(data), 0, 0
+        cap = self.decoder.max_frame_bytes
+        while end - pos > 4:
+            (n,) = HEADER.unpack_from(data, pos)
+            if n > cap or end - pos - 4 < n:
+                break
+            if handled == FRAMES_PER_TURN:
+                self._turn = asyncio.get_running_loop().call_soon(self._run_frames)
+                self._update_reading()
+                break
+            self._handle(view[pos + 4:pos + 4 + n])
+            pos += 4 + n
+            handled += 1
+            if self.closed or self._output_paused:
+                break
+        return view[pos:] if pos < end else b""
 
     # Back-pressure: a client that does not read its responses stops being read and served.
     def pause_writing(self) -> None:
@@ -257,6 +278,7 @@ class Connection(asyncio.Protocol):
         if not isinstance(method, str) or not isinstance(params, dict):
             self.send_error(req_id, Code.BAD_REQUEST, "method must be a string and params a map")
             return
+        quiet = msg.get("noreply") is True  # answered only when it fails (see protocol.py)
         server = self.server
         server.counters.requests += 1
         if not self.greeted and method != server.hello_method:
@@ -289,18 +311,19 @@ class Connection(asyncio.Protocol):
             self._observe(method, t0, Code.INTERNAL.value)
             return
         if type(result) is CoroutineType:  # async handlers (`async def`); no ABC check for the rest
-            task = asyncio.ensure_future(self._finish(req_id, method, result, t0))
+            task = asyncio.ensure_future(self._finish(req_id, method, result, t0, quiet))
             self.inflight.add(task)
             server.tasks.add(task)
             task.add_done_callback(self._task_done)
         else:
             if method == server.hello_method:
                 self.greeted = True
-            self.send_result(req_id, result)
+            if not quiet:
+                self.send_result(req_id, result)
             if server.observe is not None:
                 server.observe(method, time.perf_counter() - t0, "OK")
 
-    async def _finish(self, req_id: int, method: str, aw: Awaitable, t0: float) -> None:
+    async def _finish(self, req_id: int, method: str, aw: Awaitable, t0: float, quiet: bool) -> None:
         try:
             result = await aw
         except RpcError as e:
@@ -314,7 +337,8 @@ class Connection(asyncio.Protocol):
             self._observe(method, t0, Code.INTERNAL.value)
         else:
             self._succeeded(method)
-            self.send_result(req_id, result)
+            if not quiet:
+                self.send_result(req_id, result)
             self._observe(method, t0, "OK")
 
     def _succeeded(self, method: str) -> None:
@@ -425,7 +449,7 @@ class RpcServer:
         self.counters = ServerCounters()
         self.packer = new_packer()  # the loop's thread only
         self.draining = False
-        self.allowed_while_draining = {"release", "load_done", "backup_done", "stats"}
+        self.allowed_while_draining = {"release", "load_done", "backup_done", "stats", "sync"}
         self.observe: Callable[[str, float, str], None] | None = None  # (method, seconds, code), for metrics
         self._server: asyncio.AbstractServer | None = None
 
