@@ -8,9 +8,11 @@ two baselines measured in the same run with the same payload sizes:
 Each client is its own process with a blocking socket, as engine schedulers are.
 The three servers take turns, `repeats` rounds of each, and every percentile
 reported is the median over the rounds of that round's percentile: one noisy
-round on a shared machine moves no number alone. A `match` is followed by its
-`release`, posted (sent without waiting for the answer) as engines do, so the
-next match's time includes whatever the daemon still spends on it.
+round on a shared machine moves no number alone. A `match` round trip is timed
+without the `release` that follows it (still sent, untimed, and waited for).
+Engines post their releases, but long before their next match; posting it in
+this tight loop would time the daemon's handling of it too (measured: +10-40%
+on a 1-client match p50).
 
 With `pin` (and two or more CPUs) the servers run on CPU 0 and the clients on
 the others. Unpinned (the default), a 1-client round trip lands in one of two
@@ -105,7 +107,7 @@ def _hicache_client(path: str, kind: str, n: int, tokens: np.ndarray, q: mp.Queu
         if kind == "match":
             m = conn.call("match", {"engine": engine, "keys": keys})
             dt = time.perf_counter() - t0
-            conn.post("release", {"pin": m["pin"]})  # as EngineCache does: no round trip
+            conn.call("release", {"pin": m["pin"]})  # waited (untimed): the next match finds the daemon idle
         else:
             conn.call("insert", insert)
             dt = time.perf_counter() - t0
