@@ -152,10 +152,13 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closed:
             return
-        if not self.decoder.buffered and self._turn is None and not self._output_paused:
-            data = self._handle_whole(data)
-            if not data or self.closed:
-                return
+        if (not self.decoder.buffered and self._turn is None and not self._output_paused
+                and len(data) > 4 and HEADER.unpack_from(data)[0] == len(data) - 4
+                and len(data) - 4 <= self.decoder.max_frame_bytes):
+            # One whole frame and nothing buffered (a blocking client's request): handled
+            # straight from the read, without copying it through the decoder's buffer.
+            self._handle(memoryview(data)[4:])
+            return
         self.decoder.append(data)
         if self._turn is None and not self._output_paused:
             self._run_frames()
@@ -180,30 +183,6 @@ class Connection(asyncio.Protocol):
             self.server.on_disconnect(self)
         except Exception:
             log.exception("disconnect cleanup failed")
-
-    def _handle_whole(self, data: bytes) -> bytes | memoryview:
-        """With nothing buffered, handle the whole frames of a read straight from it (a
-        blocking client's request, or its posted calls and the request behind them),
-        without copying them through the decoder's buffer. Returns what is left: a partial
-        or oversized frame for the decoder, or frames past this turn's share (a later turn
-        takes them)."""
-        view = memoryview(data)
-        end, pos, handled = len(data), 0, 0
-        cap = self.decoder.max_frame_bytes
-        while end - pos > 4:
-            (n,) = HEADER.unpack_from(data, pos)
-            if n > cap or end - pos - 4 < n:
-                break
-            if handled == FRAMES_PER_TURN:
-                self._turn = asyncio.get_running_loop().call_soon(self._run_frames)
-                self._update_reading()
-                break
-            self._handle(view[pos + 4:pos + 4 + n])
-            pos += 4 + n
-            handled += 1
-            if self.closed or self._output_paused:
-                break
-        return view[pos:] if pos < end else b""
 
     # Back-pressure: a client that does not read its responses stops being read and served.
     def pause_writing(self) -> None:
