@@ -180,11 +180,11 @@ class EngineCache:
     def finish_load(self, prefix: Prefix) -> None:
         """The loaded pages are in place: record them with the daemon as cached.
 
-        The report is posted, not waited for (no round trip). The pin still locks the
-        host pages it was loaded from until the daemon handles the report, and the
-        connection delivers it before any later call of this engine (insert, evict,
-        release), so the daemon never plans with pages whose copy it has not heard
-        finished; pages this engine turns out to hold twice come back through `evict`."""
+        The report is posted, not waited for (no round trip), and only once the copy
+        ended. The pin keeps the host pages it was loaded from locked until the daemon
+        handles the report, which it does before any later call of this engine (insert,
+        evict, release: one connection, handled in order), so those see the new device
+        pages recorded. Pages this engine turns out to hold twice come back through `evict`."""
         if prefix.load is None:
             return
         prefix.load.wait()  # the copy ended: only now may the daemon unlock its source
