@@ -34,6 +34,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--clients", type=int, nargs="+", default=[1, 8])
     b.add_argument("--repeats", type=int, default=5, help="rounds per server; percentiles are medians over them")
     b.add_argument("--pin", action="store_true", help="servers on CPU 0, clients on the other CPUs")
+    b.add_argument("--calls", nargs="+", choices=["match", "insert"], default=["match", "insert"],
+                   help="which calls to time")
 
     b = bench("transfer", "per-layer load and all-layer backup vs a contiguous copy")
     b.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -174,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.time()
     if args.bench == "rpc":
         from hicache.bench.rpc_bench import run as go
-        rows = go(args.socket_path, args.prompt_tokens, args.requests, tuple(args.clients), args.repeats, args.pin)
+        rows = go(args.socket_path, args.prompt_tokens, args.requests, tuple(args.clients), args.repeats, args.pin,
+                  tuple(args.calls))
     elif args.bench == "transfer" and args.device == "cuda":
         from hicache.bench.device_transfer_bench import run as go
         rows = go(tuple(args.page_sizes), device="cuda", repeats=args.repeats,

@@ -22,7 +22,9 @@ would hold none of what comes back.) Four setups serve the same workload:
 The four run in lockstep (request i of each setup, then request i+1), so load
 from other processes on the machine falls on all of them alike. Reported per
 setup: prefill tokens computed, the share of prompt tokens reused per tier,
-and time to first token (lookup + load + prefill), each next to no cache.
+time to first token (lookup + load + prefill), each next to no cache, and the
+daemon round trips per request: the calls the engine waited on, by method, and
+apart from them the calls it posted (sent without waiting).
 Next to them, the infinite cache (`infinite_prefill`): the prefill any page-granular prefix cache must
 compute on the same prompts and outputs; each setup's prefill is shown as a ratio to it.
 """
@@ -159,6 +161,17 @@ def serve(conversations: int, turns: int) -> tuple[list[Setup], dict[str, Any]]:
     return all_setups, info
 
 
+def _per_request(counts: dict[str, int], requests: int) -> dict[str, float]:
+    return {m: round(n / max(1, requests), 2) for m, n in sorted(counts.items())}
+
+
+def _calls_note(waited: dict[str, float], posted: dict[str, float]) -> str:
+    """Which calls the engine waited on (its round trips) and which it only sent."""
+    def fmt(d: dict[str, float]) -> str:
+        return ", ".join(f"{m} {n:g}" for m, n in d.items()) or "none"
+    return f"waited: {fmt(waited)}; posted: {fmt(posted)}"
+
+
 def run(args: Any) -> list[dict]:
     if args.conversations < 1 or args.turns < 1:
         raise SystemExit("--conversations and --turns must be >= 1")
@@ -195,8 +208,10 @@ def run(args: Any) -> list[dict]:
                         baseline_name="no cache"))
         if s is not base:
             c = s.engine.cache.client  # type: ignore[union-attr]
+            waited, posted = _per_request(c.calls, len(s.gens)), _per_request(c.posted_calls, len(s.gens))
             rows.append(row(f"{s.name}: daemon round trips per request", c.round_trips / len(s.gens), "calls",
-                            posted=round(c.posted / len(s.gens), 2)))
+                            posted=round(c.posted / len(s.gens), 2), by_method=waited, posted_by_method=posted,
+                            note=_calls_note(waited, posted)))
             same = sum(g.output_ids == b.output_ids for g, b in zip(s.gens, base.gens))
             rows.append(row(f"{s.name}: outputs equal to no cache", same / max(1, len(s.gens)), "fraction"))
     rows.append(row("wall time (4 setups in lockstep)", info["seconds"], "s"))

@@ -9,7 +9,10 @@ Each client is its own process with a blocking socket, as engine schedulers are.
 The three servers take turns, `repeats` rounds of each, and every percentile
 reported is the median over the rounds of that round's percentile: one noisy
 round on a shared machine moves no number alone. A `match` round trip is timed
-without the `release` that follows it (still sent, untimed).
+without the `release` that follows it (still sent, untimed, and waited for).
+Engines post their releases, but long before their next match; posting it in
+this tight loop would time the daemon's handling of it too (measured: +10-40%
+on a 1-client match p50).
 
 With `pin` (and two or more CPUs) the servers run on CPU 0 and the clients on
 the others. Unpinned (the default), a 1-client round trip lands in one of two
@@ -104,7 +107,7 @@ def _hicache_client(path: str, kind: str, n: int, tokens: np.ndarray, q: mp.Queu
         if kind == "match":
             m = conn.call("match", {"engine": engine, "keys": keys})
             dt = time.perf_counter() - t0
-            conn.call("release", {"pin": m["pin"]})
+            conn.call("release", {"pin": m["pin"]})  # waited (untimed): the next match finds the daemon idle
         else:
             conn.call("insert", insert)
             dt = time.perf_counter() - t0
@@ -181,7 +184,8 @@ def _median_pcts(rounds: list[np.ndarray], q: float) -> float:
 
 
 def run(socket_path: str | None = None, prompt_tokens: int = 8192, requests: int = 2000,
-        client_counts: tuple[int, ...] = (1, 8), repeats: int = 5, pin: bool = False) -> list[dict]:
+        client_counts: tuple[int, ...] = (1, 8), repeats: int = 5, pin: bool = False,
+        calls: tuple[str, ...] = ("match", "insert")) -> list[dict]:
     tmp = Path(tempfile.mkdtemp(prefix="hicache-rpc-bench-"))
     procs: list[subprocess.Popen] = []
     daemon = None
@@ -217,7 +221,7 @@ def run(socket_path: str | None = None, prompt_tokens: int = 8192, requests: int
         }
         for clients in client_counts:
             per = max(100, requests // clients)
-            for kind in ("match", "insert"):
+            for kind in calls:
                 size = len(pack_frame({"id": 1, "method": kind, "params": payloads[kind]}))
                 hc, echo, red = [], [], []
                 for _ in range(repeats):  # the servers take turns: load swings hit all three alike

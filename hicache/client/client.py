@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -176,6 +177,8 @@ class HiCacheClient:
         self.outages = 0  # times the breaker opened
         self.round_trips = 0  # calls that waited for the daemon's answer (hello and slab mapping aside)
         self.posted = 0  # calls sent without waiting (`_post`)
+        self.calls: Counter[str] = Counter()  # round_trips by method
+        self.posted_calls: Counter[str] = Counter()  # posted by method
         self._reconnector: Reconnector[_Handshake] | None = None
         self.prefill_rate = PrefillRate(prefill_tokens_per_s)  # before connecting: register sends it
 
@@ -355,6 +358,7 @@ class HiCacheClient:
             raise DaemonUnavailable("daemon unavailable" if not self.connected else "daemon reconnected")
         assert self.conn is not None
         self.round_trips += 1
+        self.calls[method] += 1
         try:
             reply = self.conn.call(method, params, timeout_s)
         except DaemonUnavailable as e:
@@ -367,23 +371,27 @@ class HiCacheClient:
         self._check_slabs(reply)
         return reply
 
-    def _post(self, method: str, params: dict) -> None:
+    def _post(self, method: str, params: dict) -> bool:
         """Send a call whose answer the engine does not need, without waiting for it: a
         starved daemon then costs the engine's step nothing, and a missed deadline cannot
         drop the connection (which would turn the next lookups into misses while it
         reconnects). Order is kept: the daemon handles the next call after this one. A
         call of an earlier epoch is void (the daemon that issued its ids is gone); a
-        refusal is logged when its answer is read (RpcConnection.post)."""
+        refusal is logged when its answer is read (RpcConnection.post). False: not sent
+        (the daemon is away)."""
         if not self.connected:
             if not self._adopt_ready():
                 self._open("not connected")
-            return
+            return False
         assert self.conn is not None
         self.posted += 1
+        self.posted_calls[method] += 1
         try:
             self.conn.post(method, params, self.deadlines.update_s)
         except DaemonUnavailable as e:
             self._open(e.message)
+            return False
+        return True
 
     def wait_posted(self) -> None:
         """Wait until the daemon has handled every call sent without waiting (`_post`)."""
@@ -456,14 +464,22 @@ class HiCacheClient:
             match.state = StateMatch.parse(ld["state"])
         return match
 
-    def load_done(self, match: Match, device_pages: np.ndarray) -> np.ndarray | None:
+    def load_done(self, match: Match, device_pages: np.ndarray, *, wait: bool = True) -> np.ndarray | None:
         """Report the host part copied into `device_pages`. Returns pages to free, or
-        None when the daemon no longer tracks this match (the caller keeps the pages private)."""
+        None when the daemon no longer tracks this match (the caller keeps the pages private).
+
+        `wait=False` sends it without waiting (see `_post`) and returns no pages: pages the
+        engine turns out to hold twice (another request of it loaded the same part meanwhile)
+        are handed back by its next `evict` instead. The pin keeps its host pages locked until
+        the daemon handles the report, which comes before any later call of this connection."""
         if match.pin is None or match.epoch != self.epoch:
             return None
+        params = {"pin": match.pin, "device_pages": ids_to_bytes(device_pages)}
+        if not wait:
+            params["reclaim"] = True
+            return EMPTY if self._post("load_done", params) else None
         try:
-            r = self._call("load_done", {"pin": match.pin, "device_pages": ids_to_bytes(device_pages)},
-                           self.deadlines.update_s)
+            r = self._call("load_done", params, self.deadlines.update_s)
         except DaemonUnavailable:
             return None
         return bytes_to_ids(r["free_pages"])
@@ -567,11 +583,19 @@ class HiCacheClient:
             return None
         return BackupPlan(int(b["id"]), bytes_to_ids(b["host_pages"]), bytes_to_ids(b["device_pages"]), self.epoch)
 
-    def backup_done(self, plan: BackupPlan, ok: bool = True) -> np.ndarray | None:
+    def backup_done(self, plan: BackupPlan, ok: bool = True, *, wait: bool = True) -> np.ndarray | None:
+        """The copies of `plan` are in place (or failed). Returns device pages the engine may
+        free now (a write-back eviction's), None when the daemon is not reachable.
+        `wait=False` (for insert's plans, which free nothing) sends it without waiting (see
+        `_post`) and returns no pages; the daemon keeps the host pages reserved until it
+        handles it, before any later call of this connection."""
         if plan.epoch != self.epoch:
             return None
+        params = {"backup": plan.backup_id, "ok": ok}
+        if not wait:
+            return EMPTY if self._post("backup_done", params) else None
         try:
-            r = self._call("backup_done", {"backup": plan.backup_id, "ok": ok}, self.deadlines.update_s)
+            r = self._call("backup_done", params, self.deadlines.update_s)
         except DaemonUnavailable:
             return None
         return bytes_to_ids(r["free_pages"])

@@ -39,7 +39,7 @@ REFUSED_CODES = {"FORBIDDEN"}  # a daemon that says why it refuses this peer
 MAX_FDS = 253  # the most one SCM_RIGHTS message carries (the kernel's SCM_MAX_FD)
 RECV_CHUNK = 256 << 10  # the reusable receive buffer; larger frames get their own
 TIMEOUT_SLACK_S = 0.002  # how far past its deadline an exchange may wait
-MAX_POSTED = 64  # requests sent without waiting whose replies are not read yet; beyond, a post waits
+MAX_POSTED = 64  # posted requests not yet known handled; beyond, a post first waits for them (`sync`)
 _TIMEVAL = struct.Struct("@ll")
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,9 @@ class RpcConnection:
         self._view = memoryview(self._buf)
         self._start = self._end = 0
         self._so_timeout = -1.0  # the SO_RCVTIMEO / SO_SNDTIMEO set now (-1: not yet)
-        self._posted: dict[int, str] = {}  # id -> method of requests sent by post(), reply not read yet
+        # id -> method of requests sent by post() that may still be answered (they are only
+        # when refused); the answer to any later call clears them: the daemon goes in order
+        self._posted: dict[int, str] = {}
         self.posted_refusals = 0  # posted requests the daemon answered with an error
         sock.settimeout(None)  # blocking: the kernel's socket timeouts bound each read and write
         self._set_so_timeout(timeout_s)
@@ -148,42 +150,43 @@ class RpcConnection:
                 self.events.append(msg["event"])
                 continue
             if msg.get("id") != req_id:
-                self._settle_posted(msg)  # a posted request's answer, or one we gave up on
+                self._settle_posted(msg)  # a posted request's refusal, or an answer we gave up on
                 continue
+            if self._posted:  # the daemon handled every request sent before this one
+                self._posted.clear()
             if "error" in msg:
                 err = msg["error"]
                 raise ClientError(str(err.get("code")), str(err.get("message")))
             return msg.get("result")
 
     def post(self, method: str, params: dict[str, Any] | None = None, timeout_s: float | None = None) -> None:
-        """Send a request and return without its reply: for calls whose answer the caller
+        """Send a request and return without waiting: for calls whose answer the caller
         does not need (a pin's release, a finished put), so a slow daemon costs the engine's
         step nothing and cannot drop the connection by missing a deadline. The daemon
-        handles a connection's requests in order, so a later call sees the posted one done;
-        its reply is read (and a refusal logged) by whichever read comes next. Past
-        MAX_POSTED unread replies this waits for its own, which reads the earlier ones too."""
+        handles a connection's requests in order, so a later call sees the posted one done.
+        It answers a posted request (`noreply`) only to refuse it; whichever read comes
+        next logs that. For methods the daemon answers inline (not `load`). Past MAX_POSTED
+        posts not known handled, this first waits until they are (`wait_posted`), which
+        bounds the refusals that can pile up unread."""
         if len(self._posted) >= MAX_POSTED:
-            try:
-                self.call(method, params, timeout_s)
-            except ClientError as e:
-                self._refused(method, e.code, e.message)
-            return
+            self.wait_posted(timeout_s)
         if self.closed:
             raise DaemonUnavailable("connection closed")
         req_id = next(self._ids)
-        self._send({"id": req_id, "method": method, "params": params or {}}, self._deadline(timeout_s))
+        self._send({"id": req_id, "method": method, "params": params or {}, "noreply": True},
+                   self._deadline(timeout_s))
         self._posted[req_id] = method
 
     def wait_posted(self, timeout_s: float | None = None) -> None:
-        """Read the answers of every posted request: the daemon has handled them all (for
-        callers that next ask the daemon something on another connection)."""
-        deadline = self._deadline(timeout_s)
-        while self._posted:
-            msg = self._read_message(deadline, "posted calls")
-            if "event" in msg:
-                self.events.append(msg["event"])
-            else:
-                self._settle_posted(msg)
+        """Return once the daemon has handled every posted request (for callers that next
+        ask the daemon something on another connection): one `sync` round trip, whose
+        answer comes after any refusal of them."""
+        if not self._posted:
+            return
+        try:
+            self.call("sync", None, timeout_s)
+        except ClientError:
+            self._posted.clear()  # a daemon without `sync` refused it, after the earlier ones all the same
 
     def _settle_posted(self, msg: dict) -> None:
         method = self._posted.pop(msg.get("id"), None)  # type: ignore[arg-type]

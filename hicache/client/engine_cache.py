@@ -21,6 +21,18 @@ connection that planned it (`_on_disconnect`).
 The per-layer pipeline: `lookup` starts the host->device copy of the host
 part on the transfer executor and returns a Prefix whose `wait_layer(l)` the
 model calls right before layer l reads the pool.
+
+Round trips. A request waits on the daemon twice: `match` (lookup) and
+`insert` (store), plus `evict` when the pool runs short and `load` when part of
+the prefix is on disk. Its other reports are posted, sent without waiting for
+the answer (RpcConnection.post): `load_done`, a write-through `backup_done` and
+`release`. Posting never lets the daemon act sooner than a waited call would:
+each report is sent only after the copy it reports has ended, and until the
+daemon handles it, it keeps what that copy needed (the pin's host lock on the
+pages a load read; the reserved host pages a backup wrote; for a release, the
+pin's locks). The daemon handles a connection's frames in order, so every later
+call of this engine (insert, evict, the next match) finds them done. A
+write-back eviction's `backup_done` is waited for: its answer frees pages now.
 """
 
 from __future__ import annotations
@@ -166,12 +178,19 @@ class EngineCache:
         return prefix
 
     def finish_load(self, prefix: Prefix) -> None:
-        """The loaded pages are in place: record them with the daemon as cached."""
+        """The loaded pages are in place: record them with the daemon as cached.
+
+        The report is posted, not waited for (no round trip), and only once the copy
+        ended. The pin keeps the host pages it was loaded from locked until the daemon
+        handles the report, which it does before any later call of this engine (insert,
+        evict, release: one connection, handled in order), so those see the new device
+        pages recorded. Pages this engine turns out to hold twice come back through `evict`."""
         if prefix.load is None:
             return
-        prefix.load.wait()
+        prefix.load.wait()  # the copy ended: only now may the daemon unlock its source
         pages = prefix.loaded_pages
-        dups = self.client.load_done(prefix.match, pages) if prefix.epoch == self.client.epoch else None
+        dups = (self.client.load_done(prefix.match, pages, wait=False) if prefix.epoch == self.client.epoch
+                else None)
         if dups is None:  # daemon lost: the copies are valid, but only this request knows them
             prefix.private.append(pages)
         else:
@@ -261,20 +280,23 @@ class EngineCache:
                 still.append((plan, handle, ex))
         self.backups = still
 
-    def _report_backup(self, plan: BackupPlan, handle: Any) -> None:
+    def _report_backup(self, plan: BackupPlan, handle: Any, wait: bool = False) -> None:
+        """Report a backup once its copy ended. Insert's backups free no device pages, so
+        their report is posted (no round trip; the daemon keeps their host pages reserved
+        until it handles it); an eviction's (`wait`) frees the pages it copied out."""
         try:
             handle.wait()
             ok = True
         except Exception:
             log.exception("backup %d failed", plan.backup_id)
             ok = False
-        freed = self.client.backup_done(plan, ok)
+        freed = self.client.backup_done(plan, ok, wait=wait)
         if freed is not None and len(freed):
             self._release_cached(freed)
 
-    def _report_failed(self, plan: BackupPlan) -> None:
+    def _report_failed(self, plan: BackupPlan, wait: bool = False) -> None:
         """A backup plan we cannot carry out: the daemon drops its host pages."""
-        freed = self.client.backup_done(plan, ok=False)
+        freed = self.client.backup_done(plan, ok=False, wait=wait)
         if freed is not None and len(freed):
             self._release_cached(freed)
 
@@ -313,9 +335,9 @@ class EngineCache:
         if plan is not None:  # write-back: copy out first
             before = self.allocator.available_size()
             if self.executor is not None and self._mapped(plan.host_pages):
-                self._report_backup(plan, self.executor.backup(plan.host_pages, plan.device_pages))
+                self._report_backup(plan, self.executor.backup(plan.host_pages, plan.device_pages), wait=True)
             else:
-                self._report_failed(plan)
+                self._report_failed(plan, wait=True)
             n += (self.allocator.available_size() - before) // self.page_size
         if not self.client.connected:
             n += self._forget_residency("hicache daemon unreachable")
@@ -323,6 +345,7 @@ class EngineCache:
 
     def close(self) -> None:
         self._drain_backups(report=True)
+        self.client.wait_posted()  # the daemon has the posted reports before it sees the close
         if self.executor is not None:
             self.executor.close()
         self.client.close()

@@ -1,8 +1,15 @@
 """Wire protocol: version, method names and stable error codes.
 
-Request  `{"id": int, "method": str, "params": map}`
+Request  `{"id": int, "method": str, "params": map}`, optionally `"noreply": true`
 Response `{"id": int, "result": any}` or `{"id": int, "error": {"code": str, "message": str}}`
 Event    `{"event": map}` (pushed to connections that called `subscribe`)
+
+A `noreply` request (a client's posted call: a release, a finished copy) gets an
+answer only when it fails: a success would be a frame to write and to read, and
+in a client's tight loop a wake-up, for nothing. A connection's requests are
+handled in order, so the answer to any later request tells its sender that the
+earlier ones were handled; `sync` is the no-op for that. A daemon that predates
+`noreply` answers every request, which the client reads and drops.
 """
 
 from __future__ import annotations

@@ -257,6 +257,7 @@ class Connection(asyncio.Protocol):
         if not isinstance(method, str) or not isinstance(params, dict):
             self.send_error(req_id, Code.BAD_REQUEST, "method must be a string and params a map")
             return
+        quiet = msg.get("noreply") is True  # answered only when it fails (see protocol.py)
         server = self.server
         server.counters.requests += 1
         if not self.greeted and method != server.hello_method:
@@ -289,18 +290,19 @@ class Connection(asyncio.Protocol):
             self._observe(method, t0, Code.INTERNAL.value)
             return
         if type(result) is CoroutineType:  # async handlers (`async def`); no ABC check for the rest
-            task = asyncio.ensure_future(self._finish(req_id, method, result, t0))
+            task = asyncio.ensure_future(self._finish(req_id, method, result, t0, quiet))
             self.inflight.add(task)
             server.tasks.add(task)
             task.add_done_callback(self._task_done)
         else:
             if method == server.hello_method:
                 self.greeted = True
-            self.send_result(req_id, result)
+            if not quiet:
+                self.send_result(req_id, result)
             if server.observe is not None:
                 server.observe(method, time.perf_counter() - t0, "OK")
 
-    async def _finish(self, req_id: int, method: str, aw: Awaitable, t0: float) -> None:
+    async def _finish(self, req_id: int, method: str, aw: Awaitable, t0: float, quiet: bool) -> None:
         try:
             result = await aw
         except RpcError as e:
@@ -314,7 +316,8 @@ class Connection(asyncio.Protocol):
             self._observe(method, t0, Code.INTERNAL.value)
         else:
             self._succeeded(method)
-            self.send_result(req_id, result)
+            if not quiet:
+                self.send_result(req_id, result)
             self._observe(method, t0, "OK")
 
     def _succeeded(self, method: str) -> None:
@@ -425,7 +428,7 @@ class RpcServer:
         self.counters = ServerCounters()
         self.packer = new_packer()  # the loop's thread only
         self.draining = False
-        self.allowed_while_draining = {"release", "load_done", "backup_done", "stats"}
+        self.allowed_while_draining = {"release", "load_done", "backup_done", "stats", "sync"}
         self.observe: Callable[[str, float, str], None] | None = None  # (method, seconds, code), for metrics
         self._server: asyncio.AbstractServer | None = None
 

@@ -1,7 +1,8 @@
 """Calls sent without waiting for their answer (`wait=False`: a pin's release, a finished
-put), against a real daemon: the next call sees them done, a refusal is counted and
-logged when its answer is read, a hung daemon costs the engine nothing and does not
-drop the connection, and unread answers stay bounded."""
+put), against a real daemon: the daemon answers them only to refuse them, the next call
+sees them done, a refusal is counted and logged when its answer is read, a hung daemon
+costs the engine nothing and does not drop the connection, and unread answers stay
+bounded."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ import numpy as np
 from hicache.client.client import HiCacheClient, Match
 from hicache.client.connection import MAX_POSTED
 from hicache.layout import KVLayout
+from hicache.rpc.framing import pack_frame
+from hicache.rpc.protocol import PROTOCOL_VERSION
+from tests.rpc.wire import raw, recv_frame
 
 LAYOUT = KVLayout("mha", num_layers=2, page_size=4, dtype="float16", num_kv_heads=1, head_dim=8)
 PB = LAYOUT.page_bytes
@@ -89,4 +93,31 @@ def test_unread_answers_stay_bounded(daemon):
     c.stats()
     assert not c.conn._posted and c.conn.posted_refusals == MAX_POSTED + 10
     assert c.connected and c.outages == 0
+    c.close()
+
+
+def test_a_noreply_request_is_answered_only_when_refused(daemon):
+    s = raw(daemon.socket)
+    s.sendall(pack_frame({"id": 1, "method": "hello", "params": {"version": PROTOCOL_VERSION}}))
+    assert "result" in recv_frame(s)
+    s.sendall(pack_frame({"id": 2, "method": "stats", "params": {}, "noreply": True})  # succeeds: no answer
+              + pack_frame({"id": 3, "method": "release", "params": {"pin": 999}, "noreply": True})  # refused
+              + pack_frame({"id": 4, "method": "sync", "params": {}}))
+    refused = recv_frame(s)
+    assert refused["id"] == 3 and refused["error"]["code"] == "NOT_FOUND"
+    assert recv_frame(s) == {"id": 4, "result": True}
+    s.close()
+
+
+def test_wait_posted_is_one_sync_after_the_posted_calls(daemon):
+    c = client(daemon)
+    toks = np.arange(40, dtype=np.int32)
+    stored(c, toks)
+    assert c.conn is not None and len(c.conn._posted) == 1
+    c.wait_posted()
+    assert not c.conn._posted and c.conn.posted_refusals == 0
+    c.wait_posted()  # nothing posted since
+    m = c.match(toks)
+    assert m.host_len == 10
+    c.release(m, wait=False)
     c.close()

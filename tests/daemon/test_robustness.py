@@ -84,6 +84,7 @@ def test_oversized_frame_closes_only_that_connection(daemon):
     ("release", {"pin": 999}, "NOT_FOUND"),
     ("backup_done", {"backup": 999}, "NOT_FOUND"),
     ("load_done", {"pin": 1, "device_pages": b"abc"}, "BAD_PARAMS"),
+    ("load_done", {"pin": 1, "device_pages": b"", "reclaim": "yes"}, "BAD_PARAMS"),
     ("flush", {"tier": "gpu"}, "BAD_PARAMS"),
     ("evict_tier", {"tier": "host", "bytes": -1}, "BAD_PARAMS"),
 ])

@@ -245,8 +245,11 @@ class CacheService:
             mine.extend(self._apply_freed(rec.ns, freed, rec))
         return mine
 
-    def load_done(self, owner: object, pin_id: Any, device_pages: np.ndarray) -> np.ndarray:
-        """Record E's copies of the host segment; returns pages E must free (it already had them)."""
+    def load_done(self, owner: object, pin_id: Any, device_pages: np.ndarray, reclaim: bool = False
+                  ) -> np.ndarray:
+        """Record E's copies of the host segment; returns pages E must free (it already had them).
+        With `reclaim` (an engine that sent this without waiting for the answer) those pages
+        are handed back by E's next evict instead, and none are returned."""
         pin = self.pin(owner, pin_id)
         rec = pin.engine
         if pin.loaded:
@@ -268,6 +271,9 @@ class CacheService:
         self.counters.bytes_host_to_device += pin.host_len * rec.ns.page_class.page_bytes
         self.emit_nodes("stored", Tier.DEVICE, rec, [n for n, p in path_with_offsets(pin.host_node)
                                                      if start <= p < end])
+        if reclaim and len(dups):
+            rec.reclaim.append(dups)
+            return EMPTY
         return dups
 
     def _unlock_one(self, pin: Pin, node: TreeNode, tier: Tier, engine: int | None) -> None:

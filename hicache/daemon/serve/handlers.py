@@ -210,7 +210,8 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
         return reply
 
     def load_done(conn: Connection, p: dict) -> Any:
-        dups = svc.load_done(conn, _get(p, "pin", int), _ids(p, "device_pages", max_pages))
+        dups = svc.load_done(conn, _get(p, "pin", int), _ids(p, "device_pages", max_pages),
+                             reclaim=_get(p, "reclaim", bool, False))
         return {"free_pages": ids_to_bytes(dups)}
 
     def release(conn: Connection, p: dict) -> Any:
@@ -383,6 +384,11 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
                                             "knows; pass the full salt (32 hex digits)")
         return found[0].salt
 
+    def sync(conn: Connection, p: dict) -> Any:
+        """Nothing: its answer tells the client every earlier request of the connection
+        was handled (posted ones get no answer when they succeed; see rpc/protocol.py)."""
+        return True
+
     def subscribe(conn: Connection, p: dict) -> Any:
         conn.subscribed = True
         return True
@@ -413,5 +419,6 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
             "backup_done": backup_done, "put": put, "put_done": put_done,
             "state_backup_done": state_backup_done,
             "evict": evict, "stats": stats, "flush": flush, "settle": settle, "evict_tier": evict_tier, "ls": ls,
-            "subscribe": subscribe, "doctor": doctor, "remote_flush": remote_flush, **portable_handlers(daemon),
-            **keyed_handlers(daemon, keys_of), **quota_handlers(daemon), **pin_handlers(daemon, keys_of)}
+            "subscribe": subscribe, "sync": sync, "doctor": doctor, "remote_flush": remote_flush,
+            **portable_handlers(daemon), **keyed_handlers(daemon, keys_of), **quota_handlers(daemon),
+            **pin_handlers(daemon, keys_of)}
