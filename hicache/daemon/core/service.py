@@ -46,8 +46,9 @@ from hicache.daemon.core.records import (  # noqa: F401  (NamespaceState, Pin, p
 from hicache.daemon.ingest.backups import PendingBackup, place_backup, plan_backup
 from hicache.daemon.ingest.protocol import Ingest
 from hicache.daemon.core.slab_reclaim import reclaim_slab
+from hicache.daemon.core.validation import check_device_pages
 from hicache.index.admission import DiskAdmission, admission_key
-from hicache.index.keys import Namespace, PackedKeys
+from hicache.index.keys import Namespace
 from hicache.index.node import Freed, IndexStateError, Tier, TreeNode
 from hicache.index.policy import EvictionPolicy, LruPolicy
 from hicache.index.radix import RadixIndex
@@ -132,23 +133,6 @@ class CacheService:
         if rec is None or rec.owner is not owner:
             raise RpcError(Code.NOT_REGISTERED, f"engine {engine_id!r} is not registered on this connection")
         return rec
-
-    # -- validation helpers -------------------------------------------------
-    @staticmethod
-    def split_keys(blob: Any) -> PackedKeys:
-        try:
-            return PackedKeys(blob)
-        except ValueError as e:
-            raise RpcError(Code.BAD_PARAMS, str(e)) from None
-
-    @staticmethod
-    def check_device_pages(rec: EngineRecord, pages: np.ndarray, n: int) -> None:
-        if len(pages) != n:
-            raise RpcError(Code.BAD_PARAMS, f"expected {n} device pages, got {len(pages)}")
-        if n and (pages.min() < 1 or pages.max() > rec.device_pages):
-            raise RpcError(Code.BAD_PARAMS, f"device pages must be in 1..{rec.device_pages}")
-        if n > 1 and _repeats(pages, rec.device_pages):
-            raise RpcError(Code.BAD_PARAMS, "device pages repeat")
 
     # -- match / load / release -------------------------------------------
     def match(self, owner: object, engine_id: Any, keys: list[bytes]) -> Pin:
@@ -254,7 +238,7 @@ class CacheService:
         rec = pin.engine
         if pin.loaded:
             raise RpcError(Code.BAD_PARAMS, f"match handle {pin_id} was already loaded")
-        self.check_device_pages(rec, device_pages, pin.host_len)
+        check_device_pages(rec, device_pages, pin.host_len)
         pin.loaded = True
         if pin.host_node is None:
             return EMPTY
@@ -313,7 +297,7 @@ class CacheService:
         if len(tokens) != len(keys) * ns.index.page_size:
             raise RpcError(Code.BAD_PARAMS, f"{len(keys)} keys need {len(keys) * ns.index.page_size} tokens, "
                                             f"got {len(tokens)}")
-        self.check_device_pages(rec, device_pages, len(keys))
+        check_device_pages(rec, device_pages, len(keys))
         try:
             res = ns.index.insert(keys, tokens, engine=rec.engine_id, device_pages=device_pages)
         except ValueError as e:
@@ -556,12 +540,3 @@ class CacheService:
             self.emit({"type": kind, "tier": TIER_NAMES[tier], "engine": rec.engine_id if rec else None,
                        "namespace": ns.salt.hex(), "keys": keys})
 
-
-def _repeats(pages: np.ndarray, pool_pages: int) -> bool:
-    """Whether device page ids repeat. A count per id of the pool is cheapest for the
-    pools engines have; for a request far smaller than a huge pool, sort instead of
-    allocating a count per id."""
-    if pool_pages <= 8 * len(pages) + 65536:
-        return bool(np.bincount(pages).max() > 1)
-    ordered = np.sort(pages)
-    return bool((ordered[1:] == ordered[:-1]).any())

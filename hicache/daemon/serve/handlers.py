@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hicache import __version__
+from hicache.daemon.core.validation import split_keys
 from hicache.daemon.hybrid.states import state_layout_param
 from hicache.daemon.serve.keyed_rpc import keyed_handlers
 from hicache.daemon.serve.pin_rpc import pin_handlers
@@ -122,7 +123,7 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
         blob = _get(p, "keys", bytes)
         if len(blob) > KEY_BYTES * max_pages:
             raise RpcError(Code.BAD_PARAMS, f"more than {max_pages} keys in one request (max_request_pages)")
-        return svc.split_keys(blob)
+        return split_keys(blob)
 
     def hello(conn: Connection, p: dict) -> Any:
         version = _get(p, "version", int)
