@@ -75,7 +75,8 @@ def test_a_miss_and_a_hit_from_host_each_wait_on_two_round_trips(model, daemon_f
     miss, waited, posted = serve_counted(a, prompt)
     assert miss.computed_tokens == PROMPT_LEN
     assert waited == {"match": 1, "insert": 1}
-    assert posted == {"backup_done": 1, "release": 1}
+    # and the engine's first measured prefill rate (fetch or recompute), posted as well
+    assert posted == {"backup_done": 1, "release": 1, "report": 1}
 
     from_host, waited, posted = serve_counted(b, prompt)  # its own pool: the prefix comes from host
     assert (from_host.host_tokens, from_host.computed_tokens) == (CACHED, PROMPT_LEN - CACHED)

@@ -44,7 +44,8 @@ METHODS = ("hello", "register", "unregister", "report", "match", "load", "load_d
            "put", "put_done",  # host puts (hicache/daemon/ingest/puts.py)
            "exists", "fetch", "store", "store_done",  # keyed pages (hicache/daemon/ingest/keyed.py)
            "quota_set", "quota_clear", "quota_list",  # tenant quotas (hicache/daemon/serve/quota_rpc.py)
-           "pin", "unpin")  # pinned prefixes (hicache/daemon/serve/pin_rpc.py)
+           "pin", "unpin",  # pinned prefixes (hicache/daemon/serve/pin_rpc.py)
+           "sync")  # the posted calls' barrier
 # Costly admin calls that wipe what the sequences build: drawn less often.
 RARE = {"flush": 0.15, "evict_tier": 0.3, "doctor": 0.3, "subscribe": 0.3, "unregister": 0.3, "remote_flush": 0.3, "settle": 0.3,
         "quota_set": 0.3, "quota_clear": 0.3}
