@@ -252,26 +252,19 @@ class RadixIndex:
         pages (the root and 0 when the first page has none). Splits the node the run ends
         inside, so the caller can lock exactly that run; touches no access times (a store
         is not a hit)."""
-        keys = check_keys(keys)
-        node, i, n = self.root, 0, len(keys)
-        while i < n:
-            child = node.children.get(keys[i])
-            if child is None or child.host is None:
-                break
-            j = _common_pages(child.keys, keys, i)
-            if j < len(child.keys):
-                return self._split(child, j), i + j
-            node, i = child, i + j
-        return node, i
+        return self._held_prefix(keys, lambda x: x.host is not None)
 
     def stored_prefix(self, keys: list[bytes]) -> tuple[TreeNode, int]:
         """As host_prefix, for the leading run of `keys` the daemon holds itself (a host
         copy or on disk): what a pin can keep (hicache/index/pins.py)."""
+        return self._held_prefix(keys, lambda x: x.host is not None or x.on_disk)
+
+    def _held_prefix(self, keys: list[bytes], held: Callable[[TreeNode], bool]) -> tuple[TreeNode, int]:
         keys = check_keys(keys)
         node, i, n = self.root, 0, len(keys)
         while i < n:
             child = node.children.get(keys[i])
-            if child is None or (child.host is None and not child.on_disk):
+            if child is None or not held(child):
                 break
             j = _common_pages(child.keys, keys, i)
             if j < len(child.keys):
