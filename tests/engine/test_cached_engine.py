@@ -43,13 +43,6 @@ def models() -> dict[str, TinyTransformer]:
     return {kind: TinyTransformer(cfg) for kind, cfg in CONFIGS.items()}
 
 
-@pytest.fixture
-def engines():
-    made: list[CachedEngine] = []
-    yield made
-    for e in made:
-        e.close()
-
 
 def tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()

@@ -45,13 +45,6 @@ def model() -> TinyTransformer:
     return TinyTransformer(CONFIG)
 
 
-@pytest.fixture
-def engines() -> Iterator[list[CachedEngine]]:
-    made: list[CachedEngine] = []
-    yield made
-    for e in made:
-        e.close()
-
 
 def tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()

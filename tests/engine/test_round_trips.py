@@ -25,13 +25,6 @@ def model() -> TinyTransformer:
     return TinyTransformer(ModelConfig(num_layers=2, hidden=64, head_dim=16, intermediate=128))
 
 
-@pytest.fixture
-def engines():
-    made: list[CachedEngine] = []
-    yield made
-    for e in made:
-        e.close()
-
 
 def prompt_of(seed: int) -> list[int]:
     return torch.randint(0, 512, (PROMPT_LEN,), generator=torch.Generator().manual_seed(seed)).tolist()
