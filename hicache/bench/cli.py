@@ -101,6 +101,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the started daemon's host-disk placement")
     b.add_argument("--ablation-fractions", type=float, nargs="*", default=[0.15, 0.4],
                    help="simulate placement and admission variants at these fractions of the unique blocks")
+    b.add_argument("--signals", action="store_true",
+                   help="also simulate structure signals (depth, fan-out) as eviction priorities at --ablation-fractions")
     _add_plot(b, "hit rate against capacity: hicache, OPT, LRU and the other policies")
 
     b = bench("quota", "a victim tenant's hit rate alone, under another tenant's flood, and under it with a quota")

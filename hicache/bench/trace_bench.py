@@ -20,7 +20,10 @@ Disk admission and placement: the daemon's disk writes per disk hit (pages writt
 to LMDB over pages served from disk), and an ablation simulated on the same blocks
 (hicache/bench/tiered_sim.py) at `--ablation-fractions` of the unique blocks, host
 and disk split as the daemon's: each placement, admission on and off, and the
-chosen policy less each ingredient, next to LRU of the same total capacity.
+chosen policy less each ingredient, next to LRU of the same total capacity; and
+device + host split as `--device-pages` to the host tier, each device-host placement
+(hicache/bench/device_host_sim.py). `--signals` adds structure signals as eviction
+priorities (hicache/bench/signal_sim.py) at the same fractions.
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ from hicache.bench.policy_sim import (
     block_trace,
     simulate_all,
 )
+from hicache.bench.device_host_sim import device_host_rows
 from hicache.bench.report import row
+from hicache.bench.signal_sim import signal_rows
 from hicache.bench.tiered_sim import ablation_rows
 from hicache.bench.trace_files import open_trace
 from hicache.bench.workloads import generate
@@ -206,13 +211,20 @@ def ablation(args: Any, btrace: BlockTrace, sims: dict[str, dict[str, SimResult]
     disk = parse_size(args.disk_capacity)
     host_share = host / (host + disk) if host + disk else 1 / 3
     unique = btrace.unique_blocks()
+    host_pages = host // args.page_bytes
+    device_share = args.device_pages / (args.device_pages + host_pages) if host_pages else 0.5
     rows = []
     for f in args.ablation_fractions:
         total = max(2, int(f * unique))
         label = f"{f:g} of unique"
         res = sims.get(label) or simulate_all(btrace, total, ("OPT", "LRU"))
+        opt, lru = res["OPT"].hit_rate, res["LRU"].hit_rate
         h = max(1, round(total * host_share))
-        rows += ablation_rows(btrace, label, h, total - h, res["OPT"].hit_rate, res["LRU"].hit_rate)
+        rows += ablation_rows(btrace, label, h, total - h, opt, lru)
+        d = min(total - 1, max(1, round(total * device_share)))
+        rows += device_host_rows(btrace, label, d, total - d, opt, lru)
+        if getattr(args, "signals", False):
+            rows += signal_rows(btrace, label, total, opt, lru)
     return rows
 
 

@@ -183,6 +183,12 @@ class HostKVCache:
                 h_t = h_t.to(dev, non_blocking=True)
         return PagePlan(device_pool, h, d, h_t, d_t, runs)
 
+    def bind(self, pool: DevicePool) -> None:
+        """Fix this cache's device and backend for `pool` now rather than at its first copy:
+        on CUDA that registers the arena (cudaHostRegister takes time in proportion to the
+        arena), which belongs at setup, not on the first request's path."""
+        self._check_pool(pool)
+
     def _check_pool(self, pool: DevicePool) -> None:
         self.arena._check_open()
         if pool.layout != self.layout:

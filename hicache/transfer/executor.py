@@ -190,6 +190,7 @@ class TransferExecutor:
         self.is_cuda = device_pool.device.type == "cuda"
         self._closed = False
         self._lock = threading.Lock()
+        host_cache.bind(device_pool)  # registers the arena on CUDA: at setup, not on a request
         if self.is_cuda:
             self._load_stream = torch.cuda.Stream(device_pool.device)
             self._backup_stream = torch.cuda.Stream(device_pool.device)

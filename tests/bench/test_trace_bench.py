@@ -110,3 +110,21 @@ def test_trace_bench_reports_disk_writes_per_hit_and_the_ablation(small_trace):
     for name in ("exclusive + admission", "non-inclusive + admission (hicache)", "less admit-while-room"):
         r = rows[f"tiers @ 0.4 of unique: {name}: hit rate"]
         assert r["baseline_name"] == "LRU" and 0 <= r["value"] <= 1
+
+
+def test_trace_bench_signals_and_device_host_placement_rows(small_trace):
+    """`--signals` adds each structure signal next to LRU and OPT of the same run; the
+    ablation carries the device-host placements (exclusive is one LRU of both pools)."""
+    rows = bench("--trace", str(small_trace), "--sim-only", "--sim-fractions", "0.4", "--ablation-fractions", "0.4",
+                 "--signals")
+    lru, opt = rows["sim @ 0.4 of unique: LRU hit rate"]["value"], rows["sim @ 0.4 of unique: OPT hit rate"]["value"]
+    assert rows["signals @ 0.4 of unique: LRU: hit rate"]["value"] == lru
+    for name in ("LRU + depth", "LRU + fan-out", "frecency + relative depth"):
+        r = rows[f"signals @ 0.4 of unique: {name}: hit rate"]
+        assert r["baseline"] == lru and r["opt"] == opt and 0 < r["value"] <= opt
+    for placement in ("inclusive", "exclusive", "non-inclusive"):
+        assert 0 < rows[f"device-host @ 0.4 of unique: {placement}: hit rate"]["value"] <= opt
+        assert rows[f"device-host @ 0.4 of unique: {placement}: pages copied"]["baseline_name"] == "inclusive"
+    assert rows["device-host @ 0.4 of unique: exclusive: hit rate"]["value"] == pytest.approx(lru)
+    assert not any(n.startswith("signals @") for n in bench("--trace", str(small_trace), "--sim-only",
+                                                              "--sim-fractions", "--ablation-fractions", "0.4"))

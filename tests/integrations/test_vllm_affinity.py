@@ -12,6 +12,7 @@ import threading
 
 import pytest
 
+from tests.integrations.vllm_required import PATIENT  # noqa: F401  (skips, or fails under CI, without vLLM)
 from hicache.errors import ConfigError
 from hicache.integrations.vllm.affinity import (copy_thread_cpus, omp_bound_cpus, online_cpus, parse_cpu_list,
                                                 pin_this_thread)

@@ -164,14 +164,18 @@ def test_cuda_dma_runs_equal_the_twin(name, backend, min_run):
 def test_cuda_dma_large_run_on_a_side_stream():
     layout = KVLayout("mha", 4, 16, "float16", num_kv_heads=8, head_dim=128)
     n = 512
-    src = random_pool(layout, n + 1, seed=3, device="cuda")
+    src = random_pool(layout, n, seed=3, device="cuda")  # pages 1..n (page 0 is padding)
     arena = HostArena.create(n * layout.page_bytes, mlock=False)
     cache = HostKVCache(layout, arena, dma_min_run_pages=8)
     stream = torch.cuda.Stream()
+    # The pools are filled on the default stream: the side stream must wait for that, as the
+    # executor's streams do (TransferExecutor waits on the step's stream before each copy).
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         cache.backup_from_device_all_layer(src, np.arange(n), np.arange(1, n + 1))
     stream.synchronize()
-    dst = DevicePool(layout, (n + 1) * layout.page_size, device="cuda")
+    dst = DevicePool(layout, n * layout.page_size, device="cuda")
+    stream.wait_stream(torch.cuda.current_stream())  # dst's zero fill
     with torch.cuda.stream(stream):
         for layer in range(layout.num_layers):
             cache.load_to_device_per_layer(dst, np.arange(n), np.arange(1, n + 1), layer)

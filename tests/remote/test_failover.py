@@ -7,16 +7,12 @@ import time
 
 from tests.daemon.test_isolation import engine, load_exact, store, tokens
 from tests.remote.test_faults import PAGES, _misses
-from tests.remote.util import DAEMON_FLAGS, remote_env, remote_stats, wait_remote_up, wait_written
+from tests.remote.util import remote_stats, two_daemons, wait_written
 from tests.wait import wait_until
 
 
 def test_killing_a_master_fails_over_and_the_tier_carries_on(redis_cluster, daemon_factory):
-    env = remote_env(redis_cluster.url, HICACHE_REMOTE_LOOKUP_TIMEOUT_S="0.05")
-    a = daemon_factory(*DAEMON_FLAGS, env=env).start()
-    b = daemon_factory(*DAEMON_FLAGS, env=env).start()
-    wait_remote_up(a.socket)
-    wait_remote_up(b.socket)
+    a, b = two_daemons(daemon_factory, redis_cluster.url, HICACHE_REMOTE_LOOKUP_TIMEOUT_S="0.05")
     ea, eb = engine(a.socket, "t"), engine(b.socket, "t")
     before = tokens(51, 48)  # 3 runs of 16 pages: more than one master holds a part
     store(ea, before)

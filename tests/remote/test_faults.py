@@ -13,19 +13,11 @@ from hicache.tiers.redis_store import record_key
 from hicache.tiers.remote_record import HEADER_BYTES
 from hicache.tiers.remote_store import address
 from tests.daemon.test_isolation import LAYOUT, engine, load_exact, store, tokens
-from tests.remote.util import DAEMON_FLAGS, remote_env, remote_stats, wait_remote_up, wait_written
+from tests.remote.util import DAEMON_FLAGS, remote_env, remote_stats, two_daemons, wait_remote_up, wait_written
 from tests.wait import wait_until
 
 PAGES = 8
 PAGE_AT = HEADER_BYTES + 4 * LAYOUT.page_size  # where the page bytes start in a record
-
-
-def _two_daemons(daemon_factory, url: str, **env: str):
-    a = daemon_factory(*DAEMON_FLAGS, env=remote_env(url, **env)).start()
-    b = daemon_factory(*DAEMON_FLAGS, env=remote_env(url, **env)).start()
-    wait_remote_up(a.socket)
-    wait_remote_up(b.socket)
-    return a, b
 
 
 def _redis(server):
@@ -47,7 +39,7 @@ CORRUPTIONS = {
 
 @pytest.mark.parametrize("damage", sorted(CORRUPTIONS))
 def test_a_corrupted_record_is_a_counted_miss_never_served(damage, redis_standalone, daemon_factory):
-    a, b = _two_daemons(daemon_factory, redis_standalone.url)
+    a, b = two_daemons(daemon_factory, redis_standalone.url)
     ea, eb = engine(a.socket, "t"), engine(b.socket, "t")
     toks = tokens(11, PAGES)
     store(ea, toks)
@@ -85,7 +77,7 @@ def _misses(cache, seeds) -> list[float]:
 
 def test_a_stopped_store_costs_a_lookup_its_deadline_then_nothing(redis_standalone, daemon_factory):
     # the default deadline (a few ms), not the tests' generous one
-    a, b = _two_daemons(daemon_factory, redis_standalone.url, HICACHE_REMOTE_LOOKUP_TIMEOUT_S="0.005")
+    a, b = two_daemons(daemon_factory, redis_standalone.url, HICACHE_REMOTE_LOOKUP_TIMEOUT_S="0.005")
     ea, eb = engine(a.socket, "t"), engine(b.socket, "t")
     before = tokens(21, PAGES)
     store(ea, before)
@@ -124,7 +116,7 @@ def test_a_stopped_store_costs_a_lookup_its_deadline_then_nothing(redis_standalo
 
 
 def test_a_killed_store_is_a_miss_and_its_restart_is_picked_up(redis_standalone, daemon_factory):
-    a, b = _two_daemons(daemon_factory, redis_standalone.url)
+    a, b = two_daemons(daemon_factory, redis_standalone.url)
     ea, eb = engine(a.socket, "t"), engine(b.socket, "t")
     old = tokens(31, PAGES)
     store(ea, old)
@@ -150,7 +142,7 @@ def test_admin_flush_deletes_a_namespace_records(redis_standalone, daemon_factor
     import subprocess
     import sys
 
-    a, b = _two_daemons(daemon_factory, redis_standalone.url)
+    a, b = two_daemons(daemon_factory, redis_standalone.url)
     ea, eb = engine(a.socket, "t"), engine(b.socket, "t")
     toks = tokens(41, PAGES)
     store(ea, toks)

@@ -5,15 +5,11 @@ slower than the store delivers; the store's fetches are what B measures."""
 from __future__ import annotations
 
 from tests.daemon.test_fetch_or_recompute import FAST, SLOW, engine, fetch_stats, lookup, prompt, store
-from tests.remote.util import DAEMON_FLAGS, remote_env, remote_stats, wait_remote_up, wait_written
+from tests.remote.util import remote_stats, two_daemons, wait_written
 
 
 def test_a_remote_part_the_engine_computes_faster_is_not_fetched(redis_cluster, daemon_factory):
-    env = remote_env(redis_cluster.url, HICACHE_FETCH_REMEASURE_S="3600")
-    a = daemon_factory(*DAEMON_FLAGS, env=env).start()
-    b = daemon_factory(*DAEMON_FLAGS, env=env).start()
-    wait_remote_up(a.socket)
-    wait_remote_up(b.socket)
+    a, b = two_daemons(daemon_factory, redis_cluster.url, HICACHE_FETCH_REMEASURE_S="3600")
     on_a, fast, slow = engine(a.socket), engine(b.socket, FAST), engine(b.socket, SLOW)
     first, second = prompt(21), prompt(22)
     store(on_a, first, 21)

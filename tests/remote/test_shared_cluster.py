@@ -14,7 +14,7 @@ from hicache.engine.cached import CachedEngine
 from hicache.engine.model import ModelConfig, TinyTransformer
 from tests.daemon.test_isolation import engine, load_exact, store, tokens
 from tests.remote.conftest import PASSWORD
-from tests.remote.util import DAEMON_FLAGS, admin, remote_env, remote_stats, wait_remote_up, wait_written
+from tests.remote.util import DAEMON_FLAGS, admin, remote_env, remote_stats, two_daemons, wait_remote_up, wait_written
 
 PAGES = 40  # 2.5 runs of 16 pages: a prefix spread over several hash slots
 
@@ -66,10 +66,7 @@ def test_reference_engine_served_from_the_remote_tier_is_bitwise_exact(redis_clu
     prompt = torch.randint(0, 512, (PROMPT_LEN,), generator=torch.Generator().manual_seed(7)).tolist()
     scratch = CachedEngine.create(model, page_size=PAGE, device_pages=64, use_cache=False)
     ref = scratch.generate(prompt, 6, keep_logits=True)
-    a = daemon_factory(*DAEMON_FLAGS, env=remote_env(redis_cluster.url)).start()
-    b = daemon_factory(*DAEMON_FLAGS, env=remote_env(redis_cluster.url)).start()
-    wait_remote_up(a.socket)
-    wait_remote_up(b.socket)
+    a, b = two_daemons(daemon_factory, redis_cluster.url)
     on_a = CachedEngine.create(model, page_size=PAGE, device_pages=32, socket_path=a.socket, backoff_s=(0.01, 0.1))
     on_b = CachedEngine.create(model, page_size=PAGE, device_pages=32, socket_path=b.socket, backoff_s=(0.01, 0.1))
     try:

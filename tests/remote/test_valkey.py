@@ -4,7 +4,9 @@ daemons) and a damaged record is refused, as on Redis."""
 
 from __future__ import annotations
 
-import redis
+import pytest
+
+redis = pytest.importorskip("redis")  # the test extra; missing only on a machine set up without it
 
 from hicache.tiers.redis_store import record_key
 from hicache.tiers.remote_store import address

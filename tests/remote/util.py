@@ -31,6 +31,15 @@ def wait_remote_up(socket: str, timeout_s: float = 30.0) -> dict:
                       "the remote tier to be up")
 
 
+def two_daemons(daemon_factory, url: str, **env: str):
+    """Two daemons (DAEMON_FLAGS) sharing the store at `url`, each with its remote tier up."""
+    a = daemon_factory(*DAEMON_FLAGS, env=remote_env(url, **env)).start()
+    b = daemon_factory(*DAEMON_FLAGS, env=remote_env(url, **env)).start()
+    wait_remote_up(a.socket)
+    wait_remote_up(b.socket)
+    return a, b
+
+
 def wait_written(socket: str, pages: int, timeout_s: float = 30.0) -> dict:
     """Until `pages` pages were written to the store and nothing is in flight."""
     def done() -> dict | None:
