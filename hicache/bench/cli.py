@@ -34,8 +34,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--clients", type=int, nargs="+", default=[1, 8])
     b.add_argument("--repeats", type=int, default=5, help="rounds per server; percentiles are medians over them")
     b.add_argument("--pin", action="store_true", help="servers on CPU 0, clients on the other CPUs")
-    b.add_argument("--calls", nargs="+", choices=["match", "insert"], default=["match", "insert"],
-                   help="which calls to time")
+    b.add_argument("--calls", nargs="+", choices=["match", "insert", "puts"], default=["match", "insert"],
+                   help="which calls to time (puts: a step's 8 put reservations, pipelined vs one by one)")
 
     b = bench("transfer", "per-layer load and all-layer backup vs a contiguous copy")
     b.add_argument("--device", choices=["cpu", "cuda"], default="cpu",

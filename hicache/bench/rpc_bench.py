@@ -1,5 +1,7 @@
 """`hicache bench rpc`: match / insert round trips for an 8K-token prompt, against
-two baselines measured in the same run with the same payload sizes:
+two baselines measured in the same run with the same payload sizes (and, with
+`--calls puts`, a vLLM step's put reservations pipelined against the same puts
+sent one by one):
 
 - a bare echo server with hicache's framing (asyncio + uvloop, 4-byte length +
   msgpack), which is the floor any RPC over this socket can reach;
@@ -44,6 +46,7 @@ from hicache.layout import KVLayout
 from hicache.rpc.framing import ids_to_bytes, pack_frame
 
 LAYOUT = KVLayout("mha", num_layers=32, page_size=16, dtype="bfloat16", num_kv_heads=8, head_dim=128)
+STEP_PUTS = 8  # `puts`: the reservations of one vLLM step (its scheduler's requests), as one batch
 
 
 # -- the echo baseline ------------------------------------------------------------------
@@ -117,6 +120,34 @@ def _hicache_client(path: str, kind: str, n: int, tokens: np.ndarray, q: mp.Queu
     conn.close()
 
 
+def _puts_client(path: str, n: int, tokens: np.ndarray, q: mp.Queue) -> None:
+    """An engine step's STEP_PUTS put reservations of fresh prompts, timed as one batch,
+    alternating one by one (`call`) and pipelined (`call_many`); each batch's puts are then
+    cancelled (untimed, waited) so the host tier never fills. Puts `[one by one, pipelined]`."""
+    conn = RpcConnection.connect(path, timeout_s=30)
+    conn.hello()
+    reg = conn.call("register", {"model": "bench", "layout": LAYOUT.to_dict(), "device_pages": 1})
+    engine, salt = reg["engine"], reg["salt"]
+    rng = np.random.default_rng(int(tokens[0]))
+    lat = np.empty((2, n))
+    for i in range(n + 4):
+        for pipelined in (False, True):
+            batch = []
+            for _ in range(STEP_PUTS):
+                toks = rng.integers(0, 1 << 30, len(tokens), dtype=np.int32)
+                batch.append(("put", {"engine": engine, "keys": b"".join(page_keys(salt, toks, LAYOUT.page_size)),
+                                      "tokens": toks.tobytes()}))
+            t0 = time.perf_counter()
+            replies = conn.call_many(batch) if pipelined else [conn.call(m, p) for m, p in batch]
+            dt = time.perf_counter() - t0
+            conn.call_many([("put_done", {"engine": engine, "put": r["put"], "ok": False})
+                            for r in replies if r["put"] is not None])
+            if i >= 4:
+                lat[int(pipelined), i - 4] = dt
+    q.put(lat.T.copy())  # a row per batch: [one by one, pipelined]
+    conn.close()
+
+
 def _echo_client(path: str, payload: dict, n: int, q: mp.Queue) -> None:
     conn = RpcConnection.connect(path, timeout_s=30)
     lat = np.empty(n)
@@ -183,6 +214,20 @@ def _median_pcts(rounds: list[np.ndarray], q: float) -> float:
     return float(np.median([_pct(lat, q) for lat in rounds]))
 
 
+def _puts_rows(path: str, prompt_tokens: int, n: int, clients: int, repeats: int, cpus: set[int] | None,
+               rng: np.random.Generator) -> list[dict]:
+    """A step's puts pipelined against the same puts one by one, paired in each client."""
+    one, many = [], []
+    for _ in range(repeats):
+        seeds = [rng.integers(0, 1 << 30, prompt_tokens, dtype=np.int32) for _ in range(clients)]
+        lat = _run_clients(_puts_client, lambda i: (path, n, seeds[i]), clients, cpus)
+        one.append(lat[:, 0])
+        many.append(lat[:, 1])
+    label = f"{STEP_PUTS} puts of {prompt_tokens} tokens pipelined, {clients} client{'s' if clients > 1 else ''}"
+    return [row(f"{label} p{q}", _median_pcts(many, q), "us", baseline=_median_pcts(one, q),
+                baseline_name="one by one", repeats=repeats) for q in (50, 99)]
+
+
 def run(socket_path: str | None = None, prompt_tokens: int = 8192, requests: int = 2000,
         client_counts: tuple[int, ...] = (1, 8), repeats: int = 5, pin: bool = False,
         calls: tuple[str, ...] = ("match", "insert")) -> list[dict]:
@@ -221,7 +266,10 @@ def run(socket_path: str | None = None, prompt_tokens: int = 8192, requests: int
         }
         for clients in client_counts:
             per = max(100, requests // clients)
-            for kind in calls:
+            if "puts" in calls:
+                rows += _puts_rows(daemon_path, prompt_tokens, max(20, per // (2 * STEP_PUTS)), clients, repeats,
+                                   cpus, rng)
+            for kind in [c for c in calls if c != "puts"]:
                 size = len(pack_frame({"id": 1, "method": kind, "params": payloads[kind]}))
                 hc, echo, red = [], [], []
                 for _ in range(repeats):  # the servers take turns: load swings hit all three alike

@@ -175,9 +175,9 @@ class HiCacheClient:
         self.misses_while_away = 0
         self.refusals = 0
         self.outages = 0  # times the breaker opened
-        self.round_trips = 0  # calls that waited for the daemon's answer (hello and slab mapping aside)
+        self.round_trips = 0  # exchanges that waited for the daemon (a pipelined batch is one; hello, slabs aside)
         self.posted = 0  # calls sent without waiting (`_post`)
-        self.calls: Counter[str] = Counter()  # round_trips by method
+        self.calls: Counter[str] = Counter()  # waited calls by method (each of a pipelined batch counts)
         self.posted_calls: Counter[str] = Counter()  # posted by method
         self._reconnector: Reconnector[_Handshake] | None = None
         self.prefill_rate = PrefillRate(prefill_tokens_per_s)  # before connecting: register sends it
@@ -371,6 +371,34 @@ class HiCacheClient:
         self._check_slabs(reply)
         return reply
 
+    def _call_many(self, method: str, params: list[dict], timeout_s: float) -> list[Any]:
+        """Several calls of `method`, pipelined (RpcConnection.call_many): one round trip,
+        one deadline for all. The breaker as for `_call`: DaemonUnavailable when the daemon
+        is away, hung or the batch broke (no answer is kept then: the dropped connection
+        took what they reserved). A refused call is logged and its place holds None."""
+        if not self.connected:
+            if not self._adopt_ready():
+                self._open("not connected")
+            raise DaemonUnavailable("daemon unavailable" if not self.connected else "daemon reconnected")
+        assert self.conn is not None
+        self.round_trips += 1
+        self.calls[method] += len(params)
+        try:
+            replies = self.conn.call_many([(method, p) for p in params], timeout_s)
+        except DaemonUnavailable as e:
+            self._open(e.message)
+            raise
+        for i, r in enumerate(replies):
+            if isinstance(r, ClientError):
+                self.refusals += 1
+                log.error("hicache daemon refused %s: %s", method, r)
+                replies[i] = None
+        # the newest slab version any answer names (they only grow): map once for all of them
+        newest = max((r["slabs"] for r in replies if type(r) is dict and "slabs" in r), default=None)
+        if newest is not None:
+            self._check_slabs({"slabs": newest})
+        return replies
+
     def _post(self, method: str, params: dict) -> bool:
         """Send a call whose answer the engine does not need, without waiting for it: a
         starved daemon then costs the engine's step nothing, and a missed deadline cannot
@@ -535,6 +563,27 @@ class HiCacheClient:
         """Reserve host pages for the full pages of `tokens` the host tier lacks, for an
         engine that keeps its own device cache (no device residency is recorded; see
         hicache/daemon/ingest/puts.py). None: skipped (daemon away)."""
+        params = self._put_params(tokens, keys)
+        try:
+            r = self._call("put", params, self.deadlines.update_s)
+        except DaemonUnavailable:
+            return None
+        return self._put_plan(r)
+
+    def put_many(self, items: list[tuple[Any, list[bytes] | None]]) -> list[PutPlan | None]:
+        """`put` for several prefixes, `(tokens, keys)` each, in one round trip (pipelined,
+        handled in order, one `update_s` deadline for all): an engine step's reservations.
+        Each None as for `put`; all None when the daemon is away or missed the deadline."""
+        params = [self._put_params(tokens, keys) for tokens, keys in items]  # bad input: nothing sent
+        if not params:
+            return []
+        try:
+            replies = self._call_many("put", params, self.deadlines.update_s)
+        except DaemonUnavailable:
+            return [None] * len(params)
+        return [None if r is None else self._put_plan(r) for r in replies]
+
+    def _put_params(self, tokens: Any, keys: list[bytes] | None) -> dict:
         toks = as_tokens(tokens)
         ps = self.layout.page_size
         if keys is None:
@@ -542,11 +591,9 @@ class HiCacheClient:
         n = len(keys)
         if len(toks) < n * ps:
             raise ValueError(f"{n} page keys need {n * ps} tokens, got {len(toks)}")
-        try:
-            r = self._call("put", {"engine": self.engine_id, "keys": b"".join(keys),
-                                   "tokens": toks[:n * ps].tobytes()}, self.deadlines.update_s)
-        except DaemonUnavailable:
-            return None
+        return {"engine": self.engine_id, "keys": b"".join(keys), "tokens": toks[:n * ps].tobytes()}
+
+    def _put_plan(self, r: dict) -> PutPlan:
         put = r["put"]
         return PutPlan(None if put is None else int(put), int(r["present"]), bytes_to_ids(r["host_pages"]),
                        int(r["slabs"]), self.epoch)

@@ -26,7 +26,7 @@ import socket
 import struct
 import time
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from hicache.client.peer import check_daemon
@@ -40,6 +40,11 @@ MAX_FDS = 253  # the most one SCM_RIGHTS message carries (the kernel's SCM_MAX_F
 RECV_CHUNK = 256 << 10  # the reusable receive buffer; larger frames get their own
 TIMEOUT_SLACK_S = 0.002  # how far past its deadline an exchange may wait
 MAX_POSTED = 64  # posted requests not yet known handled; beyond, a post first waits for them (`sync`)
+# call_many's window: requests sent before their answers are read. The daemon handles 64 frames a
+# loop turn (FRAMES_PER_TURN) and stops reading while its output is unread, so a window stays
+# well under a Unix socket's buffer (~208 KiB) and the send cannot block on a daemon waiting for us.
+MAX_PIPELINED = 64
+PIPELINE_BYTES = 128 << 10
 _TIMEVAL = struct.Struct("@ll")
 
 log = logging.getLogger(__name__)
@@ -144,6 +149,58 @@ class RpcConnection:
         deadline = self._deadline(timeout_s)
         req_id = next(self._ids)
         self._send({"id": req_id, "method": method, "params": params or {}}, deadline)
+        msg = self._reply(req_id, method, deadline, fds)
+        if "error" in msg:
+            err = msg["error"]
+            raise ClientError(str(err.get("code")), str(err.get("message")))
+        return msg.get("result")
+
+    def call_many(self, calls: Sequence[tuple[str, dict[str, Any] | None]], timeout_s: float | None = None
+                  ) -> list[Any]:
+        """Several requests, pipelined: their frames go out together and their answers are
+        read in order (the daemon handles a connection's frames in order), so the batch
+        costs one round trip, not one per request. One deadline, `timeout_s`, covers the
+        whole batch; when it passes, DaemonUnavailable and the connection is dropped, as
+        for `call`. A request the daemon refuses gets its ClientError in its place of the
+        result list; the others are unaffected. Frames go in windows of at most
+        MAX_PIPELINED requests and PIPELINE_BYTES, each read back before the next is
+        sent: the daemon stops reading a connection whose answers are not read, so an
+        unbounded burst could block on a full socket. For methods answered inline, without
+        descriptors (match, put, ...)."""
+        if self.closed:
+            raise DaemonUnavailable("connection closed")
+        deadline = self._deadline(timeout_s)
+        results: list[Any] = []
+        pending: tuple[int, str, bytes] | None = None  # packed but did not fit the last window
+        todo = iter(calls)
+        while True:
+            window: list[tuple[int, str, bytes]] = [] if pending is None else [pending]
+            size = 0 if pending is None else len(pending[2])
+            pending = None
+            for method, params in todo:
+                req_id = next(self._ids)
+                frame = pack_frame({"id": req_id, "method": method, "params": params or {}}, self._packer)
+                if window and size + len(frame) > PIPELINE_BYTES:
+                    pending = (req_id, method, frame)
+                    break
+                window.append((req_id, method, frame))
+                size += len(frame)
+                if len(window) >= MAX_PIPELINED:
+                    break
+            if not window:
+                return results
+            self._send_frame(b"".join(f for _, _, f in window), deadline)
+            for req_id, method, _ in window:
+                msg = self._reply(req_id, method, deadline, None)
+                if "error" in msg:
+                    err = msg["error"]
+                    results.append(ClientError(str(err.get("code")), str(err.get("message"))))
+                else:
+                    results.append(msg.get("result"))
+
+    def _reply(self, req_id: int, method: str, deadline: float, fds: list[int] | None) -> dict:
+        """Read up to the answer to `req_id`: events met on the way are kept, posted
+        requests' refusals logged."""
         while True:
             msg = self._read_message(deadline, method, fds)
             if "event" in msg:
@@ -154,10 +211,7 @@ class RpcConnection:
                 continue
             if self._posted:  # the daemon handled every request sent before this one
                 self._posted.clear()
-            if "error" in msg:
-                err = msg["error"]
-                raise ClientError(str(err.get("code")), str(err.get("message")))
-            return msg.get("result")
+            return msg
 
     def post(self, method: str, params: dict[str, Any] | None = None, timeout_s: float | None = None) -> None:
         """Send a request and return without waiting: for calls whose answer the caller
@@ -223,8 +277,11 @@ class RpcConnection:
 
     # -- internals -------------------------------------------------------------
     def _send(self, msg: dict, deadline: float | None = None) -> None:
+        self._send_frame(pack_frame(msg, self._packer), deadline)
+
+    def _send_frame(self, data: bytes, deadline: float | None) -> None:
         try:
-            self._send_bytes(pack_frame(msg, self._packer), deadline)
+            self._send_bytes(data, deadline)
         except OSError as e:
             self.close()
             raise DaemonUnavailable(f"send failed: {e}") from e

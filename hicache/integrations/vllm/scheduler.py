@@ -8,15 +8,16 @@ workers copy them in). When a disk part is being brought up it answers "ask
 again" for at most `disk_wait_s`, holding the pins so the prefetch is kept.
 
 Each step it reserves host pages (a put, hicache/daemon/ingest/puts.py) for the full
-blocks the step computes, sends the workers the copy plans, and on their report
-(worker metadata) finishes the puts. A finished request whose copies are still
+blocks the step computes (every request's put in one pipelined round trip per rank),
+sends the workers the copy plans, and on their report (worker metadata) finishes
+the puts. A finished request whose copies are still
 running keeps its blocks until the workers say they are done.
 
 The daemon away, restarting or hung costs one deadline then nothing: the client's
 circuit breaker answers misses and skips stores at once while it reconnects.
 Releases and finished puts are sent without waiting for their answers (the
-client's `wait=False`): the step waits only for lookups (`match`, `load`) and for
-reservations (`put`), two round trips for a request served from host or missed,
+client's `wait=False`): the step waits only for lookups (`match`, `load`, one per
+request: vLLM asks per request) and for its reservations (`put`, one per step),
 and a daemon slow to answer a call nobody needs cannot drop the connection.
 
 Hybrid models (several KV cache groups): a request's blocks are kept per group,
@@ -64,6 +65,17 @@ class _Req:
     finished: bool = False  # vLLM finished it; kept while its saves run
     load_failed: bool = False  # an async load failed: vLLM recomputes it, we offer it nothing more
     hint: RetainHint | None = None  # kv_transfer_params {"hicache": {...}}: pin the prompt once stored
+
+
+@dataclass(slots=True, eq=False)
+class _SaveAsk:
+    """A request's pages to reserve this step: [0, full) of its tokens, keyed per rank."""
+
+    req_id: str
+    st: _Req
+    full: int
+    stored: Sequence[int]  # the tokens of those pages
+    keys: dict[int, list[bytes]]
 
 
 def request_extras(request: Any) -> tuple[list[str], list[tuple[str, int, int]]] | None:
@@ -215,10 +227,14 @@ class SchedulerSide:
         computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
         cached = so.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        asks = []
         for req_id, n_sched in so.num_scheduled_tokens.items():
             st = self.reqs.get(req_id)
             if st is not None:
-                self._plan_saves(req_id, st, computed.get(req_id, 0) + n_sched, meta)
+                ask = self._save_ask(req_id, st, computed.get(req_id, 0) + n_sched)
+                if ask is not None:
+                    asks.append(ask)
+        self._plan_saves(asks, meta)
         # Last, after every call of this step: a client that reconnected meanwhile (a new daemon,
         # a new arena) made the page ids of its earlier matches and puts meaningless.
         meta.instances = {r: c.instance for r, c in self.clients.items()}
@@ -266,36 +282,45 @@ class SchedulerSide:
                 for blocks, added in zip(st.blocks, new_ids):
                     blocks.extend(added)
 
-    def _plan_saves(self, req_id: str, st: _Req, computed_after: int, meta: HiCacheMeta) -> None:
-        """Reserve host pages for the full blocks this step completes (all ranks)."""
+    def _save_ask(self, req_id: str, st: _Req, computed_after: int) -> _SaveAsk | None:
+        """The full blocks this step completes beyond those stored, if any."""
         tokens = st.request.all_token_ids
         held = min((len(b) for b in st.blocks), default=0)
         full = min(computed_after, len(tokens), held * self.page_size) // self.page_size
         if full <= st.saved_pages:
+            return None
+        return _SaveAsk(req_id, st, full, tokens[:full * self.page_size],
+                        {r: st.keys[r].upto(tokens, full) for r in self.clients})
+
+    def _plan_saves(self, asks: list[_SaveAsk], meta: HiCacheMeta) -> None:
+        """Reserve host pages for the step's full blocks: per rank, every request's put in one
+        pipelined round trip (the daemon handles them in order, as if sent one by one)."""
+        if not asks:
             return
-        stored = tokens[:full * self.page_size]
-        retry = False
-        for r, c in self.clients.items():
-            keys = st.keys[r].upto(tokens, full)
-            plan = c.put(stored, keys=keys)
-            if plan is not None and self.events is not None:
-                self.events.note_put(r, st.request, keys, plan.present, start=st.saved_pages)
-            if plan is None or plan.put is None:
+        plans = {r: c.put_many([(a.stored, a.keys[r]) for a in asks]) for r, c in self.clients.items()}
+        for i, ask in enumerate(asks):
+            st = ask.st
+            retry = False
+            for r, c in self.clients.items():
+                plan = plans[r][i]
+                if plan is not None and self.events is not None:
+                    self.events.note_put(r, st.request, ask.keys[r], plan.present, start=st.saved_pages)
+                if plan is None or plan.put is None:
+                    continue
+                blocks = [b[plan.present:ask.full] for b in st.blocks]
+                if any(self.null_block in b for b in blocks):
+                    # A sliding window freed a block of a page the host lacks: no whole page to store.
+                    # Typically the pages before it are still in another request's put: ask again
+                    # for a few steps, when they may be stored and the put starts past the freed blocks.
+                    c.put_done(plan, False, wait=False)
+                    retry = st.save_retries < SAVE_RETRIES
+                    continue
+                meta.saves.append(SaveSpec(ask.req_id, r, plan.put, blocks, plan.host_pages.tolist()))
+                st.puts[plan.put] = (r, plan)
+            if retry:
+                st.save_retries += 1
                 continue
-            blocks = [b[plan.present:full] for b in st.blocks]
-            if any(self.null_block in b for b in blocks):
-                # A sliding window freed a block of a page the host lacks: no whole page to store.
-                # Typically the pages before it are still in another request's put: ask again
-                # for a few steps, when they may be stored and the put starts past the freed blocks.
-                c.put_done(plan, False, wait=False)
-                retry = st.save_retries < SAVE_RETRIES
-                continue
-            meta.saves.append(SaveSpec(req_id, r, plan.put, blocks, plan.host_pages.tolist()))
-            st.puts[plan.put] = (r, plan)
-        if retry:
-            st.save_retries += 1
-            return
-        st.saved_pages = full
+            st.saved_pages = ask.full
 
     def _expire_pins(self) -> None:
         """Pins a load never reported (a worker that died, a request vLLM dropped) go after lease_s."""

@@ -1,0 +1,13 @@
+"""`hicache bench rpc --calls puts` runs against a real daemon and reports the pipelined
+batch against the same puts one by one, measured in the same run."""
+
+from __future__ import annotations
+
+from hicache.bench.rpc_bench import STEP_PUTS, run
+
+
+def test_the_puts_rows_compare_pipelined_with_one_by_one():
+    rows = run(prompt_tokens=64, requests=40, client_counts=(1,), repeats=1, calls=("puts",))
+    assert [r["name"] for r in rows] == [f"{STEP_PUTS} puts of 64 tokens pipelined, 1 client p{q}" for q in (50, 99)]
+    for r in rows:
+        assert r["value"] > 0 and r["baseline"] > 0 and r["baseline_name"] == "one by one"
