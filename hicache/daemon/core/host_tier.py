@@ -17,12 +17,12 @@ any engine seeing across.
 A page class that grows keeps *spare* slabs: after an allocation it takes free
 slabs until it has room for another allocation as large as its largest one
 (at most a quarter of the arena; only clean slabs or its owner's own), and
-keeps emptied slabs up to that room instead of giving them back. A spare slab is its owner's like any other (only
-its engines map it), so they map it and pre-fault it before the store that
-writes into it, not during that store's copy. Spare slabs hold no page: they
-count in no usage or quota, and a class that needs a slab when none is free
-takes another class's spare first (punched out and backed anew, as any slab
-changing owner).
+keeps emptied slabs up to that room instead of giving them back. A spare slab
+is its owner's like any other (only its engines map it), so they map it and
+pre-fault it before the store that writes into it, not during that store's
+copy. Spare slabs hold no page: they count in no usage or quota, and a class
+that needs a slab when none is free takes another class's spare first
+(punched out and backed anew, as any slab changing owner).
 
 Page ids stay byte offsets (`slot * page_bytes`) into the whole arena, so an
 engine's HostKVCache indexes its mapping with no per-class translation; pages
