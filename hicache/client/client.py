@@ -342,9 +342,10 @@ class HiCacheClient:
             self._reconnector = Reconnector(self._handshake, self.backoff_s)
             self._reconnector.start()
 
-    def _call(self, method: str, params: dict, timeout_s: float) -> Any:
+    def _call(self, method: str, params: dict, timeout_s: float, *, map_slabs: bool = True) -> Any:
         """One RPC within `timeout_s`; raises DaemonUnavailable when the daemon is away, hung
-        or refused the call.
+        or refused the call. Slabs the reply says we lack are mapped first, unless not
+        `map_slabs` (the caller maps them when it needs them, `_check_slabs`).
 
         A refusal (ClientError) on the engine cycle means a bug on one side; the engine
         must keep serving, so it is logged and treated like an absent daemon: a miss,
@@ -368,7 +369,8 @@ class HiCacheClient:
             self.refusals += 1
             log.error("hicache daemon refused %s: %s", method, e)
             raise DaemonUnavailable(f"{method} refused: {e}") from e
-        self._check_slabs(reply)
+        if map_slabs:
+            self._check_slabs(reply)
         return reply
 
     def _call_many(self, method: str, params: list[dict], timeout_s: float) -> list[Any]:

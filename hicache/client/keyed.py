@@ -36,6 +36,7 @@ class Reserved:
     store_id: int
     host_pages: np.ndarray  # host slot per key to copy into, -1 where the page is stored already
     epoch: int
+    slabs: int  # the namespace's slab version when reserved (spares to map once copied)
 
 
 def named_page(salt: bytes, name: bytes, page_size: int) -> tuple[bytes, np.ndarray]:
@@ -57,13 +58,13 @@ class KeyedPagesClient:
     def __init__(self, client: HiCacheClient) -> None:
         self.client = client
 
-    def _call(self, method: str, params: dict, timeout_s: float) -> dict | None:
+    def _call(self, method: str, params: dict, timeout_s: float, *, map_slabs: bool = True) -> dict | None:
         c = self.client
         c.poll()  # adopt a connection the background probe made
         if c.engine_id is None:
             return None
         try:
-            return c._call(method, {"engine": c.engine_id, **params}, timeout_s)
+            return c._call(method, {"engine": c.engine_id, **params}, timeout_s, map_slabs=map_slabs)
         except DaemonUnavailable:
             return None
 
@@ -96,10 +97,21 @@ class KeyedPagesClient:
         params = {"keys": b"".join(keys), "tokens": np.ascontiguousarray(tokens, "<i4").tobytes()}
         if parent is not None:
             params["parent"] = parent
-        r = self._call("store", params, self.client.deadlines.load_s)
-        if r is None or r["store"] is None:
+        # The reply's slab version may also name spare slabs the daemon keeps for our next
+        # store (hicache/daemon/core/host_tier.py): slabs these pages need are mapped now,
+        # the rest after the copy (store_done), so their pre-fault does not compete with it.
+        r = self._call("store", params, self.client.deadlines.load_s, map_slabs=False)
+        if r is None:
             return None
-        return Reserved(int(r["store"]), bytes_to_ids(r["host_pages"]), self.client.epoch)
+        if r["store"] is None:
+            self.client._check_slabs(r)
+            return None
+        got = Reserved(int(r["store"]), bytes_to_ids(r["host_pages"]), self.client.epoch, int(r["slabs"]))
+        arena, under = self.client.arena, r.get("page_slabs")
+        if arena is None or under is None or any(not 0 <= s < arena.num_slabs or arena.slab_gen(s) != g
+                                                 for s, g in under):
+            self.client._check_slabs(r)
+        return got
 
     def store_done(self, reserved: Reserved, ok: bool = True) -> int | None:
         """The pages are in their slots (or the copy failed): they become visible to every
@@ -107,7 +119,10 @@ class KeyedPagesClient:
         if reserved.epoch != self.client.epoch:
             return None
         r = self._call("store_done", {"store": reserved.store_id, "ok": ok}, self.client.deadlines.update_s)
-        return None if r is None else int(r["stored"])
+        if r is None:
+            return None
+        self.client._check_slabs({"slabs": reserved.slabs})  # the spares for the next store
+        return int(r["stored"])
 
     def pin(self, keys: list[bytes], hint: RetainHint) -> dict | None:
         """Keep the chain ending at keys[-1] (SGLang: the page names' keys, `named_page`) per

@@ -92,12 +92,13 @@ def test_a_slab_is_compacted_out_of_the_oldest_namespace_without_losing_a_page()
     a_salt = t.recs["a"].ns.salt
     kept = sum(len(k) for k in t.seqs["a"][1::2])
     assert t.svc.counters.slabs_reclaimed == 0
+    reassigned = t.svc.host.slabs_reassigned  # b got a's spare slab while filling
     got = t.insert("b", 300, 8)  # no free slab: a has the oldest pages, and room to pack them
     assert got is not None and len(got) == 8
     assert t.svc.counters.slabs_reclaimed == 1
     assert t.svc.host.owner_of.count(a_salt) == 1 and t.svc.host.owner_of.count(t.recs["b"].ns.salt) == 3
     assert sum(t.check_bytes("a", k) for k in t.seqs["a"][1::2]) == kept  # every page moved, bytes intact
-    assert t.svc.host.slabs_reassigned == 1
+    assert t.svc.host.slabs_reassigned == reassigned + 1
 
 
 def test_pinned_pages_keep_their_slab_and_the_requester_evicts_its_own():
@@ -137,18 +138,20 @@ def test_a_slab_changing_owner_is_punched_out_and_backed_anew():
     for slab, gen in host.slabs_of(b"a" * 16):
         engine_a.map_slab(slab, os.dup(host.arena.slab_fd(slab)), gen)
         host.arena.array[slab * host.slab_bytes:(slab + 1) * host.slab_bytes] = 0xAA
-    a.free(ids)  # one slab goes back; a keeps the other warm
-    (slab, gen), = [(s, g) for s, g in enumerate(host.arena._gens) if host.owner_of[s] is None and engine_a.backed[s]]
-    view = engine_a.array[slab * host.slab_bytes:(slab + 1) * host.slab_bytes]
-    assert (view == 0xAA).all()
-    for _ in range(host.free_slabs - 1):  # b takes the clean slabs first ...
+    a.free(ids)  # slabs go back; a keeps one warm (its spare)
+    old = {s: g for s, g in enumerate(host.arena._gens) if host.owner_of[s] is None and engine_a.backed[s]}
+    assert old and len(host.slabs_of(b"a" * 16)) == 1
+    views = {s: engine_a.array[s * host.slab_bytes:(s + 1) * host.slab_bytes] for s in old}
+    assert all((v == 0xAA).all() for v in views.values())
+    for _ in range(host.free_slabs - len(old)):  # b takes the clean slabs first ...
         assert b.alloc(host.slab_bytes // PB) is not None
-    assert host.arena.slab_gen(slab) == gen and host.owner_of[slab] is None
-    assert b.alloc(1) is not None  # ... and only then a's old one, backed anew
-    assert host.owner_of[slab] == b"b" * 16 and host.arena.slab_gen(slab) == gen + 1
+    assert all(host.arena.slab_gen(s) == g and host.owner_of[s] is None for s, g in old.items())
+    assert b.alloc(1) is not None  # ... and only then one of a's old ones, backed anew
+    slab, = [s for s in old if host.owner_of[s] == b"b" * 16]
+    assert host.arena.slab_gen(slab) == old[slab] + 1
     assert host.slabs_reassigned == 1
     host.arena.array[slab * host.slab_bytes:(slab + 1) * host.slab_bytes] = 0xBB
-    assert not view.any(), "a's old mapping must read zeros, never b's bytes"
+    assert not views[slab].any(), "a's old mapping must read zeros, never b's bytes"
     engine_a.close()
     host.close()
 
@@ -191,3 +194,52 @@ def test_pages_over_half_a_slab_are_refused_with_what_to_do():
     cls = host.page_class(b"x" * 16, 512 << 10)  # exactly half: every slab holds two
     ids = cls.alloc(2 * host.num_slabs)
     assert ids is not None and len(set(ids.tolist())) == 2 * host.num_slabs
+
+
+def test_a_growing_class_gets_its_next_slabs_one_store_ahead():
+    """Its engines map (and pre-fault) the slabs of the next store before that store."""
+    host = HostTier(16 << 20, mlock=False)  # 16 slabs of 1 MiB
+    a, owner = host.page_class(b"a" * 16, PB), b"a" * 16
+    per_slab = host.slab_bytes // PB
+    first = a.alloc(2 * per_slab)  # a store of two slabs' pages: two more are kept spare
+    assert len(host.slabs_of(owner)) == 4 and host.spare_slabs == 2
+    assert host.used_bytes == 2 * per_slab * PB  # a spare holds no page: no usage, no quota
+    mapped, version = {s for s, _ in host.slabs_of(owner)}, host.slab_version(owner)
+    second = a.alloc(2 * per_slab)
+    assert set(a.slab_of(second).tolist()) <= mapped  # the slabs an engine already maps
+    assert not set(a.slab_of(second).tolist()) & set(a.slab_of(first).tolist())
+    assert host.slab_version(owner) > version and host.spare_slabs == 2  # the next two
+    a.free(second)  # emptied slabs stay as the spare, beyond it they go back
+    assert host.spare_slabs == 2 and len(host.slabs_of(owner)) == 4
+    version = host.slab_version(owner)
+    assert a.alloc(2 * per_slab) is not None and host.slab_version(owner) == version + 2
+    host.close()
+
+
+def test_spare_slabs_are_capped_at_a_quarter_of_the_arena():
+    host = HostTier(16 << 20, mlock=False)
+    a = host.page_class(b"a" * 16, PB)
+    assert a.alloc(8 * (host.slab_bytes // PB)) is not None  # half the arena in one store
+    assert host.spare_slabs == host.num_slabs // 4
+    host.close()
+
+
+def test_another_namespace_takes_a_spare_slab_first_punched_out():
+    """No free slab: b gets a's spare (no page of a moves or goes), and a's old
+    mapping of it reads zeros."""
+    host = HostTier(4 << 20, mlock=False)  # 4 slabs: a spare of at most one
+    a, b = host.page_class(b"a" * 16, PB), host.page_class(b"b" * 16, PB)
+    per_slab = host.slab_bytes // PB
+    assert a.alloc(2 * per_slab) is not None and b.alloc(1) is not None
+    assert host.free_slabs == 0 and host.spare_slabs == 1
+    (spare, gen), = [(s, host.arena.slab_gen(s)) for s in a.slabs if a.used_in(s) == 0]
+    engine_a = HostArena.reserve(host.num_slabs, host.slab_bytes)
+    engine_a.map_slab(spare, os.dup(host.arena.slab_fd(spare)), gen)
+    host.arena.array[spare * host.slab_bytes:(spare + 1) * host.slab_bytes] = 0xAA
+    got = b.alloc(per_slab)  # b's own slab is not full: this needs another one
+    assert got is not None and spare in set(b.slab_of(got).tolist())
+    assert host.owner_of[spare] == b"b" * 16 and host.arena.slab_gen(spare) == gen + 1
+    assert a.used_pages == 2 * per_slab and host.spare_slabs == 0
+    assert not engine_a.array[spare * host.slab_bytes:(spare + 1) * host.slab_bytes].any()
+    engine_a.close()
+    host.close()

@@ -122,3 +122,37 @@ def test_a_stopped_daemon_is_a_miss_not_an_error(daemon_factory):
     keys, tokens = names(a, "k")
     assert a.exists(keys) == 0 and a.fetch(keys) is None and a.store(keys, tokens) is None
     a.client.close()
+
+
+def test_spare_slabs_are_mapped_after_the_copy_and_a_stale_mapping_before_it(daemon_factory):
+    """The daemon keeps room for a next store as large (spare slabs): once the engine maps
+    the slabs a store's copy needs, it maps the new spares after the copy, so their
+    pre-fault runs between stores; a slab it does not map at the daemon's generation is
+    mapped before any copy into it."""
+    d = daemon_factory("--host-capacity", "8MiB", "--no-disk").start()  # 8 slabs of 1 MiB
+    a, b = keyed(d.socket), keyed(d.socket)
+    per_slab = a.client.arena.slab_bytes // LAYOUT.page_bytes
+    batch = per_slab + per_slab // 2  # a store over one and a half slabs
+    assert store(a, [f"p{i}" for i in range(batch)], fill=4) == batch
+    assert a.client.arena.backed.sum() == 3  # its two slabs and a spare, mapped with them
+    stats = RpcConnection.one_call(d.socket, "stats", None, timeout_s=5.0)["tiers"]["host"]
+    assert stats["pages"] == batch and stats["spare_slabs"] == 1
+    keys, tokens = names(a, *[f"q{i}" for i in range(batch)])
+    r = a.store(keys, tokens)  # into the room kept for it; two new spares taken
+    assert r is not None and a.mapped(r.host_pages)
+    assert a.client.arena.backed.sum() == 3  # the new spares are not mapped yet
+    assert RpcConnection.one_call(d.socket, "stats", None, timeout_s=5.0)["tiers"]["host"]["spare_slabs"] == 2
+    for slot in r.host_pages.tolist():
+        write(a, slot, 5)
+    assert a.store_done(r) == batch
+    assert a.client.arena.backed.sum() == 5  # now they are, before the next store needs them
+    a.client.arena.unmap_slab(int(np.flatnonzero(a.client.arena.backed)[-1]))  # not the daemon's mapping
+    more = [f"r{i}" for i in range(batch)]
+    assert store(a, more, fill=6) == batch  # store() checks the slots are mapped before writing
+    keys, _ = names(b, *more)
+    f = b.fetch(keys)
+    assert f is not None and (f.host_pages >= 0).all()
+    assert all(read(b, s) == bytes([6]) * LAYOUT.page_bytes for s in f.host_pages.tolist())
+    b.release(f)
+    a.client.close()
+    b.client.close()

@@ -14,6 +14,16 @@ free, CacheService takes one from the namespace with the oldest pages
 (hicache/daemon/core/slab_reclaim.py): the budget moves between namespaces without
 any engine seeing across.
 
+A page class that grows keeps *spare* slabs: after an allocation it takes free
+slabs until it has room for another allocation as large as its largest one
+(at most a quarter of the arena; only clean slabs or its owner's own), and
+keeps emptied slabs up to that room instead of giving them back. A spare slab
+is its owner's like any other (only its engines map it), so they map it and
+pre-fault it before the store that writes into it, not during that store's
+copy. Spare slabs hold no page: they count in no usage or quota, and a class
+that needs a slab when none is free takes another class's spare first
+(punched out and backed anew, as any slab changing owner).
+
 Page ids stay byte offsets (`slot * page_bytes`) into the whole arena, so an
 engine's HostKVCache indexes its mapping with no per-class translation; pages
 never straddle slab boundaries. Each owner has a *slab version*, bumped when it
@@ -34,6 +44,7 @@ log = logging.getLogger(__name__)
 
 MIN_SLAB_BYTES = 1 << 20
 SLABS_PER_ARENA = 64
+SPARE_SHARE = 4  # a page class keeps at most 1/SPARE_SHARE of the arena's slabs spare
 
 
 class PageClass:
@@ -46,6 +57,7 @@ class PageClass:
         self.kind = kind
         self.slabs: dict[int, HostSlotAllocator] = {}  # slab index -> allocator over its pages
         self.used_pages = 0
+        self.spare_pages = 0  # free pages to keep ahead: the largest allocation, capped (module doc)
 
     def _slab_range(self, slab: int) -> tuple[int, int]:
         start = slab * self.tier.slab_bytes
@@ -72,9 +84,7 @@ class PageClass:
             slab = self.tier.take_slab(self)
             if slab is None:
                 return None
-            first, count = self._slab_range(slab)
-            self.slabs[slab] = HostSlotAllocator(first, count)
-            have += count
+            have += self._add_slab(slab)
         parts: list[np.ndarray] = []
         need = n
         for alloc in self.slabs.values():
@@ -87,7 +97,25 @@ class PageClass:
             if not need:
                 break
         self.used_pages += n
+        self._keep_spare(n, have - n)
         return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def _add_slab(self, slab: int) -> int:
+        first, count = self._slab_range(slab)
+        self.slabs[slab] = HostSlotAllocator(first, count)
+        return count
+
+    def _keep_spare(self, n: int, have: int) -> None:
+        """Take free slabs (clean ones or the owner's own) until `have` free pages cover
+        an allocation as large as the largest so far, within the class's share."""
+        tier = self.tier
+        per_slab = tier.slab_bytes // self.page_bytes
+        self.spare_pages = max(self.spare_pages, min(n, per_slab * (tier.num_slabs // SPARE_SHARE)))
+        while have < self.spare_pages and tier.free_slabs:
+            slab = tier.take_slab(self, spare=True)
+            if slab is None:
+                return
+            have += self._add_slab(slab)
 
     def free(self, ids: np.ndarray) -> None:
         if len(ids) == 0:
@@ -100,10 +128,15 @@ class PageClass:
                 raise HiCacheError(f"host pages {ids[slab_of == slab][:4]} are not in this page class")
             alloc.free(ids[slab_of == slab])
         self.used_pages -= len(ids)
-        # Give empty slabs back so other namespaces and page sizes can grow into them.
+        # Give empty slabs beyond the spare back so other namespaces and page sizes can
+        # grow into them (all of them when a class found no slab).
+        waiting = self.tier.classes_waiting()
+        have = self.available()
         for slab in [s for s, a in self.slabs.items() if a.available() == a.count]:
-            if len(self.slabs) > 1 or self.tier.classes_waiting():
+            count = self.slabs[slab].count
+            if waiting or len(self.slabs) > 1 and have - count >= self.spare_pages:
                 self.release_slab(slab)
+                have -= count
 
     def release_slab(self, slab: int) -> None:
         """Give an empty slab back to the tier."""
@@ -114,6 +147,10 @@ class PageClass:
     def used_in(self, slab: int) -> int:
         alloc = self.slabs[slab]
         return alloc.count - alloc.available()
+
+    def empty_slab(self) -> int | None:
+        """A slab of this class holding no page (a spare), if any."""
+        return next((s for s, a in self.slabs.items() if a.available() == a.count), None)
 
 
 class HostTier:
@@ -150,17 +187,25 @@ class HostTier:
             cls = self.classes[key] = PageClass(self, owner, page_bytes, kind)
         return cls
 
-    def take_slab(self, cls: PageClass) -> int | None:
+    def take_slab(self, cls: PageClass, *, spare: bool = False) -> int | None:
         """A free slab for `cls`: one its owner held before (its engines still map it), else
-        a clean one, else another owner's old one, punched out and backed anew first."""
+        a clean one, else another owner's old one, punched out and backed anew first. With
+        none free, another class's spare slab is lent back first. A `spare` is only taken
+        free and never from another owner."""
         free = self._free_slabs
+        if not free and not spare:
+            self._lend_spare(cls)
         if not free:
-            self._starved += 1
+            self._starved += not spare
             return None
         last = self._last_owner
         pick = next((i for i in range(len(free) - 1, -1, -1) if last[free[i]] == cls.owner), None)
         if pick is None:
-            pick = next((i for i in range(len(free) - 1, -1, -1) if last[free[i]] is None), len(free) - 1)
+            pick = next((i for i in range(len(free) - 1, -1, -1) if last[free[i]] is None), None)
+        if pick is None:
+            if spare:  # a spare never costs another owner the slab its engines still map
+                return None
+            pick = len(free) - 1
         slab = free.pop(pick)
         if last[slab] not in (None, cls.owner):
             self.arena.back_slab(slab)
@@ -169,6 +214,13 @@ class HostTier:
         self._versions[cls.owner] = self._versions.get(cls.owner, 0) + 1
         self.arena.prefault_async(slab, allocate=True)  # its memory, off the request path (unless mlocked)
         return slab
+
+    def _lend_spare(self, cls: PageClass) -> None:
+        """Free one empty slab of another class (its spare), so `cls` can take it."""
+        for other in self.classes.values():
+            if other is not cls and (slab := other.empty_slab()) is not None:
+                other.release_slab(slab)
+                return
 
     def return_slab(self, slab: int) -> None:
         self.owner_of[slab] = None
@@ -201,6 +253,11 @@ class HostTier:
     @property
     def free_slabs(self) -> int:
         return len(self._free_slabs)
+
+    @property
+    def spare_slabs(self) -> int:
+        """Slabs owned by a page class and holding no page (stats)."""
+        return sum(a.available() == a.count for c in self.classes.values() for a in c.slabs.values())
 
     def close(self) -> None:
         self.arena.close()

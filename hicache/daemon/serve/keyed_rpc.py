@@ -50,8 +50,13 @@ def keyed_handlers(daemon: DaemonContext, keys_of: Any) -> dict[str, Any]:
         res = pages.store(conn, p.get("engine"), keys, np.frombuffer(tokens, dtype="<i4"), parent)
         if res is None:
             return {"store": None}
-        return {"store": res.res_id, "host_pages": ids_to_bytes(res.data.slots),
-                "slabs": daemon.host.slab_version(res.engine.ns.salt)}
+        # The slabs the copies go to, at their generation: an engine that maps those needs
+        # no remap before copying, even when the version counts new (spare) slabs.
+        host, slots = daemon.host, res.data.slots
+        under = np.unique(res.engine.ns.page_class.slab_of(slots[slots >= 0])).tolist()
+        return {"store": res.res_id, "host_pages": ids_to_bytes(slots),
+                "slabs": host.slab_version(res.engine.ns.salt),
+                "page_slabs": [[s, host.arena.slab_gen(s)] for s in under]}
 
     def store_done(conn: Any, p: dict) -> Any:
         ok = p.get("ok", True)
