@@ -40,12 +40,22 @@ tier's shuffled page reads through the map (two B-tree lookups each, the
 meta one cold as well). The random_pread row reads as many pages of the same
 size from the same file at shuffled offsets with plain ``preadv``: the
 device's rate for the tier's access pattern. On this VM's virtual disk that is
-what bounds cold gets (2026-11-26, 128 MiB, 256 KiB-1 MiB pages, the file
-evicted before each pass): the map, ``preadv`` outside the map into the
+what bounds shuffled cold gets (2026-11-26, 128 MiB, 256 KiB-1 MiB pages, the
+file evicted before each pass): the map, ``preadv`` outside the map into the
 destination, ``madvise(MADV_WILLNEED)`` per page or per 32-page batch,
 ``posix_fadvise(WILLNEED)`` per batch and 4-16 reader threads all read
-0.25-0.48 GB/s, while dd streamed the same file at 1.5-3 GB/s. The rebuild case writes `rebuild_records` tiny-page
-records and times ``iter_meta`` after a reopen.
+0.25-0.48 GB/s, while dd streamed the same file at 1.5-3 GB/s.
+
+The prefetch rows read the same pages the way the daemon's disk prefetch
+does: one ``get_many_async`` per chain of ``PREFETCH_CHAIN_PAGES`` pages that
+were put one after another (LMDB gives such a run consecutive pages of the
+file), the chains in shuffled order, after the same eviction. The seq_pread
+row reads the bytes dd reads, in order, with ``preadv`` from this process into
+the same destination pages: what an in-process sequential read gets against
+dd (docs/benchmarks.md, "Disk tier", has what these measured).
+
+The rebuild case writes `rebuild_records` tiny-page records and times
+``iter_meta`` after a reopen.
 """
 
 from __future__ import annotations
@@ -213,6 +223,20 @@ def _tier_get(tier: DiskTier, salt: bytes, size: int, keys: list[bytes], passes:
     return get.rates(len(keys) * size)
 
 
+def _tier_prefetch(tier: DiskTier, salt: bytes, size: int, chains: list[list[bytes]]) -> float:
+    """GB/s of the daemon's disk prefetch pattern: one ``get_many_async`` per chain
+    (a prefix's pages, written one after another), the chains in the given order."""
+    ring = _ring(size)
+    n = 0
+    with _Clock() as get:
+        for chain in chains:
+            outs = [ring[(n + j) % len(ring)] for j in range(len(chain))]
+            n += len(chain)
+            if not all(tier.get_many_async(salt, chain, outs).result()):
+                raise RuntimeError("miss in the benchmark")
+    return get.rates(n * size)[0]
+
+
 def _tier_get_many(tier: DiskTier, salt: bytes, size: int, keys: list[bytes], group: int = 32) -> float:
     ring = _ring(size)
     with _Clock() as get:
@@ -296,6 +320,22 @@ def _random_pread(path: str, size: int, count: int) -> float:
     return clock.rates(count * size)[0]
 
 
+def _seq_pread(path: str, size: int, count: int) -> float:
+    """GB/s of `count` reads of `size` bytes from the start of `path`, in order, one at
+    a time, into the same destination pages as the tier, right after the same eviction:
+    what dd does, from this process (the kernel's readahead streams it)."""
+    _drop_cache(os.path.dirname(path))
+    ring = _ring(size)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with _Clock() as clock:
+            for i in range(count):
+                os.preadv(fd, [ring[i % len(ring)]], i * size)
+    finally:
+        os.close(fd)
+    return clock.rates(count * size)[0]
+
+
 def _dd(path: str, size: int, count: int) -> float:
     t0 = time.perf_counter()
     res = subprocess.run(["dd", "if=/dev/zero", f"of={path}", f"bs={size}", f"count={count}",
@@ -316,6 +356,7 @@ def _median(fn: Callable[[], float], prepare: Callable[[], None], repeats: int) 
 
 
 SIZES = tuple(k << 10 for k in (16, 64, 256, 1024, 4096))
+PREFETCH_CHAIN_PAGES = 32  # pages per get_many_async in the prefetch rows (a prefix's disk part)
 
 
 def run(sizes: tuple[int, ...] = SIZES, total_bytes: int = 512 << 20,
@@ -343,6 +384,8 @@ def run(sizes: tuple[int, ...] = SIZES, total_bytes: int = 512 << 20,
 
             order = list(np.random.default_rng(1).permutation(n))
             shuffled = [keys[i] for i in order]
+            chains = [keys[i:i + PREFETCH_CHAIN_PAGES] for i in range(0, n, PREFETCH_CHAIN_PAGES)]
+            chains = [chains[i] for i in np.random.default_rng(3).permutation(len(chains))]
             for _ in range(repeats):  # alternate raw and tier so that noise hits both
                 _fresh(raw_dir)
                 batch = max(1, min(config.batch_pages, config.batch_bytes // size))  # the tier's limit
@@ -369,8 +412,12 @@ def run(sizes: tuple[int, ...] = SIZES, total_bytes: int = 512 << 20,
                     # LMDB's readahead around them would warm much of the file
                     add("tier_resident", _drop_cache(tier_dir))
                     add("tier_cold", _tier_get(tier, salt, size, shuffled, passes=1)[0])
+                with DiskTier.open(tier_dir, capacity, durability=durability, config=config) as tier:
+                    _drop_cache(tier_dir)
+                    add("tier_prefetch_cold", _tier_prefetch(tier, salt, size, chains))
                 add("dd_read", _dd_read(os.path.join(tier_dir, "data.mdb"), size, n))
                 add("random_pread", _random_pread(os.path.join(tier_dir, "data.mdb"), size, n))
+                add("seq_pread", _seq_pread(os.path.join(tier_dir, "data.mdb"), size, n))
                 shutil.rmtree(tier_dir)
             med = {k: statistics.median(v) for k, v in m.items()}
             rows.append(_row(f"put_fresh_{label}_{durability}_tier_vs_raw_lmdb", med["tier_fresh"], "GB/s",
@@ -390,6 +437,11 @@ def run(sizes: tuple[int, ...] = SIZES, total_bytes: int = 512 << 20,
             rows.append(_row(f"get_cold_{label}_tier_vs_dd_read", med["tier_cold"], "GB/s", med["dd_read"]))
             rows.append(_row(f"get_cold_{label}_tier_vs_random_pread", med["tier_cold"], "GB/s",
                              med["random_pread"]))
+            rows.append(_row(f"get_cold_{label}_prefetch_vs_dd_read", med["tier_prefetch_cold"], "GB/s",
+                             med["dd_read"]))
+            rows.append(_row(f"get_cold_{label}_prefetch_vs_seq_pread", med["tier_prefetch_cold"], "GB/s",
+                             med["seq_pread"]))
+            rows.append(_row(f"get_cold_{label}_seq_pread_vs_dd_read", med["seq_pread"], "GB/s", med["dd_read"]))
             dd_path = os.path.join(workdir, "dd.bin")
             dd = _median(lambda: _dd(dd_path, size, n), lambda: None, repeats)
             rows.append(_row(f"put_{label}_{durability}_tier_vs_dd_fdatasync", med["tier_put"], "GB/s", dd))

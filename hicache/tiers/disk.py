@@ -88,7 +88,11 @@ for 1-4 MiB pages on its own). Runs of puts under 1 MiB therefore go through
 a C loop with the GIL released (disk_native.py): the writer's CPU per 16 KiB
 page fell by ~45% (docs/benchmarks.md, 2026-11-26). Cold gets run at the device's
 random-read rate (disk_bench's ``random_pread`` row): reads outside the map and
-``madvise``/``fadvise`` readahead measured no faster (docs/benchmarks.md).
+``madvise``/``fadvise`` readahead measured no faster (docs/benchmarks.md). A prefetch's
+chain lies in consecutive pages of the file, but looking a batch up first and reading
+it in file order (through the map or with ``preadv``) measured no faster than this
+path either: on this disk a range read from mid-file runs at a third to a half of a
+sequential sweep (docs/benchmarks.md, "Cold reads against dd").
 
 The environment is meant for one owner process: ``open`` takes an exclusive
 ``flock`` on ``hicache-disk.lock`` and a second opener gets ``DiskTierError``.
