@@ -14,6 +14,13 @@ the top and pushed back if its priority has grown. LRU and LFU satisfy it.
 Priorities are compared with `<`, also across indexes (namespaces sharing one
 budget), so those indexes should share one policy.
 
+Hint priorities come first. A heap orders candidates by the *eviction key*
+(hint priority, policy priority): an application's priority on a prefix
+(hicache/index/priorities.py, by page key in `hints`) sends lower-priority
+pages out first and leaves equals to the policy, as SGLang's priority eviction
+does. A hint priority that drops (expiry, a lower hint) breaks the only-grow
+contract, so its owner then calls `refresh()`, which re-keys the whole heap.
+
 Policies (`make_policy(name)`, the daemon's `eviction_policy`):
 - `lru`: least recently used first; the reference every bench compares against.
 - `lfu`: fewest hits first.
@@ -44,6 +51,7 @@ import numpy as np
 from hicache.index.node import DISK_LANE, HOST_LANE, FreedCollector, Tier, TreeNode
 
 Priority: TypeAlias = float | tuple[int, float]
+EvictionKey: TypeAlias = tuple[int, Priority]  # (hint priority, the policy's); lowest leaves first
 
 
 class EvictionPolicy(ABC):
@@ -143,29 +151,36 @@ class CandidateHeaps:
     leaf per call.
     """
 
-    __slots__ = ("policy", "is_candidate", "heaps", "_seq")
+    __slots__ = ("policy", "is_candidate", "hints", "heaps", "_seq")
 
-    def __init__(self, policy: EvictionPolicy, is_candidate: Callable[[TreeNode, int], bool]) -> None:
+    def __init__(self, policy: EvictionPolicy, is_candidate: Callable[[TreeNode, int], bool],
+                 hints: dict[bytes, int] | None = None) -> None:
         self.policy = policy
         self.is_candidate = is_candidate
-        self.heaps: dict[int, list[tuple[Priority, int, TreeNode]]] = {}
+        # page key -> hint priority (a node's pages share theirs: hints cover whole nodes)
+        self.hints: dict[bytes, int] = {} if hints is None else hints
+        self.heaps: dict[int, list[tuple[EvictionKey, int, TreeNode]]] = {}
         self._seq = itertools.count()  # ties: first queued goes first; nodes are never compared
+
+    def key(self, node: TreeNode) -> EvictionKey:
+        hints = self.hints
+        return (hints.get(node.keys[0], 0) if hints else 0, self.policy.get_priority(node))
 
     def push(self, node: TreeNode, lane: int, bound: int) -> None:
         heap = self.heaps.get(lane)
         if heap is None:
             heap = self.heaps[lane] = []
-        heappush(heap, (self.policy.get_priority(node), next(self._seq), node))
+        heappush(heap, (self.key(node), next(self._seq), node))
         node.queued.add(lane)
         if len(heap) > 2 * bound + 64:
             self._compact(lane)
 
-    def top(self, lane: int, pop: bool) -> tuple[Priority, TreeNode] | None:
+    def top(self, lane: int, pop: bool) -> tuple[EvictionKey, TreeNode] | None:
         """The lowest-priority candidate of the lane (taken out of the heap if `pop`)."""
         heap = self.heaps.get(lane)
         if not heap:
             return None
-        priority_of = self.policy.get_priority
+        priority_of = self.key
         while heap:
             prio, _, node = heap[0]
             if not self.is_candidate(node, lane):
@@ -186,11 +201,16 @@ class CandidateHeaps:
         """Forget a lane (its engine is gone); the caller clears `queued` on the nodes."""
         self.heaps.pop(lane, None)
 
-    def _compact(self, lane: int) -> None:
+    def refresh(self) -> None:
+        """Re-key every entry (hint priorities dropped): O(entries), once per change batch."""
+        for lane in self.heaps:
+            self._compact(lane, rekey=True)
+
+    def _compact(self, lane: int, rekey: bool = False) -> None:
         keep = []
         for entry in self.heaps[lane]:
             if self.is_candidate(entry[2], lane):
-                keep.append(entry)
+                keep.append((self.key(entry[2]), entry[1], entry[2]) if rekey else entry)
             else:
                 entry[2].queued.discard(lane)
         heapify(keep)
@@ -208,11 +228,11 @@ class ResidencyLedger:
 
     __slots__ = ("root", "resident", "protected", "candidates", "removed_states")
 
-    def __init__(self, root: TreeNode, policy: EvictionPolicy) -> None:
+    def __init__(self, root: TreeNode, policy: EvictionPolicy, hints: dict[bytes, int] | None = None) -> None:
         self.root = root
         self.resident: dict[int, int] = {HOST_LANE: 0, DISK_LANE: 0}
         self.protected: dict[int, int] = {HOST_LANE: 0, DISK_LANE: 0}
-        self.candidates = CandidateHeaps(policy, self.is_candidate)
+        self.candidates = CandidateHeaps(policy, self.is_candidate, hints)
         self.removed_states: list[object] = []  # checkpoints of removed nodes, for their owner to free
 
     def is_candidate(self, node: TreeNode, lane: int) -> bool:
