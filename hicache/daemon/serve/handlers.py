@@ -334,6 +334,7 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
         out = await tree_summary(spaces, depth)
         for ns, entry in zip(spaces, out["namespaces"]):
             entry["pins"] = daemon.retention.listing(ns.salt)
+            entry["priorities"] = daemon.retention.priority_listing(ns.salt)
         return out
 
     async def settle(conn: Connection, p: dict) -> Any:
