@@ -104,7 +104,7 @@ def test_refused_priorities_change_nothing_and_priorities_expire(daemon_factory)
     keys = b"".join(c.page_keys(big))
     for params, code in [({"priority": 1001}, "BAD_PARAMS"), ({"priority": "high"}, "BAD_PARAMS"),
                          ({}, "BAD_PARAMS"), ({"priority": 1, "ttl_s": 1e9}, "BAD_PARAMS"),
-                         ({"priority": 1, "ttl_s": -1}, "BAD_PARAMS"),
+                         ({"priority": 1, "ttl_s": -1}, "BAD_PARAMS"), ({"priority": 1, "tier": "host"}, "BAD_PARAMS"),
                          ({"priority": 1, "keys": b"".join(c.page_keys(_tokens(9, 9, 2)))}, "NOT_FOUND"),
                          ({"priority": 1}, "BAD_PARAMS")]:  # over the bound
         with pytest.raises(ClientError) as e:

@@ -100,6 +100,8 @@ def pin_handlers(daemon: DaemonContext, keys_of: Any) -> dict[str, Any]:
         priority = p.get("priority")
         if type(priority) is not int or not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
             raise RpcError(Code.BAD_PARAMS, f"priority must be an int in -{MAX_PRIORITY}..{MAX_PRIORITY}")
+        if p.get("tier") is not None:
+            raise RpcError(Code.BAD_PARAMS, "a priority holds in every tier the prefix is in: no 'tier'")
         ttl = p.get("ttl_s")  # absent or nil: the daemon's priority_ttl_s
         if ttl is not None and (type(ttl) not in (int, float) or not math.isfinite(ttl)):
             raise RpcError(Code.BAD_PARAMS, "ttl_s must be a number of seconds")
