@@ -19,7 +19,9 @@ Hint priorities come first. A heap orders candidates by the *eviction key*
 (hicache/index/priorities.py, by page key in `hints`) sends lower-priority
 pages out first and leaves equals to the policy, as SGLang's priority eviction
 does. A hint priority that drops (expiry, a lower hint) breaks the only-grow
-contract, so its owner then calls `refresh()`, which re-keys the whole heap.
+contract, so its owner then calls `refresh()`, which re-keys the whole heap;
+it does as well when an index gets its first hint or loses its last: without
+any, entries hold the policy's priority alone, with no tuple per push.
 
 Policies (`make_policy(name)`, the daemon's `eviction_policy`):
 - `lru`: least recently used first; the reference every bench compares against.
@@ -151,7 +153,7 @@ class CandidateHeaps:
     leaf per call.
     """
 
-    __slots__ = ("policy", "is_candidate", "hints", "heaps", "_seq")
+    __slots__ = ("policy", "is_candidate", "hints", "heaps", "_seq", "_keyed")
 
     def __init__(self, policy: EvictionPolicy, is_candidate: Callable[[TreeNode, int], bool],
                  hints: dict[bytes, int] | None = None) -> None:
@@ -159,28 +161,39 @@ class CandidateHeaps:
         self.is_candidate = is_candidate
         # page key -> hint priority (a node's pages share theirs: hints cover whole nodes)
         self.hints: dict[bytes, int] = {} if hints is None else hints
-        self.heaps: dict[int, list[tuple[EvictionKey, int, TreeNode]]] = {}
+        self.heaps: dict[int, list[tuple[EvictionKey | Priority, int, TreeNode]]] = {}
         self._seq = itertools.count()  # ties: first queued goes first; nodes are never compared
+        # Whether entries carry the full eviction key. Without any hint they hold the policy's
+        # priority alone (no tuple per push on the hot path); refresh() switches, re-keying all.
+        self._keyed = False
 
-    def key(self, node: TreeNode) -> EvictionKey:
-        hints = self.hints
-        return (hints.get(node.keys[0], 0) if hints else 0, self.policy.get_priority(node))
+    def key(self, node: TreeNode) -> EvictionKey | Priority:
+        """What the heap orders by: the eviction key, or the policy's priority alone while
+        the index has no hint (see `full_key`)."""
+        if self._keyed:
+            return (self.hints.get(node.keys[0], 0), self.policy.get_priority(node))
+        return self.policy.get_priority(node)
+
+    def full_key(self, key: EvictionKey | Priority) -> EvictionKey:
+        """A heap key as the eviction key: comparable across indexes whatever their mode."""
+        return key if self._keyed else (0, key)  # type: ignore[return-value]
 
     def push(self, node: TreeNode, lane: int, bound: int) -> None:
         heap = self.heaps.get(lane)
         if heap is None:
             heap = self.heaps[lane] = []
-        heappush(heap, (self.key(node), next(self._seq), node))
+        key = self.key(node) if self._keyed else self.policy.get_priority(node)
+        heappush(heap, (key, next(self._seq), node))
         node.queued.add(lane)
         if len(heap) > 2 * bound + 64:
             self._compact(lane)
 
-    def top(self, lane: int, pop: bool) -> tuple[EvictionKey, TreeNode] | None:
+    def top(self, lane: int, pop: bool) -> tuple[EvictionKey | Priority, TreeNode] | None:
         """The lowest-priority candidate of the lane (taken out of the heap if `pop`)."""
         heap = self.heaps.get(lane)
         if not heap:
             return None
-        priority_of = self.key
+        priority_of = self.key if self._keyed else self.policy.get_priority
         while heap:
             prio, _, node = heap[0]
             if not self.is_candidate(node, lane):
@@ -202,7 +215,9 @@ class CandidateHeaps:
         self.heaps.pop(lane, None)
 
     def refresh(self) -> None:
-        """Re-key every entry (hint priorities dropped): O(entries), once per change batch."""
+        """Re-key every entry (a hint priority dropped, or the first one came or the last
+        went): O(entries), once per change batch."""
+        self._keyed = bool(self.hints)
         for lane in self.heaps:
             self._compact(lane, rekey=True)
 

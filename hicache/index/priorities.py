@@ -78,6 +78,7 @@ class PriorityTable:
             raise PinNotStored("no page of the prefix is stored on host or disk (store it first)")
         entry = PrefixPriority(salt, list(keys), priority, expires_at, index, pages)
         hints = index.hint_priority
+        first = not hints  # the heaps hold the policy's priority alone until now
         touched = pages if old is None else [*old.pages, *pages]
         before = {k: hints.get(k, 0) for k in touched}
         if old is not None:
@@ -93,7 +94,7 @@ class PriorityTable:
                                      f"this namespace, over its bound of {max_pages} (priority_max_share)")
         self.entries[name] = entry
         self.counters["set"] += 1
-        if any(hints.get(k, 0) < b for k, b in before.items()):
+        if first or any(hints.get(k, 0) < b for k, b in before.items()):
             index.refresh_order()
         return entry
 
@@ -128,7 +129,8 @@ class PriorityTable:
 
     def _remove(self, entry: PrefixPriority) -> None:
         del self.entries[(entry.salt, entry.keys[-1])]
-        if self._apply(entry, -1):
+        # lowered, or the index's last hint went (its heaps go back to the policy's keys)
+        if self._apply(entry, -1) or not entry.index.hint_priority:
             entry.index.refresh_order()
 
     def _apply(self, entry: PrefixPriority, step: int) -> bool:

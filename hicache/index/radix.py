@@ -542,11 +542,13 @@ class RadixIndex:
     def peek_evictable(self, tier: Tier, engine: int | None = None) -> EvictionKey | None:
         """Eviction key of the next victim (hint priority, policy priority), or None: lets
         a caller pick the index to evict from when namespaces share one budget."""
-        top = self._ledger.candidates.top(self._lane(tier, engine), pop=False)
-        return None if top is None else top[0]
+        cands = self._ledger.candidates
+        top = cands.top(self._lane(tier, engine), pop=False)
+        return None if top is None else cands.full_key(top[0])
 
     def refresh_order(self) -> None:
-        """Re-key the eviction heaps: a hint priority in `hint_priority` went down."""
+        """Re-key the eviction heaps: a hint priority in `hint_priority` went down, or the
+        first one came, or the last one went."""
         self._ledger.candidates.refresh()
 
     def select_victims(self, tier: Tier, num_pages: int, engine: int | None = None) -> list[TreeNode]:

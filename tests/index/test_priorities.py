@@ -102,3 +102,17 @@ def test_a_pin_still_locks_what_a_lower_priority_elsewhere_would_not_save():
     idx.evict(HOST, 100)
     assert host_keys(idx) == set(a)  # the priority orders eviction; only the pin keeps pages against all of it
     check_invariants(idx, [(pin.node, HOST, None)])
+
+
+def test_the_heaps_switch_to_full_keys_with_the_first_hint_and_back_after_the_last():
+    idx, prio = make_index(), PriorityTable()
+    a, b, c = store_three(idx)
+    heaps = idx._ledger.candidates
+    assert not heaps._keyed and idx.peek_evictable(HOST)[0] == 0  # peek speaks the full key either way
+    prio.set(idx, SALT, a, -2, FAR, max_pages=8)
+    assert heaps._keyed and idx.peek_evictable(HOST)[0] == -2
+    prio.set(idx, SALT, a, 0, FAR, max_pages=8)
+    assert not heaps._keyed and idx.peek_evictable(HOST)[0] == 0
+    idx.evict(HOST, 2)
+    assert host_keys(idx) == set(b) | set(c)
+    check_invariants(idx)
