@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench(sub)
     add_admin(sub)  # doctor, export, import
     add_quota(sub)
-    add_pins(sub)  # pin, unpin
+    add_pins(sub)  # pin, unpin, prioritize
 
     p = sub.add_parser("demo", help="start a daemon with embedded defaults and run a demo workload through it")
     p.add_argument("--requests", type=int, default=48)
@@ -195,6 +195,10 @@ def _print_stats(st: dict) -> None:
         print("pinned " + "  ".join(f"{t} {pn[t]['pins']} ({pn[t]['pages']} pages, {pn[t]['suspended']} suspended)"
                                      for t in ("host", "disk"))
               + f"  expired {pn['expired']}  refused {pn['refused']}")
+    pr = st.get("priorities")
+    if pr and (pr["prefixes"] or pr["expired"] or pr["refused"]):
+        print(f"prioritized {pr['prefixes']} prefixes ({pr['pages']} pages, {pr['positive_pages']} above 0)"
+              f"  expired {pr['expired']}  refused {pr['refused']}")
     g = st.get("gc")
     if g and g["managed"]:
         print(f"gc managed: {g['passes']} passes (longest {g['max_pass_ms']:.1f} ms), "
@@ -323,6 +327,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
             until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(pin["expires_at"]))
             print(f"  pin {pin['key'][:16]}  {pin['tier']}  {pin['pages']} pages  until {until}  "
                   f"priority {pin['priority']}" + ("" if pin["active"] else "  (suspended: over quota)"))
+        for pr in ns.get("priorities", ()):
+            until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(pr["expires_at"]))
+            print(f"  priority {pr['priority']}  {pr['key'][:16]}  {pr['pages']} pages  until {until}")
     return 0
 
 
@@ -380,7 +387,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 COMMANDS = {"bench": cmd_bench, "serve": cmd_serve, "stats": cmd_stats, "ls": cmd_ls, "evict": cmd_evict, "flush": cmd_flush,
             "demo": cmd_demo, "doctor": cmd_admin, "export": cmd_admin, "import": cmd_admin, "quota": cmd_quota,
-            "pin": cmd_pins, "unpin": cmd_pins}
+            "pin": cmd_pins, "unpin": cmd_pins, "prioritize": cmd_pins}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,5 @@
-"""`hicache pin` / `hicache unpin`: an admin keeps a prefix in a tier for a time.
+"""`hicache pin` / `unpin` / `prioritize`: an admin keeps a prefix in a tier for a time,
+or orders its eviction by a priority (hicache/index/priorities.py).
 
 The prefix is named by its tokens (`--tokens 1,2,3` or `--tokens-file`, full
 pages only), by page keys in hex (`--key`, as `hicache ls` lists a pin), or for
@@ -33,7 +34,8 @@ def ttl_seconds(text: str) -> float:
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     for name, helptext in (("pin", "keep a prefix in a tier for a time (admin)"),
-                           ("unpin", "drop the pin of a prefix (admin)")):
+                           ("unpin", "drop the pin of a prefix (admin)"),
+                           ("prioritize", "order a prefix's eviction by a priority, for a time (admin)")):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("--socket", dest="socket_path", help="daemon socket (default: as `hicache serve`)")
         p.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -47,6 +49,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
             p.add_argument("--tier", choices=["host", "disk"], default="host")
             p.add_argument("--ttl", type=ttl_seconds, required=True, help="how long: 300, 5m, 1h, 1d")
             p.add_argument("--priority", type=int, default=0, help="-1000..1000: lower gives way first (default 0)")
+        elif name == "prioritize":
+            p.add_argument("--priority", type=int, required=True,
+                           help="-1000..1000: lower pages leave first; 0 drops the prefix's priority")
+            p.add_argument("--ttl", type=ttl_seconds, help="how long (default: the daemon's priority_ttl_s)")
         else:
             p.add_argument("--tier", choices=["host", "disk"], help="only this tier's pin (default: both)")
 
@@ -93,6 +99,15 @@ def run(args: argparse.Namespace) -> int:
         return RpcConnection.one_call(admin_socket_path(args.socket_path), method, params, TIMEOUT_S)
 
     params = {"namespace": args.namespace, **_prefix(args, call)}
+    if args.command == "prioritize":
+        params["priority"] = args.priority
+        if args.ttl is not None:
+            params["ttl_s"] = args.ttl
+        r = call("prioritize", params)
+        text = (f"priority {r['priority']} on {r['pages']} pages (key {r['key']})" if r["pages"]
+                else f"priority dropped (key {r['key']})")
+        print(json.dumps(r) if args.json else text)
+        return 0
     if args.tier is not None:
         params["tier"] = args.tier
     if args.command == "pin":

@@ -297,6 +297,11 @@ class Config:
     # may keep pinned there, and the longest a pin may last
     pin_max_share: float = 0.25
     pin_max_ttl_s: float = 86400.0
+    # Prefix priorities (hicache/index/priorities.py): the share of the host tier's capacity one
+    # namespace's positively prioritized pages may cover, and how long a priority given without
+    # a TTL lasts (each hint renews it; any TTL is at most pin_max_ttl_s)
+    priority_max_share: float = 0.25
+    priority_ttl_s: float = 600.0
     disk_queue_pages: int = 1024  # queued disk writes before write-through skips (counted)
     allowed_uids: tuple[int, ...] = ()  # empty = the daemon's uid and root
     allowed_gids: tuple[int, ...] = ()
@@ -373,6 +378,8 @@ class Config:
             raise ConfigError("remote_publish_pages must be >= 0")
         if not 0 <= self.pin_max_share <= 1 or not self.pin_max_ttl_s > 0:
             raise ConfigError("pin_max_share must be in [0, 1] and pin_max_ttl_s > 0")
+        if not 0 <= self.priority_max_share <= 1 or not 0 < self.priority_ttl_s <= self.pin_max_ttl_s:
+            raise ConfigError("priority_max_share must be in [0, 1] and priority_ttl_s in (0, pin_max_ttl_s]")
         if not 0 <= self.remote_write_hold_s <= 600:
             raise ConfigError("remote_write_hold_s must be in [0, 600]")
         if self.recompute_context_tokens < 0 or not 0 < self.fetch_remeasure_s <= 86400:

@@ -103,6 +103,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="simulate placement and admission variants at these fractions of the unique blocks")
     b.add_argument("--signals", action="store_true",
                    help="also simulate structure signals (depth, fan-out) as eviction priorities at --ablation-fractions")
+    b.add_argument("--remote", action="store_true",
+                   help="replay again with a local redis-server as the remote tier, once per --remote-admission "
+                        "mode: remote writes per remote hit")
+    b.add_argument("--remote-capacity", default="64MiB", help="--remote: the store's maxmemory")
+    b.add_argument("--remote-admission", nargs="+", choices=["all", "reuse"], default=["all", "reuse"],
+                   help="--remote: the modes to replay, the first the baseline")
     _add_plot(b, "hit rate against capacity: hicache, OPT, LRU and the other policies")
 
     b = bench("quota", "a victim tenant's hit rate alone, under another tenant's flood, and under it with a quota")

@@ -15,6 +15,8 @@ capacity of the host tier and of all tiers (host + disk pages, an upper bound
 on the distinct blocks hicache can hold), plus at `--sim-fractions` of the
 trace's unique blocks. `--sim-only` skips the daemon and prints just those.
 `--workload` replaces the trace file by a generated one (hicache/bench/workloads.py).
+`--remote` replays it again with a local Redis as the remote tier, once per remote
+admission mode, for the remote writes per remote hit (hicache/bench/trace_remote.py).
 
 Disk admission and placement: the daemon's disk writes per disk hit (pages written
 to LMDB over pages served from disk), and an ablation simulated on the same blocks
@@ -47,6 +49,7 @@ from hicache.bench.device_host_sim import device_host_rows
 from hicache.bench.report import row
 from hicache.bench.signal_sim import signal_rows
 from hicache.bench.tiered_sim import ablation_rows
+from hicache.bench.trace_remote import remote_rows
 from hicache.bench.trace_files import open_trace
 from hicache.bench.workloads import generate
 from hicache.client.client import HiCacheClient
@@ -237,23 +240,10 @@ def run(args: Any) -> list[dict]:
         return [row("requests", len(trace), "count"), *srows]
     opt_hit, _ = optimum_hit_blocks(trace)
     page_bytes = args.page_bytes
-    with tempfile.TemporaryDirectory(prefix="hicache-trace-") as tmp:
-        daemon = None
-        sock = args.socket_path
-        if sock is None:
-            flags = ["--host-capacity", args.host_capacity]
-            flags += ["--disk-capacity", args.disk_capacity] if parse_size(args.disk_capacity) else ["--no-disk"]
-            # A logical index clock: the same trace evicts the same pages in every replay.
-            env = {"HICACHE_LOAD_POLICY": "wait_complete", "HICACHE_INDEX_CLOCK": "logical",
-                   "HICACHE_EVICTION_POLICY": args.eviction_policy, "HICACHE_DISK_ADMISSION": args.disk_admission,
-                   "HICACHE_DISK_PLACEMENT": args.disk_placement}
-            daemon = LocalDaemon(tmp, *flags, env=env).start()
-            sock = daemon.socket
-        try:
-            res = replay(sock, trace, args.device_pages, page_bytes)
-        finally:
-            if daemon is not None:
-                daemon.stop()
+    if args.socket_path is not None:
+        res = replay(args.socket_path, trace, args.device_pages, page_bytes)
+    else:
+        res = replay_fresh(args, trace)
     t = res["totals"]
     prompt = max(1, t["prompt"])
     hit = t["device"] + t["host"] + t["disk"]
@@ -273,9 +263,26 @@ def run(args: Any) -> list[dict]:
         row("requests skipped (longer than the device pool)", t["skipped"], "count"),
         row("replay time per request, p50", float(np.median(res["ttft"])) * 1e3 if len(res["ttft"]) else 0, "ms"),
         row("replay wall time", res["seconds"], "s"),
-        *srows,
     ]
-    return rows
+    if getattr(args, "remote", False):
+        rows += remote_rows(args, trace, replay_fresh)
+    return rows + srows
+
+
+def replay_fresh(args: Any, trace: list[dict], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """replay() against a daemon started for it (with `env` on top of the bench's own)."""
+    flags = ["--host-capacity", args.host_capacity]
+    flags += ["--disk-capacity", args.disk_capacity] if parse_size(args.disk_capacity) else ["--no-disk"]
+    # A logical index clock: the same trace evicts the same pages in every replay.
+    env = {"HICACHE_LOAD_POLICY": "wait_complete", "HICACHE_INDEX_CLOCK": "logical",
+           "HICACHE_EVICTION_POLICY": args.eviction_policy, "HICACHE_DISK_ADMISSION": args.disk_admission,
+           "HICACHE_DISK_PLACEMENT": args.disk_placement, **(env or {})}
+    with tempfile.TemporaryDirectory(prefix="hicache-trace-") as tmp:
+        daemon = LocalDaemon(tmp, *flags, env=env).start()
+        try:
+            return replay(daemon.socket, trace, args.device_pages, args.page_bytes)
+        finally:
+            daemon.stop()
 
 
 def hicache_vs_sims(t: dict, sims: dict[str, dict[str, SimResult]], infinite: float) -> list[dict]:

@@ -664,6 +664,8 @@ class HiCacheClient:
         """Keep the stored part of a prefix in `hint.tier` for `hint.ttl_s` seconds. Returns
         the daemon's answer (pages pinned, expiry), None when the daemon is away, refused
         (not stored, over the namespace's bound; logged) or with `wait=False`."""
+        if not hint.pins:
+            raise ValueError("a hint without ttl_s is a priority only: send it with prioritize() or retain()")
         if keys is None:
             keys = self.page_keys(tokens)
         if not keys:
@@ -676,6 +678,30 @@ class HiCacheClient:
             return self._call("pin", params, self.deadlines.update_s)
         except DaemonUnavailable:
             return None
+
+    def prioritize(self, hint: RetainHint, tokens: Any = None, *, keys: list[bytes] | None = None,
+                   wait: bool = True) -> dict | None:
+        """Order the eviction of the stored part of a prefix by `hint.priority` (0: back to
+        the policy's order) for the daemon's priority_ttl_s. Returns the daemon's answer
+        (pages, expiry), None when away, refused (logged) or with `wait=False`."""
+        if keys is None:
+            keys = self.page_keys(tokens)
+        if not keys:
+            return None
+        params = {"engine": self.engine_id, "keys": b"".join(keys), "priority": hint.priority}
+        if not wait:
+            self._post("prioritize", params)
+            return None
+        try:
+            return self._call("prioritize", params, self.deadlines.update_s)
+        except DaemonUnavailable:
+            return None
+
+    def retain(self, hint: RetainHint, tokens: Any = None, *, keys: list[bytes] | None = None,
+               wait: bool = True) -> dict | None:
+        """What `hint` asks: a pin (it has a ttl_s) or a priority only."""
+        call = self.pin if hint.pins else self.prioritize
+        return call(hint, tokens, keys=keys, wait=wait)
 
     def unpin(self, tokens: Any = None, *, keys: list[bytes] | None = None, tier: str | None = None) -> int:
         """Drop the pins of the prefix (in `tier`, or both); how many went (0 when away)."""

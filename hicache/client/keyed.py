@@ -126,8 +126,9 @@ class KeyedPagesClient:
 
     def pin(self, keys: list[bytes], hint: RetainHint) -> dict | None:
         """Keep the chain ending at keys[-1] (SGLang: the page names' keys, `named_page`) per
-        `hint`; None when the daemon is away or refused (logged)."""
-        return self._call("pin", {"keys": b"".join(keys), **hint.params()}, self.client.deadlines.update_s)
+        `hint` (a pin, or a priority only); None when the daemon is away or refused (logged)."""
+        method = "pin" if hint.pins else "prioritize"
+        return self._call(method, {"keys": b"".join(keys), **hint.params()}, self.client.deadlines.update_s)
 
     def mapped(self, host_pages: np.ndarray) -> bool:
         """Whether every slot lies in a slab mapped here (never touch one that does not)."""

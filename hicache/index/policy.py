@@ -14,6 +14,15 @@ the top and pushed back if its priority has grown. LRU and LFU satisfy it.
 Priorities are compared with `<`, also across indexes (namespaces sharing one
 budget), so those indexes should share one policy.
 
+Hint priorities come first. A heap orders candidates by the *eviction key*
+(hint priority, policy priority): an application's priority on a prefix
+(hicache/index/priorities.py, by page key in `hints`) sends lower-priority
+pages out first and leaves equals to the policy, as SGLang's priority eviction
+does. A hint priority that drops (expiry, a lower hint) breaks the only-grow
+contract, so its owner then calls `refresh()`, which re-keys the whole heap;
+it does as well when an index gets its first hint or loses its last: without
+any, entries hold the policy's priority alone, with no tuple per push.
+
 Policies (`make_policy(name)`, the daemon's `eviction_policy`):
 - `lru`: least recently used first; the reference every bench compares against.
 - `lfu`: fewest hits first.
@@ -44,6 +53,7 @@ import numpy as np
 from hicache.index.node import DISK_LANE, HOST_LANE, FreedCollector, Tier, TreeNode
 
 Priority: TypeAlias = float | tuple[int, float]
+EvictionKey: TypeAlias = tuple[int, Priority]  # (hint priority, the policy's); lowest leaves first
 
 
 class EvictionPolicy(ABC):
@@ -143,29 +153,47 @@ class CandidateHeaps:
     leaf per call.
     """
 
-    __slots__ = ("policy", "is_candidate", "heaps", "_seq")
+    __slots__ = ("policy", "is_candidate", "hints", "heaps", "_seq", "_keyed")
 
-    def __init__(self, policy: EvictionPolicy, is_candidate: Callable[[TreeNode, int], bool]) -> None:
+    def __init__(self, policy: EvictionPolicy, is_candidate: Callable[[TreeNode, int], bool],
+                 hints: dict[bytes, int] | None = None) -> None:
         self.policy = policy
         self.is_candidate = is_candidate
-        self.heaps: dict[int, list[tuple[Priority, int, TreeNode]]] = {}
+        # page key -> hint priority (a node's pages share theirs: hints cover whole nodes)
+        self.hints: dict[bytes, int] = {} if hints is None else hints
+        self.heaps: dict[int, list[tuple[EvictionKey | Priority, int, TreeNode]]] = {}
         self._seq = itertools.count()  # ties: first queued goes first; nodes are never compared
+        # Whether entries carry the full eviction key. Without any hint they hold the policy's
+        # priority alone (no tuple per push on the hot path); refresh() switches, re-keying all.
+        self._keyed = False
+
+    def key(self, node: TreeNode) -> EvictionKey | Priority:
+        """What the heap orders by: the eviction key, or the policy's priority alone while
+        the index has no hint (see `full_key`)."""
+        if self._keyed:
+            return (self.hints.get(node.keys[0], 0), self.policy.get_priority(node))
+        return self.policy.get_priority(node)
+
+    def full_key(self, key: EvictionKey | Priority) -> EvictionKey:
+        """A heap key as the eviction key: comparable across indexes whatever their mode."""
+        return key if self._keyed else (0, key)  # type: ignore[return-value]
 
     def push(self, node: TreeNode, lane: int, bound: int) -> None:
         heap = self.heaps.get(lane)
         if heap is None:
             heap = self.heaps[lane] = []
-        heappush(heap, (self.policy.get_priority(node), next(self._seq), node))
+        key = self.key(node) if self._keyed else self.policy.get_priority(node)
+        heappush(heap, (key, next(self._seq), node))
         node.queued.add(lane)
         if len(heap) > 2 * bound + 64:
             self._compact(lane)
 
-    def top(self, lane: int, pop: bool) -> tuple[Priority, TreeNode] | None:
+    def top(self, lane: int, pop: bool) -> tuple[EvictionKey | Priority, TreeNode] | None:
         """The lowest-priority candidate of the lane (taken out of the heap if `pop`)."""
         heap = self.heaps.get(lane)
         if not heap:
             return None
-        priority_of = self.policy.get_priority
+        priority_of = self.key if self._keyed else self.policy.get_priority
         while heap:
             prio, _, node = heap[0]
             if not self.is_candidate(node, lane):
@@ -186,11 +214,18 @@ class CandidateHeaps:
         """Forget a lane (its engine is gone); the caller clears `queued` on the nodes."""
         self.heaps.pop(lane, None)
 
-    def _compact(self, lane: int) -> None:
+    def refresh(self) -> None:
+        """Re-key every entry (a hint priority dropped, or the first one came or the last
+        went): O(entries), once per change batch."""
+        self._keyed = bool(self.hints)
+        for lane in self.heaps:
+            self._compact(lane, rekey=True)
+
+    def _compact(self, lane: int, rekey: bool = False) -> None:
         keep = []
         for entry in self.heaps[lane]:
             if self.is_candidate(entry[2], lane):
-                keep.append(entry)
+                keep.append((self.key(entry[2]), entry[1], entry[2]) if rekey else entry)
             else:
                 entry[2].queued.discard(lane)
         heapify(keep)
@@ -208,11 +243,11 @@ class ResidencyLedger:
 
     __slots__ = ("root", "resident", "protected", "candidates", "removed_states")
 
-    def __init__(self, root: TreeNode, policy: EvictionPolicy) -> None:
+    def __init__(self, root: TreeNode, policy: EvictionPolicy, hints: dict[bytes, int] | None = None) -> None:
         self.root = root
         self.resident: dict[int, int] = {HOST_LANE: 0, DISK_LANE: 0}
         self.protected: dict[int, int] = {HOST_LANE: 0, DISK_LANE: 0}
-        self.candidates = CandidateHeaps(policy, self.is_candidate)
+        self.candidates = CandidateHeaps(policy, self.is_candidate, hints)
         self.removed_states: list[object] = []  # checkpoints of removed nodes, for their owner to free
 
     def is_candidate(self, node: TreeNode, lane: int) -> bool:

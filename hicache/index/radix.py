@@ -67,7 +67,7 @@ from hicache.index.node import (
     IndexStateError, InsertResult, MatchResult, Tier, TreeNode, check_count, check_engine, check_keys,
     check_pages, check_tier, check_tokens, concat_pages, disk_runs, not_own,
 )
-from hicache.index.policy import EvictionPolicy, LruPolicy, Priority, ResidencyLedger
+from hicache.index.policy import EvictionKey, EvictionPolicy, LruPolicy, ResidencyLedger
 
 __all__ = [
     "DiskRecord", "Freed", "IndexInputError", "IndexStateError", "InsertResult", "MatchResult",
@@ -109,7 +109,10 @@ class RadixIndex:
         self.policy = policy if policy is not None else LruPolicy()
         self.clock = clock
         self.root = TreeNode(parent=None, children={}, keys=[], tokens=EMPTY_TOKENS)
-        self._ledger = ResidencyLedger(self.root, self.policy)
+        # Page key -> hint priority, kept by hicache/index/priorities.py: orders eviction
+        # before the policy does (policy.py). Call refresh_order() after lowering any.
+        self.hint_priority: dict[bytes, int] = {}
+        self._ledger = ResidencyLedger(self.root, self.policy, self.hint_priority)
         self._outbox: list[Freed] = []
         self.key_map: KeyMap | None = None  # keyed namespaces only (enable_key_map)
 
@@ -536,11 +539,17 @@ class RadixIndex:
             ledger.reap(node, acc)
         return self._drain(acc)
 
-    def peek_evictable(self, tier: Tier, engine: int | None = None) -> Priority | None:
-        """Priority of the next victim, or None: lets a caller pick the index to evict
-        from when namespaces share one budget."""
-        top = self._ledger.candidates.top(self._lane(tier, engine), pop=False)
-        return None if top is None else top[0]
+    def peek_evictable(self, tier: Tier, engine: int | None = None) -> EvictionKey | None:
+        """Eviction key of the next victim (hint priority, policy priority), or None: lets
+        a caller pick the index to evict from when namespaces share one budget."""
+        cands = self._ledger.candidates
+        top = cands.top(self._lane(tier, engine), pop=False)
+        return None if top is None else cands.full_key(top[0])
+
+    def refresh_order(self) -> None:
+        """Re-key the eviction heaps: a hint priority in `hint_priority` went down, or the
+        first one came, or the last one went."""
+        self._ledger.candidates.refresh()
 
     def select_victims(self, tier: Tier, num_pages: int, engine: int | None = None) -> list[TreeNode]:
         """The current candidates evict() would take first (>= num_pages pages, or all),

@@ -128,3 +128,29 @@ def test_trace_bench_signals_and_device_host_placement_rows(small_trace):
     assert rows["device-host @ 0.4 of unique: exclusive: hit rate"]["value"] == pytest.approx(lru)
     assert not any(n.startswith("signals @") for n in bench("--trace", str(small_trace), "--sim-only",
                                                               "--sim-fractions", "--ablation-fractions", "0.4"))
+
+
+def test_trace_bench_reports_remote_writes_per_remote_hit_with_and_without_admission(tmp_path):
+    """A generated chat trace through a 16-page host and a small Redis as the remote tier (no
+    disk), replayed per remote admission mode: the remote tier serves what the host lost, and
+    its writes per hit are reported against admit-all's in the same run."""
+    from hicache.bench.redis_procs import redis_server_binary
+
+    if redis_server_binary() is None:
+        import os
+
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail("bench trace --remote needs redis-server; CI must install it (scripts/setup.sh)")
+        pytest.skip("bench trace --remote needs redis-server")
+    rows = bench("--workload", "chat", "--limit", "120", "--device-pages", "32", "--host-capacity", "1MiB",
+                 "--disk-capacity", "0", "--remote", "--remote-capacity", "4MiB", "--sim-fractions",
+                 "--ablation-fractions")
+    for mode in ("all", "reuse"):
+        hits = rows[f"remote admission {mode}: remote hit pages"]["value"]
+        written = rows[f"remote admission {mode}: remote pages written"]["value"]
+        per_hit = rows[f"remote admission {mode}: remote pages written per remote hit"]
+        assert hits > 0 and written > 0 and per_hit["value"] == pytest.approx(written / hits)
+        assert per_hit["baseline_name"] == "all"
+        by_bytes = rows[f"remote admission {mode}: remote bytes written per remote hit"]["value"]
+        assert by_bytes > per_hit["value"] * 64 * 1024  # a record is its page and a header
+    assert rows["remote admission all: remote pages written per remote hit"]["ratio"] == 1

@@ -148,7 +148,7 @@ def test_eviction_order_is_lfu_with_lfu_policy():
     idx.match(k1)
     idx.match(k1)
     idx.match(k2)                        # 2 is more recent, 1 more frequent
-    assert idx.peek_evictable(HOST) == (1, n2.last_access)
+    assert idx.peek_evictable(HOST) == (0, (1, n2.last_access))
     assert freed_by_tier(idx.evict(HOST, 1)) == {(HOST, None): (k2, [2])}
 
 
@@ -365,11 +365,11 @@ def test_peek_and_select_victims_do_not_evict():
     k2, t2 = seq(2)
     n1 = idx.insert(k1, t1, host_pages=ids(1)).nodes[-1]
     n2 = idx.insert(k2, t2, host_pages=ids(2)).nodes[-1]
-    assert idx.peek_evictable(HOST) == n1.last_access
+    assert idx.peek_evictable(HOST) == (0, n1.last_access)
     assert idx.select_victims(HOST, 1) == [n1]
     assert idx.select_victims(HOST, 2) == [n1, n2]
     idx.match(k1)
-    assert idx.peek_evictable(HOST) == n2.last_access
+    assert idx.peek_evictable(HOST) == (0, n2.last_access)
     assert idx.num_pages(HOST) == 2
     check_invariants(idx)
 

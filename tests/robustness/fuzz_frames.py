@@ -44,7 +44,7 @@ METHODS = ("hello", "register", "unregister", "report", "match", "load", "load_d
            "put", "put_done",  # host puts (hicache/daemon/ingest/puts.py)
            "exists", "fetch", "store", "store_done",  # keyed pages (hicache/daemon/ingest/keyed.py)
            "quota_set", "quota_clear", "quota_list",  # tenant quotas (hicache/daemon/serve/quota_rpc.py)
-           "pin", "unpin",  # pinned prefixes (hicache/daemon/serve/pin_rpc.py)
+           "pin", "unpin", "prioritize",  # pinned and prioritized prefixes (hicache/daemon/serve/pin_rpc.py)
            "sync")  # the posted calls' barrier
 # Costly admin calls that wipe what the sequences build: drawn less often.
 RARE = {"flush": 0.15, "evict_tier": 0.3, "doctor": 0.3, "subscribe": 0.3, "unregister": 0.3, "remote_flush": 0.3, "settle": 0.3,
@@ -297,7 +297,7 @@ class FrameFuzzer:
                 if r.random() < 0.5:  # the page before the batch: stored, unknown, or malformed
                     p["parent"] = r.choice([keys[-1] if keys else r.randbytes(16), r.randbytes(16), r.randbytes(5)])
             return p
-        if method in ("pin", "unpin"):  # a prefix an engine stored (or not), by keys or tokens
+        if method in ("pin", "unpin", "prioritize"):  # a prefix an engine stored (or not), by keys or tokens
             ps = eng.layout.page_size if eng else 4
             toks = self._tokens(r.randrange(0, 12), ps, eng)
             p = {"engine": eid} if r.random() < 0.7 else {"namespace": r.choice(ctx.namespaces or ["fuzz-a"])[:8]}
@@ -311,6 +311,10 @@ class FrameFuzzer:
                 p["ttl_s"] = r.choice([0.01, 1, 60.0, 3600])
                 if r.random() < 0.5:
                     p["priority"] = r.randrange(-5, 6)
+            if method == "prioritize":
+                p["priority"] = r.randrange(-5, 6)
+                if r.random() < 0.5:
+                    p["ttl_s"] = r.choice([0.01, 1, 60.0, 3600])
             return p
         if method == "put":  # a chained prefix, as insert sends it, without device pages
             ps = eng.layout.page_size if eng else 4

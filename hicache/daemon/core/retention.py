@@ -1,4 +1,4 @@
-"""Retention: the daemon's pinned prefixes -- bounds, expiry, quotas, persistence.
+"""Retention: the daemon's pinned and prioritized prefixes -- bounds, expiry, quotas, persistence.
 
 The table of pins and what a pin does to the index are hicache/index/pins.py;
 this class ties it to the daemon: which namespace's index a pin locks, the
@@ -6,7 +6,10 @@ bound of pinned pages per namespace and tier (`pin_max_share` of the tier's
 capacity, in that namespace's pages), freeing what an unlock leaves in no tier
 (CacheService.reap), writing a disk pin's pages at once (the disk mover's
 `write_pinned`), the once-a-second sweep (expiry, quotas, the pins file) and
-the restore at startup.
+the restore at startup. Prefix priorities (hicache/index/priorities.py) are
+bounded here too (`priority_max_share` of the host tier, in the namespace's
+pages), expire in the same sweep, and live in memory only: a restart drops them
+(an application renews a priority with each request that carries it).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from hicache.daemon.core.service import CacheService
 from hicache.index.keys import KEY_BYTES
 from hicache.index.node import Tier, TreeNode
 from hicache.index.pins import PIN_TIERS, TIER_OF, PinError, PinTable, PrefixPin
+from hicache.index.priorities import PrefixPriority, PriorityTable
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +36,17 @@ SWEEP_S = 1.0  # expiry, quota checks and the pins file, this often
 class Retention:
     def __init__(self, service: CacheService, *, host_capacity: int, disk_capacity: int, max_share: float,
                  max_ttl_s: float, pin_file: PinFile | None = None,
-                 within_quota: Callable[[bytes, Tier], bool] | None = None) -> None:
+                 within_quota: Callable[[bytes, Tier], bool] | None = None,
+                 priority_max_share: float = 0.25, priority_ttl_s: float = 600.0) -> None:
         self.service = service
         self.capacity = {Tier.HOST: host_capacity, Tier.DISK: disk_capacity}
         self.max_share = max_share
         self.max_ttl_s = max_ttl_s
         self.file = pin_file
         self.table = PinTable(within_quota)
+        self.priorities = PriorityTable()
+        self.priority_max_share = priority_max_share
+        self.priority_ttl_s = priority_ttl_s
         self.write_pinned: Callable[[NamespaceState, TreeNode], None] | None = None  # the disk mover's
         self.restored = 0
         self.dropped_at_restore = 0
@@ -65,6 +73,21 @@ class Retention:
         self.service.reap(ns)
         return len(gone)
 
+    # ------------------------------------------------------------------ priorities
+
+    def max_priority_pages(self, ns: NamespaceState) -> int:
+        return int(self.capacity[Tier.HOST] * self.priority_max_share) // ns.namespace.layout.page_bytes
+
+    def prioritize(self, ns: NamespaceState, keys: list[bytes], priority: int,
+                   ttl_s: float | None) -> PrefixPriority | None:
+        """Order the eviction of the prefix's stored pages by `priority` for `ttl_s` (the
+        default priority_ttl_s when None); priority 0 removes it (None returned)."""
+        ttl = self.priority_ttl_s if ttl_s is None else ttl_s
+        if not 0 < ttl <= self.max_ttl_s:
+            raise PinError(f"ttl_s must be in (0, {self.max_ttl_s:g}] (pin_max_ttl_s)")
+        return self.priorities.set(ns.index, ns.salt, keys, priority, time.time() + ttl,
+                                   self.max_priority_pages(ns))
+
     # ------------------------------------------------------------------ the sweep
 
     def sweep_once(self, now: float | None = None) -> None:
@@ -73,7 +96,13 @@ class Retention:
             ns = svc.namespaces.get(salt)
             if ns is None or any(p.index is not None and p.index is not ns.index for p in self.table.of(salt)):
                 self.table.forget(salt)
-        touched = {p.salt for p in self.table.expire(time.time() if now is None else now)}
+        for salt in {e.salt for e in self.priorities.entries.values()}:
+            ns = svc.namespaces.get(salt)
+            if ns is None or any(e.index is not ns.index for e in self.priorities.of(salt)):
+                self.priorities.forget(salt)
+        now = time.time() if now is None else now
+        self.priorities.expire(now)
+        touched = {p.salt for p in self.table.expire(now)}
 
         def index_of(salt: bytes) -> Any:
             ns = svc.namespaces.get(salt)
@@ -127,8 +156,17 @@ class Retention:
     def stats(self) -> dict:
         return {**self.table.stats(), "restored": self.restored, "dropped_at_restore": self.dropped_at_restore}
 
+    def priority_stats(self) -> dict:
+        return self.priorities.stats()
+
     def listing(self, salt: bytes) -> list[dict]:
         """The namespace's pins, as `hicache ls` shows them."""
         return [{"key": p.keys[-1].hex(), "tier": TIER_OF[p.tier], "pages": len(p.pinned),
                  "expires_at": p.expires_at, "priority": p.priority, "active": p.active}
                 for p in sorted(self.table.of(salt), key=lambda p: p.expires_at)]
+
+    def priority_listing(self, salt: bytes) -> list[dict]:
+        """The namespace's prefix priorities, as `hicache ls` shows them."""
+        return [{"key": e.keys[-1].hex(), "pages": len(e.pages), "priority": e.priority,
+                 "expires_at": e.expires_at}
+                for e in sorted(self.priorities.of(salt), key=lambda e: (-e.priority, e.expires_at))]

@@ -196,7 +196,8 @@ class Daemon:
                                    disk_capacity=cfg.disk_capacity if self.disk is not None else 0,
                                    max_share=cfg.pin_max_share, max_ttl_s=cfg.pin_max_ttl_s,
                                    pin_file=PinFile(cfg.state_dir) if self.disk is not None else None,
-                                   within_quota=self._pins_within_quota)
+                                   within_quota=self._pins_within_quota,
+                                   priority_max_share=cfg.priority_max_share, priority_ttl_s=cfg.priority_ttl_s)
         if self.disk is not None:
             self.retention.write_pinned = self.disk.write_pinned
             self.retention.restore()
@@ -414,6 +415,7 @@ class Daemon:
                 "eviction_policy": svc.eviction_policy.name, "tiers": tiers, "engines": engines,
                 "namespaces": len(svc.namespaces), "pins": len(svc.pins), "pending_backups": len(svc.backups),
                 "pinned": self.retention.stats() if self.retention is not None else None,
+                "priorities": self.retention.priority_stats() if self.retention is not None else None,
                 "requests": {"matches": c.matches, "requested_pages": c.requested_pages,
                              "inserts": c.inserts, "inserted_pages": c.inserted_pages,
                              "loaded_pages": c.loaded_pages, "backups": c.backups_planned,

@@ -334,26 +334,31 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
         out = await tree_summary(spaces, depth)
         for ns, entry in zip(spaces, out["namespaces"]):
             entry["pins"] = daemon.retention.listing(ns.salt)
+            entry["priorities"] = daemon.retention.priority_listing(ns.salt)
         return out
 
     async def settle(conn: Connection, p: dict) -> Any:
         """Wait until every disk write and delete queued so far is committed and no write is
-        in flight (at most `timeout_s`): a replay calls it between requests so that what
-        reaches the disk, and the disk budget's totals, do not depend on the writer
-        thread's timing. {"settled": False} when the deadline passed first."""
+        in flight, nor a remote write (at most `timeout_s`): a replay calls it between
+        requests so that what reaches the disk and the remote store, and the disk budget's
+        totals, do not depend on the writer threads' timing. {"settled": False} when the
+        deadline passed first."""
         timeout = p.get("timeout_s", 10.0)
         if type(timeout) not in (int, float) or not 0 <= timeout <= MAX_SETTLE_S:
             raise RpcError(Code.BAD_PARAMS, f"timeout_s must be a number in [0, {MAX_SETTLE_S:g}]")
         deadline = time.monotonic() + timeout
-        disk = daemon.disk
-        if disk is None:
-            return {"settled": True}
-        if not await asyncio.to_thread(disk.tier.flush, timeout):  # deletes and touches too
-            return {"settled": False}
-        while disk.writes:
+        disk, remote = daemon.disk, daemon.remote
+        if disk is not None:
+            if not await asyncio.to_thread(disk.tier.flush, timeout):  # deletes and touches too
+                return {"settled": False}
+            while disk.writes:
+                if time.monotonic() >= deadline:
+                    return {"settled": False}
+                await asyncio.sleep(0.0005)  # commits arrive on this loop from the writer thread
+        while remote is not None and remote.queued_pages:  # records built or sent on the remote worker
             if time.monotonic() >= deadline:
                 return {"settled": False}
-            await asyncio.sleep(0.0005)  # commits arrive on this loop from the writer thread
+            await asyncio.sleep(0.0005)
         return {"settled": True}
 
     async def remote_flush(conn: Connection, p: dict) -> Any:

@@ -1,6 +1,6 @@
-"""The pin RPC methods: decode, call Retention (hicache/daemon/core/retention.py), encode.
+"""The pin and priority RPC methods: decode, call Retention (hicache/daemon/core/retention.py), encode.
 
-`pin` / `unpin` name a prefix by its page keys (`keys`, packed, root first;
+`pin` / `unpin` / `prioritize` name a prefix by its page keys (`keys`, packed, root first;
 SGLang's named pages by their keys, see hicache/client/keyed.py) or by its
 tokens (`tokens`, packed int32: the daemon hashes the full pages), and its
 namespace by an engine the connection registered (`engine`) or by `namespace`
@@ -95,6 +95,29 @@ def pin_handlers(daemon: DaemonContext, keys_of: Any) -> dict[str, Any]:
         return {"namespace": ns.salt.hex(), "tier": TIER_OF[tier], "pages": len(pinned.pinned),
                 "expires_at": pinned.expires_at, "key": pinned.keys[-1].hex()}
 
+    def prioritize(conn: Any, p: dict) -> Any:
+        ns = namespace_of(conn, p)
+        priority = p.get("priority")
+        if type(priority) is not int or not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+            raise RpcError(Code.BAD_PARAMS, f"priority must be an int in -{MAX_PRIORITY}..{MAX_PRIORITY}")
+        if p.get("tier") is not None:
+            raise RpcError(Code.BAD_PARAMS, "a priority holds in every tier the prefix is in: no 'tier'")
+        ttl = p.get("ttl_s")  # absent or nil: the daemon's priority_ttl_s
+        if ttl is not None and (type(ttl) not in (int, float) or not math.isfinite(ttl)):
+            raise RpcError(Code.BAD_PARAMS, "ttl_s must be a number of seconds")
+        keys = prefix_of(ns, p)
+        try:
+            entry = retention.prioritize(ns, keys, priority, None if ttl is None else float(ttl))
+        except PinNotStored as e:
+            raise RpcError(Code.NOT_FOUND, str(e)) from None
+        except PinError as e:
+            raise RpcError(Code.BAD_PARAMS, str(e)) from None
+        if entry is None:  # priority 0: back to the policy's order
+            return {"namespace": ns.salt.hex(), "pages": 0, "priority": 0, "expires_at": None,
+                    "key": keys[-1].hex()}
+        return {"namespace": ns.salt.hex(), "pages": len(entry.pages), "priority": entry.priority,
+                "expires_at": entry.expires_at, "key": entry.keys[-1].hex()}
+
     def unpin(conn: Any, p: dict) -> Any:
         ns = namespace_of(conn, p)
         tier = tier_of(p, None)
@@ -107,4 +130,4 @@ def pin_handlers(daemon: DaemonContext, keys_of: Any) -> dict[str, Any]:
             keys = prefix_of(ns, p)
         return {"removed": retention.unpin(ns, keys, tier)}
 
-    return {"pin": pin, "unpin": unpin}
+    return {"pin": pin, "unpin": unpin, "prioritize": prioritize}

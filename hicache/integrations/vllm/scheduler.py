@@ -64,7 +64,7 @@ class _Req:
     puts: dict[int, tuple[int, PutPlan]] = field(default_factory=dict)  # put id -> (rank, plan), not reported
     finished: bool = False  # vLLM finished it; kept while its saves run
     load_failed: bool = False  # an async load failed: vLLM recomputes it, we offer it nothing more
-    hint: RetainHint | None = None  # kv_transfer_params {"hicache": {...}}: pin the prompt once stored
+    hint: RetainHint | None = None  # kv_transfer_params {"hicache": {...}}: pin or prioritize the prompt once stored
 
 
 @dataclass(slots=True, eq=False)
@@ -143,8 +143,9 @@ class SchedulerSide:
         return st
 
     def _pin_prompt(self, st: _Req) -> None:
-        """The request finished and its saves are reported: pin its prompt's stored pages
-        as its hint asks. Posted after the puts' put_done, which the daemon handles first."""
+        """The request finished and its saves are reported: pin (or prioritize) its prompt's
+        stored pages as its hint asks. Posted after the puts' put_done, which the daemon
+        handles first."""
         if st.hint is None:
             return
         tokens = st.request.all_token_ids
@@ -153,7 +154,7 @@ class SchedulerSide:
         if n <= 0:
             return
         for r, c in self.clients.items():
-            c.pin(st.hint, keys=st.keys[r].upto(tokens, n), wait=False)
+            c.retain(st.hint, keys=st.keys[r].upto(tokens, n), wait=False)
 
     def _release(self, st: _Req) -> None:
         for r, m in st.matches.items():
