@@ -11,6 +11,10 @@ device residency when its connection drops, so the engine-side cache layer
 treats a new epoch, and a dropped connection, as "the daemon no longer tracks
 any of my device pages".
 Before anything is sent, the listener's uid is checked (hicache/client/peer.py).
+
+Here: the connection, the breaker and the engine cycle's lookups and stores. What
+the answers become is in hicache/client/replies.py; the reports of what the engine
+did with them in hicache/client/reports.py; retention hints in hicache/client/retention.py.
 """
 
 from __future__ import annotations
@@ -32,93 +36,19 @@ from hicache.state_layout import StateLayout
 from hicache.rpc.framing import bytes_to_ids, ids_to_bytes
 from hicache.client.connection import RpcConnection, _close_fd
 from hicache.client.deadlines import CallDeadlines
-from hicache.client.hints import RetainHint
 from hicache.client.peer import trusted_daemon_uids
 from hicache.client.prefill_rate import PrefillRate
 from hicache.client.reconnect import Reconnector
+from hicache.client.replies import (
+    EMPTY, BackupPlan, InsertReply, Match, PutPlan, StateBackupPlan, StateMatch,
+)
+from hicache.client.reports import ReportCalls
+from hicache.client.retention import RetentionCalls
 from hicache.tiers.arena import HostArena
 
 log = logging.getLogger(__name__)
 
 SLAB_SYNC_TRIES = 3  # map_slabs answers BUSY while replies (events) are unread; reading them clears it
-
-EMPTY = np.empty(0, dtype=np.int64)
-
-
-@dataclass(slots=True)
-class BackupPlan:
-    backup_id: int
-    host_pages: np.ndarray
-    device_pages: np.ndarray
-    epoch: int
-
-
-@dataclass(slots=True)
-class StateMatch:
-    """Hybrid models: what the request may restore. Lengths are in tokens."""
-
-    kv_len: int             # the KV match, before the daemon cut it at the checkpoint
-    length: int             # the usable prefix: the checkpoint's position (0: start from scratch)
-    host_slot: int | None   # the checkpoint's host state slot (byte offset = slot * checkpoint_bytes)
-    fork_at: int | None     # the request leaves the tree inside a node here: checkpoint it on the way
-
-    @classmethod
-    def parse(cls, d: dict) -> StateMatch:
-        return cls(int(d["kv_len"]), int(d["len"]), None if d["slot"] is None else int(d["slot"]),
-                   None if d["fork_at"] is None else int(d["fork_at"]))
-
-
-@dataclass(slots=True)
-class StateBackupPlan:
-    """Copy device state slot i into host state slot i, then report state_backup_done."""
-
-    backup_id: int
-    host_slots: list[int]
-    device_slots: list[int]
-    positions: list[int]
-    epoch: int
-
-
-@dataclass(slots=True)
-class Match:
-    """What the daemon holds for a prefix. Lengths are in pages."""
-
-    pin: int | None  # None: a miss answered locally (daemon away)
-    keys: list[bytes]
-    device_pages: np.ndarray  # this engine's pages that already hold the prefix
-    host_pages: np.ndarray  # host pages holding the next part
-    disk_len: int  # pages on disk not brought to host in time (per the daemon's load policy)
-    epoch: int
-    from_disk: int = 0  # of host_pages, how many the daemon just read from disk
-    state: StateMatch | None = None  # hybrid namespaces only
-
-    @property
-    def device_len(self) -> int:
-        return len(self.device_pages)
-
-    @property
-    def host_len(self) -> int:
-        return len(self.host_pages)
-
-
-@dataclass(slots=True)
-class PutPlan:
-    """Copy page `present + i` of the stored prefix into host slot `host_pages[i]`, then
-    report `put_done` (from any engine of the namespace). `put` None: nothing to copy."""
-
-    put: int | None
-    present: int  # leading pages the host tier already holds
-    host_pages: np.ndarray
-    slabs: int  # the namespace's slab version the host pages need mapped
-    epoch: int
-
-
-@dataclass(slots=True)
-class InsertReply:
-    present_pages: int
-    free_pages: np.ndarray  # duplicates: the engine frees these device pages now
-    backup: BackupPlan | None
-    state_backup: StateBackupPlan | None = None  # hybrid namespaces: checkpoints to copy to host
 
 
 @dataclass(slots=True)
@@ -138,7 +68,7 @@ class _Handshake:
         self.fds = []
 
 
-class HiCacheClient:
+class HiCacheClient(ReportCalls, RetentionCalls):
     """`deadlines` (default CallDeadlines()): seconds per call kind; `timeout_s` is a shorthand
     for the same deadline on every call. `backoff_s`: (first, longest) pause between background
     reconnect attempts. `daemon_uids`: uids (or user names) trusted to serve the socket besides
@@ -423,6 +353,18 @@ class HiCacheClient:
             return False
         return True
 
+    def _report(self, method: str, params: dict, *, wait: bool = True) -> dict | None:
+        """A call whose answer the engine may skip (the reports of hicache/client/reports.py,
+        the hints of hicache/client/retention.py), within `update_s`. The daemon's answer, None
+        when it is away or refused (see `_call`); `wait=False` posts it (see `_post`): {} when
+        sent, None when not."""
+        if not wait:
+            return {} if self._post(method, params) else None
+        try:
+            return self._call(method, params, self.deadlines.update_s)
+        except DaemonUnavailable:
+            return None
+
     def wait_posted(self) -> None:
         """Wait until the daemon has handled every call sent without waiting (`_post`)."""
         if self.conn is None:
@@ -442,16 +384,6 @@ class HiCacheClient:
         if self.arena is not None:
             self.arena.close()
             self.arena = None
-
-    def note_prefill(self, tokens: int, seconds: float) -> None:
-        """The engine computed `tokens` prompt tokens in `seconds` of model time; the daemon
-        hears the rate when it moved (a posted `report`: no round trip). Ignored with a
-        configured rate."""
-        self.prefill_rate.add(tokens, seconds)
-        rate = self.prefill_rate.to_report()
-        if rate is not None and self.connected:
-            self._post("report", {"engine": self.engine_id, "prefill_tokens_per_s": rate})
-            self.prefill_rate.sent(rate)
 
     # -- keys ------------------------------------------------------------------
     def page_keys(self, tokens: Any) -> list[bytes]:
@@ -493,38 +425,6 @@ class HiCacheClient:
         if "state" in ld:
             match.state = StateMatch.parse(ld["state"])
         return match
-
-    def load_done(self, match: Match, device_pages: np.ndarray, *, wait: bool = True) -> np.ndarray | None:
-        """Report the host part copied into `device_pages`. Returns pages to free, or
-        None when the daemon no longer tracks this match (the caller keeps the pages private).
-
-        `wait=False` sends it without waiting (see `_post`) and returns no pages: pages the
-        engine turns out to hold twice (another request of it loaded the same part meanwhile)
-        are handed back by its next `evict` instead. The pin keeps its host pages locked until
-        the daemon handles the report, which comes before any later call of this connection."""
-        if match.pin is None or match.epoch != self.epoch:
-            return None
-        params = {"pin": match.pin, "device_pages": ids_to_bytes(device_pages)}
-        if not wait:
-            params["reclaim"] = True
-            return EMPTY if self._post("load_done", params) else None
-        try:
-            r = self._call("load_done", params, self.deadlines.update_s)
-        except DaemonUnavailable:
-            return None
-        return bytes_to_ids(r["free_pages"])
-
-    def release(self, match: Match, *, wait: bool = True) -> None:
-        """Unpin `match`. `wait=False` sends it without waiting for the answer (see `_post`)."""
-        if match.pin is None or match.epoch != self.epoch:
-            return
-        if not wait:
-            self._post("release", {"pin": match.pin})
-            return
-        try:
-            self._call("release", {"pin": match.pin}, self.deadlines.update_s)
-        except DaemonUnavailable:
-            pass
 
     def insert(self, tokens: Any, device_pages: np.ndarray, *, keys: list[bytes] | None = None,
                pin: Match | None = None, states: dict[int, int] | None = None) -> InsertReply | None:
@@ -600,54 +500,10 @@ class HiCacheClient:
         return PutPlan(None if put is None else int(put), int(r["present"]), bytes_to_ids(r["host_pages"]),
                        int(r["slabs"]), self.epoch)
 
-    def put_done(self, plan: PutPlan, ok: bool = True, *, wait: bool = True) -> int | None:
-        """The copies of `plan` are in place (or failed: `ok` False). Returns the pages the
-        host tier gained, None when the daemon is not reachable (the put then expires) or
-        with `wait=False`, which sends it without waiting for the answer (see `_post`)."""
-        if plan.put is None or plan.epoch != self.epoch:
-            return None
-        params = {"engine": self.engine_id, "put": plan.put, "ok": ok}
-        if not wait:
-            self._post("put_done", params)
-            return None
-        try:
-            r = self._call("put_done", params, self.deadlines.update_s)
-        except DaemonUnavailable:
-            return None
-        return int(r["added"])
-
-    def state_backup_done(self, plan: StateBackupPlan, ok: bool = True) -> int | None:
-        """The checkpoints of `plan` are copied into their host slots (or failed: `ok`
-        False). Returns how many the daemon stored, None when it is not reachable."""
-        if plan.epoch != self.epoch:
-            return None
-        try:
-            r = self._call("state_backup_done", {"backup": plan.backup_id, "ok": ok}, self.deadlines.update_s)
-        except DaemonUnavailable:
-            return None
-        return int(r["stored"])
-
     def _plan(self, b: dict | None) -> BackupPlan | None:
         if b is None:
             return None
         return BackupPlan(int(b["id"]), bytes_to_ids(b["host_pages"]), bytes_to_ids(b["device_pages"]), self.epoch)
-
-    def backup_done(self, plan: BackupPlan, ok: bool = True, *, wait: bool = True) -> np.ndarray | None:
-        """The copies of `plan` are in place (or failed). Returns device pages the engine may
-        free now (a write-back eviction's), None when the daemon is not reachable.
-        `wait=False` (for insert's plans, which free nothing) sends it without waiting (see
-        `_post`) and returns no pages; the daemon keeps the host pages reserved until it
-        handles it, before any later call of this connection."""
-        if plan.epoch != self.epoch:
-            return None
-        params = {"backup": plan.backup_id, "ok": ok}
-        if not wait:
-            return EMPTY if self._post("backup_done", params) else None
-        try:
-            r = self._call("backup_done", params, self.deadlines.update_s)
-        except DaemonUnavailable:
-            return None
-        return bytes_to_ids(r["free_pages"])
 
     def evict(self, num_pages: int) -> tuple[np.ndarray, BackupPlan | None]:
         """Ask for about num_pages of this engine's cached device pages back."""
@@ -657,63 +513,6 @@ class HiCacheClient:
         except DaemonUnavailable:
             return EMPTY, None
         return bytes_to_ids(r["free_pages"]), self._plan(r["backup"])
-
-    # -- retention hints (hicache/client/hints.py) -------------------------------------
-    def pin(self, hint: RetainHint, tokens: Any = None, *, keys: list[bytes] | None = None,
-            wait: bool = True) -> dict | None:
-        """Keep the stored part of a prefix in `hint.tier` for `hint.ttl_s` seconds. Returns
-        the daemon's answer (pages pinned, expiry), None when the daemon is away, refused
-        (not stored, over the namespace's bound; logged) or with `wait=False`."""
-        if not hint.pins:
-            raise ValueError("a hint without ttl_s is a priority only: send it with prioritize() or retain()")
-        if keys is None:
-            keys = self.page_keys(tokens)
-        if not keys:
-            return None
-        params = {"engine": self.engine_id, "keys": b"".join(keys), **hint.params()}
-        if not wait:
-            self._post("pin", params)
-            return None
-        try:
-            return self._call("pin", params, self.deadlines.update_s)
-        except DaemonUnavailable:
-            return None
-
-    def prioritize(self, hint: RetainHint, tokens: Any = None, *, keys: list[bytes] | None = None,
-                   wait: bool = True) -> dict | None:
-        """Order the eviction of the stored part of a prefix by `hint.priority` (0: back to
-        the policy's order) for the daemon's priority_ttl_s. Returns the daemon's answer
-        (pages, expiry), None when away, refused (logged) or with `wait=False`."""
-        if keys is None:
-            keys = self.page_keys(tokens)
-        if not keys:
-            return None
-        params = {"engine": self.engine_id, "keys": b"".join(keys), "priority": hint.priority}
-        if not wait:
-            self._post("prioritize", params)
-            return None
-        try:
-            return self._call("prioritize", params, self.deadlines.update_s)
-        except DaemonUnavailable:
-            return None
-
-    def retain(self, hint: RetainHint, tokens: Any = None, *, keys: list[bytes] | None = None,
-               wait: bool = True) -> dict | None:
-        """What `hint` asks: a pin (it has a ttl_s) or a priority only."""
-        call = self.pin if hint.pins else self.prioritize
-        return call(hint, tokens, keys=keys, wait=wait)
-
-    def unpin(self, tokens: Any = None, *, keys: list[bytes] | None = None, tier: str | None = None) -> int:
-        """Drop the pins of the prefix (in `tier`, or both); how many went (0 when away)."""
-        if keys is None:
-            keys = self.page_keys(tokens)
-        params: dict[str, Any] = {"engine": self.engine_id, "keys": b"".join(keys)}
-        if tier is not None:
-            params["tier"] = tier
-        try:
-            return int(self._call("unpin", params, self.deadlines.update_s)["removed"]) if keys else 0
-        except DaemonUnavailable:
-            return 0
 
     def stats(self) -> dict:
         """The daemon's stats (connecting now if needed); DaemonUnavailable when it is away."""
