@@ -1,7 +1,8 @@
 """hicache.index: what the daemon knows of the pages of each namespace.
 
 keys.py (chained page keys, namespaces), node.py (TreeNode, results, input checks),
-radix.py (RadixIndex: the tree, match, insert, residency, locks), eviction.py (its
-eviction calls), policy.py (eviction order, candidate heaps, residency ledger),
-key_map.py (keyed chains), pins.py and priorities.py (retention hints), admission.py
-(disk admission), checkpoints.py (hybrid models' state checkpoints)."""
+radix.py (RadixIndex: the tree, match, insert, residency, locks), tree_walk.py (the
+tree's shape: key search, split, paths), eviction.py (RadixIndex's eviction calls),
+policy.py (eviction order, candidate heaps, residency ledger), key_map.py (keyed
+chains), pins.py and priorities.py (retention hints), admission.py (disk admission),
+checkpoints.py (hybrid models' state checkpoints)."""

@@ -45,7 +45,8 @@ from dataclasses import dataclass
 
 from hicache.index.keys import KEY_BYTES
 from hicache.index.node import IndexInputError, IndexStateError, Tier, TreeNode, check_engine, check_keys
-from hicache.index.radix import RadixIndex, _common_pages  # same package: the match walk's key search
+from hicache.index.radix import RadixIndex
+from hicache.index.tree_walk import common_pages  # the match walk's key search
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ class CheckpointIndex:
                 seg = 2
             else:
                 break
-            j = _common_pages(child.keys, keys, i)
+            j = common_pages(child.keys, keys, i)
             i += j
             if j < len(child.keys):
                 fork = i * ps

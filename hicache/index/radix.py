@@ -69,6 +69,9 @@ from hicache.index.node import (
     check_pages, check_tier, check_tokens, concat_pages, disk_runs, not_own,
 )
 from hicache.index.policy import EvictionPolicy, LruPolicy, ResidencyLedger
+from hicache.index.tree_walk import (
+    check_live, common_pages, path_to_root, preorder, split_node, suffix_chain,
+)
 
 __all__ = [
     "DiskRecord", "Freed", "IndexInputError", "IndexStateError", "InsertResult", "MatchResult",
@@ -78,22 +81,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _NO_LANE = -3  # match without an engine: no device segment
-
-
-def _common_pages(node_keys: list[bytes], keys: list[bytes], start: int) -> int:
-    """How many leading pages of `node_keys` equal `keys[start:]`, given that the
-    first does. Chained keys make equality monotone: binary search."""
-    m = min(len(node_keys), len(keys) - start)
-    if node_keys[m - 1] == keys[start + m - 1]:
-        return m
-    lo, hi = 1, m - 1
-    while lo < hi:
-        mid = (lo + hi + 1) >> 1
-        if node_keys[mid - 1] == keys[start + mid - 1]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 class RadixIndex(EvictionOps):
@@ -147,7 +134,7 @@ class RadixIndex(EvictionOps):
             if m <= n - i and ck[m - 1] == keys[i + m - 1]:
                 j = m
             else:
-                j = _common_pages(ck, keys, i)
+                j = common_pages(ck, keys, i)
                 if j < m:
                     child = self._split(child, j)
             child.last_access = now
@@ -211,7 +198,7 @@ class RadixIndex(EvictionOps):
             child = node.children.get(keys[i])
             if child is None:
                 break
-            j = _common_pages(child.keys, keys, i)
+            j = common_pages(child.keys, keys, i)
             if j < len(child.keys):
                 child = self._split(child, j)
             if touch:
@@ -270,7 +257,7 @@ class RadixIndex(EvictionOps):
             child = node.children.get(keys[i])
             if child is None or not held(child):
                 break
-            j = _common_pages(child.keys, keys, i)
+            j = common_pages(child.keys, keys, i)
             if j < len(child.keys):
                 return self._split(child, j), i + j
             node, i = child, i + j
@@ -319,9 +306,9 @@ class RadixIndex(EvictionOps):
         `parent` (a chain root whose parent page arrived later). False, changing
         nothing, when it does not fit: `parent` lies below `node`, or already has a
         child starting with `node`'s first key."""
-        self._live(node)
+        check_live(node)
         if parent is not self.root:
-            self._live(parent)
+            check_live(parent)
         if node.parent is not self.root or any(node.lock_ref) or node.keys[0] in parent.children:
             return False
         x = parent
@@ -348,7 +335,7 @@ class RadixIndex(EvictionOps):
             child = node.children.get(keys[i])
             if child is None:
                 return None
-            j = _common_pages(child.keys, keys, i)
+            j = common_pages(child.keys, keys, i)
             if i + j < n and j < len(child.keys):
                 return None  # diverges inside the node
             if j < len(child.keys):
@@ -365,25 +352,7 @@ class RadixIndex(EvictionOps):
 
     def _split(self, node: TreeNode, j: int) -> TreeNode:
         """Split `node` after its first j pages; return the new upper node."""
-        ps = self.page_size
-        keys = node.keys
-        upper = TreeNode(
-            parent=node.parent, children={keys[j]: node}, keys=keys[:j], tokens=node.tokens[:j * ps],
-            device={e: a[:j] for e, a in node.device.items()},
-            host=None if node.host is None else node.host[:j], on_disk=node.on_disk,
-            lock_ref=node.lock_ref.copy(), last_access=node.last_access, hit_count=node.hit_count,
-            device_locks=node.device_locks.copy(), child_lanes=dict.fromkeys(node.lanes(), 1))
-        # Same residency as the lower half: the parent's child_lanes and the page counts
-        # are unchanged, and the upper half is no candidate while the lower one is below it.
-        node.parent.children[keys[0]] = upper
-        node.parent = upper
-        node.keys = keys[j:]
-        node.tokens = node.tokens[j * ps:]
-        if node.device:
-            node.device = {e: a[j:] for e, a in node.device.items()}
-        if node.host is not None:
-            node.host = node.host[j:]
-        return upper
+        return split_node(node, j, self.page_size)
 
     # ------------------------------------------------------------------ residency
 
@@ -403,7 +372,7 @@ class RadixIndex(EvictionOps):
         or not. Unmarking a node locked in DISK raises IndexStateError."""
         if type(flag) is not bool:
             raise IndexInputError("flag must be a bool")
-        self._live(node)
+        check_live(node)
         count = node.n_pages if num_pages is None else check_count(num_pages)
         chain = self._suffix_chain(node, count)
         if not flag:
@@ -476,18 +445,7 @@ class RadixIndex(EvictionOps):
         return concat_pages(dups)
 
     def _suffix_chain(self, node: TreeNode, num_pages: int) -> list[TreeNode]:
-        """Nodes from `node` upwards covering its path's last num_pages pages (the top
-        one may stick out above them). Raises before any change if the path is shorter."""
-        chain: list[TreeNode] = []
-        need = num_pages
-        for x in self._path(node):
-            if need <= 0:
-                break
-            chain.append(x)
-            need -= len(x.keys)
-        if need > 0:
-            raise IndexInputError(f"{num_pages} pages exceed the path ending at {node!r}")
-        return chain
+        return suffix_chain(self._path(node), num_pages, node)
 
     def _split_chain_top(self, chain: list[TreeNode], num_pages: int) -> None:
         excess = sum(len(x.keys) for x in chain) - num_pages
@@ -567,13 +525,7 @@ class RadixIndex(EvictionOps):
         return self.num_pages(tier, engine) - self.protected_pages(tier, engine)
 
     def _preorder(self) -> list[TreeNode]:
-        out: list[TreeNode] = []
-        stack = list(self.root.children.values())
-        while stack:
-            x = stack.pop()
-            out.append(x)
-            stack.extend(x.children.values())
-        return out
+        return preorder(self.root)
 
     # ------------------------------------------------------------------ checks
 
@@ -593,20 +545,6 @@ class RadixIndex(EvictionOps):
             return [check_engine(engine)]
         return [HOST_LANE if t is Tier.HOST else DISK_LANE]
 
-    def _live(self, node: object) -> None:
-        if not isinstance(node, TreeNode) or node.is_root:
-            raise IndexInputError("expected a non-root TreeNode")
-        if node.removed:
-            raise IndexStateError(f"{node!r} was removed from the index")
-
     def _path(self, node: object) -> list[TreeNode]:
         """`node` and its ancestors, root excluded; checks the node is live and ours."""
-        self._live(node)
-        path = []
-        x = node
-        while x.parent is not None:
-            path.append(x)
-            x = x.parent
-        if x is not self.root:
-            raise IndexStateError(f"{node!r} belongs to another index")
-        return path
+        return path_to_root(node, self.root)

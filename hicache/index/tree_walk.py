@@ -1,0 +1,94 @@
+"""The tree-shape steps RadixIndex (hicache/index/radix.py) and its neighbours walk with:
+the key search inside a node, a node's split, the path to the root, a preorder and
+the chain of nodes ending a path. They change no residency and no counts: a split
+keeps both halves' residency and locks, so the ledger (policy.py) has nothing to do."""
+
+from __future__ import annotations
+
+from hicache.index.node import IndexInputError, IndexStateError, TreeNode
+
+
+def common_pages(node_keys: list[bytes], keys: list[bytes], start: int) -> int:
+    """How many leading pages of `node_keys` equal `keys[start:]`, given that the
+    first does. Chained keys make equality monotone: binary search."""
+    m = min(len(node_keys), len(keys) - start)
+    if node_keys[m - 1] == keys[start + m - 1]:
+        return m
+    lo, hi = 1, m - 1
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        if node_keys[mid - 1] == keys[start + mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def split_node(node: TreeNode, j: int, page_size: int) -> TreeNode:
+    """Split `node` after its first j pages; return the new upper node."""
+    ps = page_size
+    keys = node.keys
+    upper = TreeNode(
+        parent=node.parent, children={keys[j]: node}, keys=keys[:j], tokens=node.tokens[:j * ps],
+        device={e: a[:j] for e, a in node.device.items()},
+        host=None if node.host is None else node.host[:j], on_disk=node.on_disk,
+        lock_ref=node.lock_ref.copy(), last_access=node.last_access, hit_count=node.hit_count,
+        device_locks=node.device_locks.copy(), child_lanes=dict.fromkeys(node.lanes(), 1))
+    # Same residency as the lower half: the parent's child_lanes and the page counts
+    # are unchanged, and the upper half is no candidate while the lower one is below it.
+    node.parent.children[keys[0]] = upper
+    node.parent = upper
+    node.keys = keys[j:]
+    node.tokens = node.tokens[j * ps:]
+    if node.device:
+        node.device = {e: a[j:] for e, a in node.device.items()}
+    if node.host is not None:
+        node.host = node.host[j:]
+    return upper
+
+
+def check_live(node: object) -> None:
+    if not isinstance(node, TreeNode) or node.is_root:
+        raise IndexInputError("expected a non-root TreeNode")
+    if node.removed:
+        raise IndexStateError(f"{node!r} was removed from the index")
+
+
+def path_to_root(node: object, root: TreeNode) -> list[TreeNode]:
+    """`node` and its ancestors, root excluded; checks the node is live and under `root`."""
+    check_live(node)
+    path = []
+    x = node
+    while x.parent is not None:
+        path.append(x)
+        x = x.parent
+    if x is not root:
+        raise IndexStateError(f"{node!r} belongs to another index")
+    return path
+
+
+def preorder(root: TreeNode) -> list[TreeNode]:
+    """Every node below `root`, parents before children."""
+    out: list[TreeNode] = []
+    stack = list(root.children.values())
+    while stack:
+        x = stack.pop()
+        out.append(x)
+        stack.extend(x.children.values())
+    return out
+
+
+def suffix_chain(path: list[TreeNode], num_pages: int, node: TreeNode) -> list[TreeNode]:
+    """Nodes from `node` upwards (`path`: its path_to_root) covering its path's last
+    num_pages pages (the top one may stick out above them). Raises before any change
+    if the path is shorter."""
+    chain: list[TreeNode] = []
+    need = num_pages
+    for x in path:
+        if need <= 0:
+            break
+        chain.append(x)
+        need -= len(x.keys)
+    if need > 0:
+        raise IndexInputError(f"{num_pages} pages exceed the path ending at {node!r}")
+    return chain
