@@ -272,6 +272,16 @@ class HiCacheClient(ReportCalls, RetentionCalls):
             self._reconnector = Reconnector(self._handshake, self.backoff_s)
             self._reconnector.start()
 
+    def _require_connection(self) -> None:
+        """DaemonUnavailable unless connected. Every cycle call carries ids (engine, pin,
+        backup) of the epoch it was built in; a connection adopted here would get them from
+        a daemon that never issued them. So this call is a miss, and the new connection
+        serves the next one."""
+        if not self.connected:
+            if not self._adopt_ready():
+                self._open("not connected")
+            raise DaemonUnavailable("daemon unavailable" if not self.connected else "daemon reconnected")
+
     def _call(self, method: str, params: dict, timeout_s: float, *, map_slabs: bool = True) -> Any:
         """One RPC within `timeout_s`; raises DaemonUnavailable when the daemon is away, hung
         or refused the call. Slabs the reply says we lack are mapped first, unless not
@@ -280,13 +290,7 @@ class HiCacheClient(ReportCalls, RetentionCalls):
         A refusal (ClientError) on the engine cycle means a bug on one side; the engine
         must keep serving, so it is logged and treated like an absent daemon: a miss,
         a skipped store."""
-        if not self.connected:
-            # Every cycle call carries ids (engine, pin, backup) of the epoch it was built
-            # in; a connection adopted here would get them from a daemon that never issued
-            # them. So this call is a miss, and the new connection serves the next one.
-            if not self._adopt_ready():
-                self._open("not connected")
-            raise DaemonUnavailable("daemon unavailable" if not self.connected else "daemon reconnected")
+        self._require_connection()
         assert self.conn is not None
         self.round_trips += 1
         self.calls[method] += 1
@@ -308,10 +312,7 @@ class HiCacheClient(ReportCalls, RetentionCalls):
         one deadline for all. The breaker as for `_call`: DaemonUnavailable when the daemon
         is away, hung or the batch broke (no answer is kept then: the dropped connection
         took what they reserved). A refused call is logged and its place holds None."""
-        if not self.connected:
-            if not self._adopt_ready():
-                self._open("not connected")
-            raise DaemonUnavailable("daemon unavailable" if not self.connected else "daemon reconnected")
+        self._require_connection()
         assert self.conn is not None
         self.round_trips += 1
         self.calls[method] += len(params)
