@@ -22,6 +22,7 @@ import logging
 import math
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -192,8 +193,24 @@ def _metrics(m: Measured, bytes_per_token: int, poisson: bool) -> dict[str, tupl
     return out
 
 
-def rows(measured: dict[str, Measured], bytes_per_token: int, poisson: bool) -> list[dict]:
-    """One row per metric and configuration: the ratio to vLLM alone, and in the note to each peer."""
+def memcpy_gbps(nbytes: int = 64 << 20, repeats: int = 7) -> float:
+    """A memcpy-class copy on this machine: one thread, both buffers already faulted in,
+    the median of `repeats` copies of `nbytes` (the bar the connector's copies are held to)."""
+    import numpy as np
+
+    src, dst = np.ones(nbytes, dtype=np.uint8), np.zeros(nbytes, dtype=np.uint8)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t)
+    return nbytes / sorted(times)[len(times) // 2] / 1e9
+
+
+def rows(measured: dict[str, Measured], bytes_per_token: int, poisson: bool,
+         memcpy: float | None = None) -> list[dict]:
+    """One row per metric and configuration: the ratio to vLLM alone, and in the note to each
+    peer; with `memcpy` (GB/s), each configuration's save and load rates against it."""
     metrics = {n: _metrics(m, bytes_per_token, poisson) for n, m in measured.items()}
     out = []
     for metric, (_, unit) in metrics[BASE].items():
@@ -216,12 +233,19 @@ def rows(measured: dict[str, Measured], bytes_per_token: int, poisson: bool) -> 
         if m.step_s and cold_ttft:  # no request's TTFT grows by more than the turn's step time
             out.append(row(f"connector time in steps / cold TTFT of vLLM alone [{name}]", m.step_s[0] * 1e3 / cold_ttft,
                            "ratio", note="bounds what the connector's calls add to a turn-1 request"))
+    if memcpy:
+        out.append(row("memcpy GB/s (one thread, pre-faulted, 64 MiB)", memcpy, "GB/s"))
+        for name, ms in metrics.items():
+            for kind in ("save", "load"):
+                value = ms[f"{kind} GB/s"][0]
+                if value is not None:
+                    out.append(row(f"{kind} GB/s vs memcpy [{name}]", value, "GB/s", memcpy, "memcpy"))
     return out
 
 
 def run(args: argparse.Namespace) -> list[dict]:
     measured = measure(args)
-    return rows(measured, kv_bytes_per_token(args), args.arrivals == "poisson")
+    return rows(measured, kv_bytes_per_token(args), args.arrivals == "poisson", memcpy_gbps())
 
 
 def _compare(text: str) -> list[str]:

@@ -149,8 +149,13 @@ def test_rows_of_a_peer_without_step_times_say_not_exposed():
 
     measured = {"none": run("none", 0.5, None), "hicache": run("hicache", 0.5, [0.01, 0.02]),
                 "lmcache": run("lmcache", 0.5, None)}
-    table = {r["name"]: r for r in rows(measured, 16384, poisson=False)}
+    measured["hicache"].transfers.update(saved_tokens=1000, save_s=0.004, loaded_tokens=500, load_s=0.001)
+    table = {r["name"]: r for r in rows(measured, 16384, poisson=False, memcpy=8.192)}
     assert table["connector time in steps, cold (turn 1) [hicache]"]["value"] == pytest.approx(10.0)
+    # the copies against a memcpy of the same machine: 16384 bytes per token
+    assert table["save GB/s vs memcpy [hicache]"]["ratio"] == pytest.approx(1000 * 16384 / 0.004 / 1e9 / 8.192)
+    assert table["load GB/s vs memcpy [hicache]"]["ratio"] == pytest.approx(1.0)
+    assert "save GB/s vs memcpy [lmcache]" not in table  # it said nothing of what it moved
     assert table["connector time in steps, warm (turns 2+) [hicache]"]["value"] == pytest.approx(20.0)
     assert math.isnan(table["connector time in steps, cold (turn 1) [lmcache]"]["value"])
     assert table["connector time in steps / cold TTFT of vLLM alone [hicache]"]["value"] == pytest.approx(0.02)
