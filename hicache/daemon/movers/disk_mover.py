@@ -518,7 +518,10 @@ class DiskMover:
                 "prefetched_pages": self.prefetched_pages,
                 "prefetch_misses": self.prefetch_misses, "corrupt_pages": st["corrupt_pages"],
                 "bytes_written": st["bytes_written"], "bytes_read": st["bytes_read"],
-                "evicted_pages": st["evicted_pages"], "last_write_time": st["last_write_time"],
+                # the index's disk evictions (budget, quotas, evict_tier); the writer counts only
+                # those its own evict hook chose, and the daemon sets none
+                "evicted_pages": self.service.counters.evicted_pages["disk"] + st["evicted_pages"],
+                "last_write_time": st["last_write_time"],
                 "durability": st["durability"], "rejected_budget": st["rejected_budget"],
                 "rejected_orphan": st["rejected_orphan"], **self.rebuilt,
                 "quarantined": int(q is not None), "quarantine_path": q.path if q else None,
