@@ -93,9 +93,12 @@ def test_a_slab_is_compacted_out_of_the_oldest_namespace_without_losing_a_page()
     kept = sum(len(k) for k in t.seqs["a"][1::2])
     assert t.svc.counters.slabs_reclaimed == 0
     reassigned = t.svc.host.slabs_reassigned  # b got a's spare slab while filling
+    a_class = t.recs["a"].ns.page_class
+    a_spare = a_class.spare_pages
     got = t.insert("b", 300, 8)  # no free slab: a has the oldest pages, and room to pack them
     assert got is not None and len(got) == 8
     assert t.svc.counters.slabs_reclaimed == 1
+    assert a_class.spare_pages == a_spare  # moving a's pages is no store of a's: no new spare target
     assert t.svc.host.owner_of.count(a_salt) == 1 and t.svc.host.owner_of.count(t.recs["b"].ns.salt) == 3
     assert sum(t.check_bytes("a", k) for k in t.seqs["a"][1::2]) == kept  # every page moved, bytes intact
     assert t.svc.host.slabs_reassigned == reassigned + 1

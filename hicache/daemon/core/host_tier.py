@@ -75,8 +75,9 @@ class PageClass:
     def slab_of(self, ids: np.ndarray) -> np.ndarray:
         return (np.asarray(ids, dtype=np.int64) * self.page_bytes) // self.tier.slab_bytes
 
-    def alloc(self, n: int) -> np.ndarray | None:
-        """n page ids, or None (nothing taken) when the arena cannot hold them now."""
+    def alloc(self, n: int, *, spare: bool = True) -> np.ndarray | None:
+        """n page ids, or None (nothing taken) when the arena cannot hold them now. Not
+        `spare`: an internal move (slab reclaim), which is no store and sets no spare target."""
         if n == 0:
             return np.empty(0, dtype=np.int64)
         have = self.available()
@@ -97,7 +98,8 @@ class PageClass:
             if not need:
                 break
         self.used_pages += n
-        self._keep_spare(n, have - n)
+        if spare:
+            self._keep_spare(n, have - n)
         return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
     def _add_slab(self, slab: int) -> int:

@@ -75,7 +75,7 @@ def _move_out(ns: NamespaceState, cls: PageClass, slab: int, nodes: list[TreeNod
     alloc = cls.slabs.pop(slab)
     n = alloc.count - alloc.available()
     try:
-        dst = cls.alloc(n)  # the caller checked the other slabs have room: no new slab is taken
+        dst = cls.alloc(n, spare=False)  # the caller checked the other slabs have room: no new slab
         assert dst is not None
     finally:
         cls.slabs[slab] = alloc
