@@ -50,6 +50,14 @@ _TIMEVAL = struct.Struct("@ll")
 log = logging.getLogger(__name__)
 
 
+def _outcome(msg: dict) -> Any:
+    """An answer's result, or its refusal as a ClientError (returned, not raised)."""
+    if "error" in msg:
+        err = msg["error"]
+        return ClientError(str(err.get("code")), str(err.get("message")))
+    return msg.get("result")
+
+
 class RpcConnection:
     def __init__(self, sock: socket.socket, timeout_s: float) -> None:
         self.sock = sock
@@ -149,11 +157,10 @@ class RpcConnection:
         deadline = self._deadline(timeout_s)
         req_id = next(self._ids)
         self._send({"id": req_id, "method": method, "params": params or {}}, deadline)
-        msg = self._reply(req_id, method, deadline, fds)
-        if "error" in msg:
-            err = msg["error"]
-            raise ClientError(str(err.get("code")), str(err.get("message")))
-        return msg.get("result")
+        out = _outcome(self._reply(req_id, method, deadline, fds))
+        if isinstance(out, ClientError):
+            raise out
+        return out
 
     def call_many(self, calls: Sequence[tuple[str, dict[str, Any] | None]], timeout_s: float | None = None
                   ) -> list[Any]:
@@ -191,12 +198,7 @@ class RpcConnection:
                 return results
             self._send_frame(b"".join(f for _, _, f in window), deadline)
             for req_id, method, _ in window:
-                msg = self._reply(req_id, method, deadline, None)
-                if "error" in msg:
-                    err = msg["error"]
-                    results.append(ClientError(str(err.get("code")), str(err.get("message"))))
-                else:
-                    results.append(msg.get("result"))
+                results.append(_outcome(self._reply(req_id, method, deadline, None)))
 
     def _reply(self, req_id: int, method: str, deadline: float, fds: list[int] | None) -> dict:
         """Read up to the answer to `req_id`: events met on the way are kept, posted
