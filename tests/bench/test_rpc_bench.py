@@ -11,3 +11,16 @@ def test_the_puts_rows_compare_pipelined_with_one_by_one():
     assert [r["name"] for r in rows] == [f"{STEP_PUTS} puts of 64 tokens pipelined, 1 client p{q}" for q in (50, 99)]
     for r in rows:
         assert r["value"] > 0 and r["baseline"] > 0 and r["baseline_name"] == "one by one"
+
+
+def test_the_handlers_rows_time_the_daemons_match_path_in_process_against_echo_frames():
+    from hicache.bench.handler_bench import run as in_process
+
+    rows = in_process(prompt_tokens=256, requests=50, repeats=2)
+    assert [r["name"] for r in rows] == [
+        "match + release handlers, 256 tokens, in-process",
+        "  of which CacheService match + release, 256 tokens, in-process",
+        "  of which the radix walk (RadixIndex.match), 256 tokens, in-process"]
+    assert rows[0]["baseline_name"] == "echo frames" and rows[0]["baseline"] > 0
+    for r in rows:
+        assert r["value"] > 0 and 0 < r["best_us"] <= r["value"]
