@@ -24,3 +24,12 @@ def test_the_handlers_rows_time_the_daemons_match_path_in_process_against_echo_f
     assert rows[0]["baseline_name"] == "echo frames" and rows[0]["baseline"] > 0
     for r in rows:
         assert r["value"] > 0 and 0 < r["best_us"] <= r["value"]
+
+
+def test_a_match_run_reports_the_daemons_cpu_per_call_against_the_echo_servers():
+    rows = run(prompt_tokens=256, requests=100, client_counts=(1, 2), repeats=1, calls=("match",))
+    cpu = [r for r in rows if "daemon CPU" in r["name"]]
+    assert [r["name"] for r in cpu] == [f"match 256 tokens, {n} daemon CPU per call + release"
+                                        for n in ("1 client", "2 clients")]
+    for r in cpu:  # a match and a release do more than echo a frame
+        assert r["baseline_name"] == "echo server CPU per call" and 0 < r["baseline"] < r["value"]
