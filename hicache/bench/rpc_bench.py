@@ -16,6 +16,10 @@ Engines post their releases, but long before their next match; posting it in
 this tight loop would time the daemon's handling of it too (measured: +10-40%
 on a 1-client match p50).
 
+Where the bench starts the daemon itself, each call kind also reports the daemon's
+CPU time per client iteration against the echo server's per call (Linux schedstat of
+each server's main thread over its rounds): steadier than latencies on a busy machine.
+
 With `pin` (and two or more CPUs) the servers run on CPU 0 and the clients on
 the others. Unpinned (the default), a 1-client round trip lands in one of two
 groups by whether the scheduler put both ends on one core (see LIMITS.md); the
