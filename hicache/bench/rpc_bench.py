@@ -296,7 +296,7 @@ def run(socket_path: str | None = None, prompt_tokens: int = 8192, requests: int
             for kind in [c for c in calls if c != "puts"]:
                 size = len(pack_frame({"id": 1, "method": kind, "params": payloads[kind]}))
                 hc, echo, red = [], [], []
-                cpu_hc, cpu_echo = [], []  # servers' CPU seconds per round
+                cpu_hc, cpu_echo, cpu_red = [], [], []  # servers' CPU seconds per round
                 for _ in range(repeats):  # the servers take turns: load swings hit all three alike
                     toks = [rng.integers(0, 1 << 30, prompt_tokens, dtype=np.int32) for _ in range(clients)]
                     lat, cpu = _timed_cpu(daemon_pid, lambda: _run_clients(
@@ -308,7 +308,10 @@ def run(socket_path: str | None = None, prompt_tokens: int = 8192, requests: int
                     echo.append(lat)
                     cpu_echo.append(cpu)
                     if redis_path:
-                        red.append(_run_clients(_redis_client, lambda i: (redis_path, size, per), clients, cpus))
+                        lat, cpu = _timed_cpu(procs[1].pid, lambda: _run_clients(
+                            _redis_client, lambda i: (redis_path, size, per), clients, cpus))
+                        red.append(lat)
+                        cpu_red.append(cpu)
                 label = f"{kind} {prompt_tokens} tokens, {clients} client{'s' if clients > 1 else ''}"
                 for q in (50, 99):
                     rows.append(row(f"{label} p{q}", _median_pcts(hc, q), "us", baseline=_median_pcts(echo, q),
@@ -322,6 +325,11 @@ def run(socket_path: str | None = None, prompt_tokens: int = 8192, requests: int
                                     float(np.median(cpu_hc)) / n_iter * 1e6, "us",
                                     baseline=float(np.median(cpu_echo)) / n_iter * 1e6,
                                     baseline_name="echo server CPU per call", repeats=repeats))
+                    if cpu_red and None not in cpu_red:
+                        rows.append(row(f"{label} daemon CPU per call{' + release' if kind == 'match' else ''}"
+                                        f" vs redis GET {size}B", float(np.median(cpu_hc)) / n_iter * 1e6, "us",
+                                        baseline=float(np.median(cpu_red)) / n_iter * 1e6,
+                                        baseline_name="redis-server CPU per GET", repeats=repeats))
                 if redis_path:
                     for q in (50, 99):
                         rows.append(row(f"{label} p{q} vs redis GET {size}B", _median_pcts(hc, q), "us",
