@@ -34,8 +34,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--clients", type=int, nargs="+", default=[1, 8])
     b.add_argument("--repeats", type=int, default=5, help="rounds per server; percentiles are medians over them")
     b.add_argument("--pin", action="store_true", help="servers on CPU 0, clients on the other CPUs")
-    b.add_argument("--calls", nargs="+", choices=["match", "insert", "puts"], default=["match", "insert"],
-                   help="which calls to time (puts: a step's 8 put reservations, pipelined vs one by one)")
+    b.add_argument("--calls", nargs="+", choices=["match", "insert", "puts", "handlers"],
+                   default=["match", "insert"],
+                   help="which calls to time (puts: a step's 8 put reservations, pipelined vs one by one; "
+                        "handlers: the daemon's CPU for a match + release in-process, vs echo's frame work)")
 
     b = bench("transfer", "per-layer load and all-layer backup vs a contiguous copy")
     b.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -184,8 +186,12 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.time()
     if args.bench == "rpc":
         from hicache.bench.rpc_bench import run as go
+        calls = tuple(c for c in args.calls if c != "handlers")
         rows = go(args.socket_path, args.prompt_tokens, args.requests, tuple(args.clients), args.repeats, args.pin,
-                  tuple(args.calls))
+                  calls) if calls else []
+        if "handlers" in args.calls:
+            from hicache.bench.handler_bench import run as in_process
+            rows += in_process(args.prompt_tokens, args.requests, args.repeats)
     elif args.bench == "transfer" and args.device == "cuda":
         from hicache.bench.device_transfer_bench import run as go
         rows = go(tuple(args.page_sizes), device="cuda", repeats=args.repeats,

@@ -16,6 +16,10 @@ Engines post their releases, but long before their next match; posting it in
 this tight loop would time the daemon's handling of it too (measured: +10-40%
 on a 1-client match p50).
 
+Where the bench starts the daemon itself, each call kind also reports the daemon's
+CPU time per client iteration against the echo server's per call (Linux schedstat of
+each server's main thread over its rounds): steadier than latencies on a busy machine.
+
 With `pin` (and two or more CPUs) the servers run on CPU 0 and the clients on
 the others. Unpinned (the default), a 1-client round trip lands in one of two
 groups by whether the scheduler put both ends on one core (see LIMITS.md); the
@@ -184,6 +188,25 @@ def _redis_client(path: str, nbytes: int, n: int, q: mp.Queue) -> None:
     s.close()
 
 
+def _cpu_s(pid: int | None) -> float | None:
+    """Seconds process `pid` has run on a CPU (its main thread; Linux schedstat), or None."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _timed_cpu(pid: int | None, fn):  # type: ignore[no-untyped-def]
+    """fn()'s result and the CPU seconds server `pid` spent meanwhile (None if unknown)."""
+    t0 = _cpu_s(pid)
+    out = fn()
+    t1 = _cpu_s(pid)
+    return out, (None if t0 is None or t1 is None else t1 - t0)
+
+
 def _client_cpus() -> set[int] | None:
     cpus = sorted(os.sched_getaffinity(0))
     return set(cpus[1:]) if len(cpus) > 1 else None
@@ -251,6 +274,7 @@ def run(socket_path: str | None = None, prompt_tokens: int = 8192, requests: int
                                            "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL))
             _wait_socket(redis_path, procs[-1])
 
+        daemon_pid = daemon.proc.pid if daemon is not None and daemon.proc is not None else None
         cpus = _client_cpus() if pin else None
         if cpus:  # servers on the first CPU, clients on the rest
             server_cpu = {min(os.sched_getaffinity(0))}
@@ -272,17 +296,40 @@ def run(socket_path: str | None = None, prompt_tokens: int = 8192, requests: int
             for kind in [c for c in calls if c != "puts"]:
                 size = len(pack_frame({"id": 1, "method": kind, "params": payloads[kind]}))
                 hc, echo, red = [], [], []
+                cpu_hc, cpu_echo, cpu_red = [], [], []  # servers' CPU seconds per round
                 for _ in range(repeats):  # the servers take turns: load swings hit all three alike
                     toks = [rng.integers(0, 1 << 30, prompt_tokens, dtype=np.int32) for _ in range(clients)]
-                    hc.append(_run_clients(_hicache_client, lambda i: (daemon_path, kind, per, toks[i]), clients,
-                                           cpus))
-                    echo.append(_run_clients(_echo_client, lambda i: (echo_path, payloads[kind], per), clients, cpus))
+                    lat, cpu = _timed_cpu(daemon_pid, lambda: _run_clients(
+                        _hicache_client, lambda i: (daemon_path, kind, per, toks[i]), clients, cpus))
+                    hc.append(lat)
+                    cpu_hc.append(cpu)
+                    lat, cpu = _timed_cpu(procs[0].pid, lambda: _run_clients(
+                        _echo_client, lambda i: (echo_path, payloads[kind], per), clients, cpus))
+                    echo.append(lat)
+                    cpu_echo.append(cpu)
                     if redis_path:
-                        red.append(_run_clients(_redis_client, lambda i: (redis_path, size, per), clients, cpus))
+                        lat, cpu = _timed_cpu(procs[1].pid, lambda: _run_clients(
+                            _redis_client, lambda i: (redis_path, size, per), clients, cpus))
+                        red.append(lat)
+                        cpu_red.append(cpu)
                 label = f"{kind} {prompt_tokens} tokens, {clients} client{'s' if clients > 1 else ''}"
                 for q in (50, 99):
                     rows.append(row(f"{label} p{q}", _median_pcts(hc, q), "us", baseline=_median_pcts(echo, q),
                                     baseline_name="echo", repeats=repeats))
+                if None not in cpu_hc + cpu_echo:
+                    # What the server's process spends per iteration (a match's includes its
+                    # release and the setup calls, a few in a thousand): the per-call CPU a native
+                    # path would cut, steadier than latencies on a busy machine.
+                    n_iter = clients * (per + 20)
+                    rows.append(row(f"{label} daemon CPU per call{' + release' if kind == 'match' else ''}",
+                                    float(np.median(cpu_hc)) / n_iter * 1e6, "us",
+                                    baseline=float(np.median(cpu_echo)) / n_iter * 1e6,
+                                    baseline_name="echo server CPU per call", repeats=repeats))
+                    if cpu_red and None not in cpu_red:
+                        rows.append(row(f"{label} daemon CPU per call{' + release' if kind == 'match' else ''}"
+                                        f" vs redis GET {size}B", float(np.median(cpu_hc)) / n_iter * 1e6, "us",
+                                        baseline=float(np.median(cpu_red)) / n_iter * 1e6,
+                                        baseline_name="redis-server CPU per GET", repeats=repeats))
                 if redis_path:
                     for q in (50, 99):
                         rows.append(row(f"{label} p{q} vs redis GET {size}B", _median_pcts(hc, q), "us",

@@ -461,6 +461,18 @@ class RadixIndex(EvictionOps):
         key = None if engine is None or t is not Tier.DEVICE else check_engine(engine)
         self._ledger.lock_path(self._path(node), t, key)
 
+    def lock_matched(self, result: MatchResult, num_nodes: int, tier: Tier, engine: int | None = None) -> None:
+        """lock(result.nodes[num_nodes - 1], ...) for the match() just returned (nothing
+        changed since): its nodes are the walk's path, so no walk back up to check it."""
+        if not 0 < num_nodes <= len(result.nodes):
+            raise IndexInputError(f"num_nodes {num_nodes} outside the match's 1..{len(result.nodes)} nodes")
+        t = check_tier(tier)
+        key = None if engine is None or t is not Tier.DEVICE else check_engine(engine)
+        path = result.nodes[:num_nodes]
+        if path[0].parent is not self.root or path[-1].removed:
+            raise IndexStateError("the match result is not of this index's current tree")
+        self._ledger.lock_path(path, t, key)
+
     def unlock(self, node: TreeNode, tier: Tier, engine: int | None = None) -> None:
         """Drop a ref taken by lock(); below zero raises IndexStateError. A node in no
         tier whose last ref goes is removed with its subtree (see take_freed)."""

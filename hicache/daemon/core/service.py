@@ -138,33 +138,38 @@ class CacheService:
     def match(self, owner: object, engine_id: Any, keys: list[bytes]) -> Pin:
         rec = self.engine(owner, engine_id)
         index = rec.ns.index
-        r = index.match(keys, rec.engine_id)
+        eid = rec.engine_id
+        r = index.match(keys, eid)
+        device_len, host_len, n_disk = len(r.device_pages), len(r.host_pages), len(r.disk_keys)
+        # Locked through the path the walk just took (lock_matched): no second walk up to the root.
         locks: list[tuple[TreeNode, Tier, int | None]] = []
-        if r.device_nodes:
-            index.lock(r.device_nodes[-1], Tier.DEVICE, rec.engine_id)
-            locks.append((r.device_nodes[-1], Tier.DEVICE, rec.engine_id))
+        n_dev = len(r.device_nodes)
+        if n_dev:
+            index.lock_matched(r, n_dev, Tier.DEVICE, eid)
+            locks.append((r.device_nodes[-1], Tier.DEVICE, eid))
         host_node = r.host_nodes[-1] if r.host_nodes else None
         if host_node is not None:
-            index.lock(host_node, Tier.HOST)
+            index.lock_matched(r, n_dev + len(r.host_nodes), Tier.HOST)
             locks.append((host_node, Tier.HOST, None))
-        local = r.device_len + r.host_len
-        disk_nodes = r.disk_nodes if self.worth_loading("disk", rec, local, r.disk_len) else []
-        disk_len = r.disk_len if disk_nodes else 0
-        pin = Pin(next(self._ids), rec, locks, r.device_len, r.host_len, disk_len, host_node,
+        local = device_len + host_len
+        disk_nodes = r.disk_nodes if self.worth_loading("disk", rec, local, n_disk) else []
+        disk_len = n_disk if disk_nodes else 0
+        pin = Pin(next(self._ids), rec, locks, device_len, host_len, disk_len, host_node,
                   r.device_pages, r.host_pages)
-        if disk_len < r.disk_len:
+        if disk_len < n_disk:
             pin.recompute_from = local
         self.pins[pin.pin_id] = pin
         if disk_nodes and self.on_match is not None:
             self.on_match(pin, disk_nodes)
         if self.admission is not None and rec.ns.lookups_feed_admission:
-            self.admission.request([admission_key(k) for k in keys], r.device_len + r.host_len + r.disk_len)
+            self.admission.request([admission_key(k) for k in keys], local + n_disk)
         c = self.counters
         c.matches += 1
         c.requested_pages += len(keys)
-        c.matched_pages["device"] += r.device_len
-        c.matched_pages["host"] += r.host_len
-        c.matched_pages["disk"] += disk_len  # a part left to be recomputed is no hit
+        matched = c.matched_pages
+        matched["device"] += device_len
+        matched["host"] += host_len
+        matched["disk"] += disk_len  # a part left to be recomputed is no hit
         return pin
 
     def worth_loading(self, tier: str, rec: EngineRecord, start_pages: int, n_pages: int) -> bool:
