@@ -17,10 +17,10 @@ transaction, in one thread; gets are one read transaction per page,
 ring, in the same shuffled order. Raw does NOT write a meta record, a totals
 record or a dedup lookup, computes no checksum and has no queue or writer
 thread: the ratio charges the tier for all of its own work, including the
-``put_async`` call on the producer's thread and the GIL hand-offs between it
-and the writer. The tier's producer refills the queue from half empty and
-takes results through a C-level callback (see ``_tier_put``), so the harness
-itself costs next to nothing per page.
+``put_many_async`` call on the producer's thread and the GIL hand-offs between it
+and the writer. The tier's producer queues batches of raw's transaction size,
+refills the queue from half empty and takes results through a C-level callback
+(see ``_tier_put``), so the harness itself costs next to nothing per page.
 
 Puts are timed from the first put to the commit of the last one: "put_fresh"
 into a new environment (first-touch page faults: raw's sparse file pays for
@@ -178,25 +178,36 @@ def _raw_cold_get(path: str, size: int, keys: list[bytes]) -> tuple[float, float
 
 def _tier_put(tier: DiskTier, salt: bytes, size: int, keys: list[bytes],
               pages: list[np.ndarray]) -> tuple[float, float]:
-    """Puts as fast as the queue takes them. When the queue is full (put_async
-    answers False) the producer sleeps in 100 us steps until half of the queue
-    has been written, then refills it: the writer never runs dry, and the
-    harness adds next to nothing per page (on_done is a C-level
-    dict.__setitem__; every result is checked after the flush)."""
-    results: dict[bytes, bool] = {}
-    done = results.__setitem__
-    tokens = np.zeros(16, dtype=np.int32)
-    low_water = tier.config.max_queue_pages // 2
+    """Puts as fast as the queue takes them, in batches of the size raw commits
+    (``put_many_async``, as the daemon's write-through queues a node's pages). When the
+    queue is full (fewer pages queued than asked) the producer sleeps in 100 us steps
+    until half of the queue has been written, then queues the rest: the writer never
+    runs dry, and the harness adds next to nothing per page (on_done is a C-level
+    list.extend; every result is checked after the flush)."""
+    results: list[bool] = []
+    cfg = tier.config
+    batch = max(1, min(cfg.batch_pages, cfg.batch_bytes // size))
+    store = np.stack(pages)  # the 8 source pages as rows; page i is row i % 8
+    rows = np.arange(len(keys)) % len(pages)
+    tokens = np.zeros(16 * batch, dtype=np.int32)
+    low_water = cfg.max_queue_pages // 2
     with _Clock() as put:
-        for i, k in enumerate(keys):
-            while not tier.put_async(salt, k, None, tokens, pages[i % len(pages)], done):
+        i = 0
+        while i < len(keys):
+            n = min(batch, len(keys) - i)
+            queued = tier.put_many_async(salt, keys[i:i + n], None, tokens[:16 * n], store, results.extend,
+                                         rows=rows[i:i + n], chained=False)
+            i += queued
+            if queued < n:
                 deadline = time.monotonic() + 60
                 while i - len(results) > low_water:
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"the tier wrote nothing for 60 s: {tier.stats()}")
                     time.sleep(100e-6)
+                if queued == 0:
+                    time.sleep(100e-6)  # full by bytes below the low water: let the writer take some
         tier.flush()
-    failed = sum(not ok for ok in results.values())
+    failed = sum(not ok for ok in results)
     if failed or len(results) != len(keys):
         raise RuntimeError(f"{failed} puts rejected, {len(keys) - len(results)} unanswered in the benchmark")
     return put.rates(len(keys) * size)

@@ -115,6 +115,7 @@ import numpy as np
 from hicache.errors import ConfigError, DiskTierError
 from hicache.tiers import disk_env
 from hicache.tiers import disk_format as fmt
+from hicache.tiers.disk_batch import BatchDone, PutBatch
 from hicache.tiers.disk_config import DiskTierConfig
 from hicache.tiers.disk_format import DiskRecord
 from hicache.tiers.disk_writer import DiskWriter, EvictHook, OnDone
@@ -281,6 +282,52 @@ class DiskTier:
         else:
             mv = _readable_bytes(page)
         return self._writer.put(salt, key, parent_key, tok_bytes, mv, on_done, parent_required)
+
+    def put_many_async(self, salt: bytes, keys: Sequence[bytes], parent_key: bytes | None, tokens: object,
+                       pages: object, on_done: BatchDone | None = None, *, rows: object = None,
+                       chained: bool = True, parent_required: bool = True) -> int:
+        """Queue ``len(keys)`` pages as one item (hicache/tiers/disk_batch.py): ``put_async``
+        for each, in order, without Python per page on either thread. Returns how many of
+        the first pages were queued (the rest did not fit the queue, or writes are disabled
+        or closing: counted as ``put_async``'s refusals); 0 queues nothing.
+
+        ``pages`` is one C-contiguous 2-D buffer whose rows are pages (e.g. an arena viewed
+        as ``(slots, page_bytes)``); page i is row ``rows[i]`` (default: row i). Like
+        ``put_async`` it is not copied: keep those rows unchanged until ``on_done``.
+        ``tokens`` holds the same number of tokens for every page, page after page (1-D)
+        or one row per page (2-D). With ``chained`` page i > 0 has page i - 1 as parent
+        and page 0 ``parent_key``; otherwise every page has ``parent_key``.
+        ``on_done(oks)`` fires once, on the writer thread, after the last queued page's
+        commit (or rejection), with one bool per queued page."""
+        _check_key("salt", salt)
+        if parent_key is not None:
+            _check_key("parent_key", parent_key)
+        n = len(keys)
+        if n == 0:
+            raise ValueError("keys is empty")
+        if set(map(type, keys)) != {bytes} or set(map(len, keys)) != {fmt.KEY_BYTES}:
+            for k in keys:
+                _check_key("key", k)
+        try:
+            mv = memoryview(pages)  # type: ignore[arg-type]
+        except TypeError as e:
+            raise ValueError(f"pages must be a 2-D buffer of rows, got {type(pages).__name__}") from e
+        if mv.ndim != 2 or not mv.c_contiguous or mv.nbytes == 0:
+            raise ValueError(f"pages must be a non-empty C-contiguous 2-D buffer, got {mv.ndim} dimensions")
+        n_rows, page_bytes = mv.shape[0], mv.nbytes // mv.shape[0]
+        row = np.arange(n, dtype=np.int64) if rows is None else np.asarray(rows)
+        if row.shape != (n,) or row.dtype.kind not in "iu":
+            raise ValueError(f"rows must be {n} integers, one per key")
+        if rows is None and n_rows < n or n and (row.min() < 0 or row.max() >= n_rows):
+            raise ValueError(f"pages has {n_rows} rows: a page is out of range")
+        tok = np.asarray(tokens)
+        if tok.ndim not in (1, 2) or tok.dtype.kind not in "iu" or tok.size % n or \
+                tok.ndim == 2 and tok.shape[0] != n:
+            raise ValueError(f"tokens must be integers, the same number for each of the {n} pages")
+        batch = PutBatch(salt, b"".join(keys), parent_key, chained, tok.astype("<i4", copy=False).tobytes(),
+                         4 * (tok.size // n), mv.cast("B"), page_bytes,
+                         memoryview(np.array(row, dtype=np.int64)), on_done, parent_required, n)
+        return self._writer.put_many(batch)
 
     def delete_async(self, keys: Iterable[bytes]) -> None:
         """Queue deletions (not bounded by the queue limits: they carry no pages)."""

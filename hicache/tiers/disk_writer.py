@@ -75,6 +75,7 @@ import lmdb
 from hicache.errors import DiskTierError
 from hicache.tiers import disk_format as fmt
 from hicache.tiers import disk_native
+from hicache.tiers.disk_batch import BatchPart, PutBatch, expand_all, put_bytes
 from hicache.tiers.disk_config import DiskTierConfig
 from hicache.tiers.disk_ops import (HASH_OFFLOAD_BYTES, BarrierOp, DeleteOp, DropOp, HashJob, OnDone, PutOp,
                                     native_ok)
@@ -143,7 +144,7 @@ class DiskWriter:
         self._last_touch_flush = time.monotonic()
         # Queue state, guarded by _cond.
         self._cond = threading.Condition()
-        self._queue: deque[PutOp | DeleteOp | DropOp | BarrierOp] = deque()
+        self._queue: deque[PutOp | BatchPart | DeleteOp | DropOp | BarrierOp] = deque()
         self._queued_pages = 0
         self._queued_bytes = 0
         self._puts = 0
@@ -177,6 +178,31 @@ class DiskWriter:
             if self._writer_waiting:  # a notify costs ~0.5 us of Python; only a waiting writer needs one
                 self._cond.notify()
         return True
+
+    def put_many(self, batch: PutBatch) -> int:
+        """Queue a (validated) batch, or as many of its first pages as the queue holds:
+        their number (the rest is counted as skipped). One queue item."""
+        n, size = batch.n_pages, batch.page_bytes
+        batch.charge = fmt.footprint(size, batch.token_bytes // 4, self._psize)
+        with self._cond:
+            if self._fault and time.monotonic() < self._retry_at:
+                self._skipped_disabled += n
+                return 0
+            room = 0 if self._closing else min(n, self.config.max_queue_pages - self._queued_pages,
+                                                (self.config.max_queue_bytes - self._queued_bytes) // size)
+            if room <= 0:
+                self._skipped_queue_full += n
+                return 0
+            self._skipped_queue_full += n - room
+            batch.n_pages = batch.pending = room
+            batch.results = bytearray(room)
+            self._queue.append(BatchPart(batch, 0, room))
+            self._queued_pages += room
+            self._queued_bytes += room * size
+            self._puts += room
+            if self._writer_waiting:
+                self._cond.notify()
+        return room
 
     def delete(self, keys: list[bytes]) -> None:
         self._enqueue(DeleteOp(keys))
@@ -298,6 +324,18 @@ class DiskWriter:
                     op.charge = footprint(op.page.nbytes, len(op.tokens) // 4, psize)
                     n_bytes += op.charge
                     continue
+                if kind is BatchPart:  # as many of its pages as the transaction takes; the rest waits
+                    charge = op.batch.charge
+                    take = min(op.hi - op.lo, self.batch_ops - n_keys, -(-(self.batch_limit - n_bytes) // charge))
+                    if take < op.hi - op.lo:
+                        queue.appendleft(BatchPart(op.batch, op.lo + take, op.hi))
+                        op = BatchPart(op.batch, op.lo, op.lo + take)
+                    ops.append(op)
+                    n_keys += take
+                    n_bytes += take * charge
+                    self._queued_pages -= take
+                    self._queued_bytes -= take * op.batch.page_bytes
+                    continue
                 if kind is DeleteOp and n_keys + len(op.keys) > self.batch_ops:
                     room = max(1, self.batch_ops - n_keys)  # the rest waits for the next transaction
                     queue.appendleft(DeleteOp(op.keys[room:]))
@@ -320,8 +358,14 @@ class DiskWriter:
         finally:
             if results is None:
                 results = [(op, False) for op in ops if isinstance(op, PutOp)]
+                for op in ops:
+                    if type(op) is BatchPart:
+                        op.reject()
+                        results.append((op, None))
             for p, ok in results:
-                if p.on_done is not None:
+                if ok is None:  # a batch's pages [lo, hi): their outcomes are in the batch
+                    p.batch.answered(p.hi - p.lo)
+                elif p.on_done is not None:
                     try:
                         p.on_done(p.key, ok)
                     except Exception:
@@ -329,7 +373,10 @@ class DiskWriter:
             if ops and type(ops[-1]) is BarrierOp:  # only ever last (_take_batch)
                 ops[-1].done.set()
 
-    def _write(self, ops: list, force_touch: bool) -> list[tuple[PutOp, bool]]:
+    def _write(self, ops: list, force_touch: bool) -> list[tuple[PutOp | BatchPart, bool | None]]:
+        if self._native is None or any(type(op) is BatchPart and op.batch.page_bytes >= HASH_OFFLOAD_BYTES
+                                       for op in ops):
+            ops = expand_all(ops)  # page by page: the Python loop, or big pages for the hasher
         big = [op for op in ops if isinstance(op, PutOp) and op.digest is None and op.job is None
                and op.page.nbytes >= HASH_OFFLOAD_BYTES]
         if big:
@@ -346,18 +393,18 @@ class DiskWriter:
                 log.warning("disk tier %s: the map filled up with pages free but scattered; keeping 1/%d of it "
                             "free from now on", self.path, self._frag_divisor)
             self.warn("write failed (%s); evicting and retrying", e)
-            self._make_room(sum(op.page.nbytes for op in ops if isinstance(op, PutOp)))
+            self._make_room(put_bytes(ops))
             try:
                 return self._commit(ops, force_touch)
             except lmdb.Error:
                 pass
         except Exception:
             log.exception("disk tier %s: write batch failed; retrying op by op", self.path)
-        # Commit op by op, in order: what fits goes in, the rest is rejected.
+        # Commit op by op (a batch page by page), in order: what fits goes in, the rest is rejected.
         results: list[tuple[PutOp, bool]] = []
         self._op_fault = None
         committed = 0
-        for op in ops:
+        for op in expand_all(ops):
             res, ok = self._commit_alone(op, force_touch)
             results += res
             committed += ok
@@ -381,6 +428,9 @@ class DiskWriter:
             self._w["rejected_errors"] += 1
             log.debug("disk tier %s: put %s rejected: %s", self.path, op.key.hex(), e)
             return [(op, False)]
+        if isinstance(op, BatchPart):  # only while writes are disabled: a failed batch retries page by page
+            op.reject()
+            return [(op, None)]
         if isinstance(op, DeleteOp):
             self._doomed.update(dict.fromkeys(op.keys, False))
         elif isinstance(op, DropOp):
@@ -446,16 +496,21 @@ class DiskWriter:
                 c["evicted_pages" if evicted else "deleted_pages"] += self._delete(txn, k)
             for k, checksum in self._drops.items():
                 self._drop(txn, k, checksum)
-            remaining = sum(op.page.nbytes for op in ops if isinstance(op, PutOp))
+            remaining = put_bytes(ops)
             hook_dry = False
+            work = list(ops)  # a batch part handed back is split here; `ops` stays as it came for a retry
             i = 0
-            while i < len(ops):
-                op = ops[i]
-                if self._native is not None and native_ok(op):
-                    i, remaining = self._put_native(txn, ops, i, remaining, c, results)
-                    if i == len(ops):
+            while i < len(work):
+                op = work[i]
+                if self._native is not None and (type(op) is BatchPart or native_ok(op)):
+                    i, remaining = self._put_native(txn, work, i, remaining, c, results)
+                    if i == len(work):
                         break
-                    op = ops[i]  # the op after the run, or one handed back: the Python path below
+                    op = work[i]  # the op after the run, or one handed back: the Python path below
+                if type(op) is BatchPart:  # its first page handed back: that page alone in Python
+                    work[i:i + 1] = [op.batch.page_op(op.lo)] + ([BatchPart(op.batch, op.lo + 1, op.hi)]
+                                                                 if op.hi > op.lo + 1 else [])
+                    op = work[i]
                 if isinstance(op, DeleteOp):
                     for k in op.keys:
                         c["deleted_pages"] += self._delete(txn, k)
@@ -465,7 +520,7 @@ class DiskWriter:
                     remaining -= op.page.nbytes
                     ok, hook_dry = self._put(txn, op, remaining, hook_dry, c)
                     if ok is None:  # fits once the freed pages are reusable: after this commit
-                        self._deferred = ops[i:]
+                        self._deferred = work[i:]
                         break
                     results.append((op, ok))
                 i += 1
@@ -557,18 +612,19 @@ class DiskWriter:
         return True, hook_dry
 
     def _put_native(self, txn: lmdb.Transaction, ops: list, lo: int, remaining: int,
-                    c: dict[str, int], results: list[tuple[PutOp, bool]]) -> tuple[int, int]:
+                    c: dict[str, int], results: list) -> tuple[int, int]:
         """Puts the run of ops from ops[lo] that the C loop takes (disk_native.py), on the
         transaction's running totals; (the index it stopped at, bytes of puts left). The op
-        there goes through the Python path (a deletion, a big page, or one handed back);
-        an LMDB error is raised as py-lmdb raises it."""
+        there goes through the Python path (a deletion, a big page, or one handed back: of
+        a batch part stopped at page j, ops[index] becomes the part from j on); an LMDB
+        error is raised as py-lmdb raises it."""
         st = self._native_state
         st.used_bytes, st.map_bytes, st.deleted_bytes = self._used_bytes_tx, self._map_bytes_tx, self._deleted_tx
         st.capacity_bytes, st.map_size, st.headroom = self.capacity_bytes, self.map_size, self._headroom_tx
         st.batch_limit, st.max_footprint = self.batch_limit, self._max_footprint
         st.freed_bytes, st.may_defer, st.now = sum(self._freed), self._may_defer, self._now_tx
         st.pages_written = st.bytes_written = st.dedup_puts = st.rejected_orphan = st.put_bytes_done = 0
-        codes = self._native.run(txn, *self._native_dbis, ops, lo, PutOp, st)
+        codes = self._native.run(txn, *self._native_dbis, ops, lo, PutOp, BatchPart, st)
         self._used_bytes_tx, self._map_bytes_tx = st.used_bytes, st.map_bytes
         self._max_footprint = st.max_footprint
         self._num_pages_tx += st.pages_written
@@ -576,10 +632,23 @@ class DiskWriter:
         c["bytes_written"] += st.bytes_written
         c["dedup_puts"] += st.dedup_puts
         c["rejected_orphan"] += st.rejected_orphan
-        stop = st.stop_index
-        results += zip(ops[lo:stop], map(disk_native.ORPHAN.__ne__, codes[:stop - lo]))
         if st.stop_why == disk_native.STOP_ERROR:
             raise self._native.error(st.stop_rc)
+        stop = st.stop_index
+        pos = 0  # the outcomes in `codes`, a page each, in op order
+        for op in ops[lo:stop]:
+            if type(op) is PutOp:
+                results.append((op, codes[pos] != disk_native.ORPHAN))
+                pos += 1
+            else:
+                op.batch.results[op.lo:op.hi] = codes[pos:pos + op.hi - op.lo]
+                results.append((op, None))
+                pos += op.hi - op.lo
+        if st.stop_page > 0 and type(ops[stop]) is BatchPart and ops[stop].lo < st.stop_page:
+            part, j = ops[stop], st.stop_page  # stopped inside a part: its pages before j are done
+            part.batch.results[part.lo:j] = codes[pos:pos + j - part.lo]
+            results.append((BatchPart(part.batch, part.lo, j), None))
+            ops[stop] = BatchPart(part.batch, j, part.hi)
         return stop, remaining - st.put_bytes_done
 
     def _drop(self, txn: lmdb.Transaction, key: bytes, checksum: tuple[int, int] | None) -> None:
