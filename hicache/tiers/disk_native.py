@@ -70,6 +70,8 @@ typedef uint64_t (*hc_hash_fn)(const void *, size_t);              /* XXH3_64bit
 
 #define HC_NOTFOUND (-30798)
 #define HC_RESERVE 0x10000
+#define HC_NOOVERWRITE 0x10
+#define HC_KEYEXIST (-30799)
 #define HC_META_HEADER 72
 #define HC_PARENT_SCAN 16
 
@@ -287,18 +289,11 @@ static void hc_loop(hc_op *v, char *res, Py_ssize_t n, Py_ssize_t end, void *txn
                 if (rc) { hc_stop(st, o, 2, rc); return; }
             }
         }
-        rc = get(txn, meta, &k, &d);
-        if (rc == 0) {
-            if (hc_same(&d, o)) {
-                res[i] = 2; st->dedup_puts++; st->put_bytes_done += o->page_len;
-                continue;
-            }
-            hc_stop(st, o, 1, 0); return;  /* another namespace's or size's record: Python replaces it */
-        }
-        if (rc != HC_NOTFOUND) { hc_stop(st, o, 2, rc); return; }
         int64_t size = o->page_len, charge = o->charge;
         int64_t max_fp = charge > st->max_footprint ? charge : st->max_footprint;  /* kept once written */
         int64_t map_budget = st->map_size - st->headroom - 2 * (st->batch_limit + max_fp);
+        /* budgets before the dedup test (Python's order is the reverse): a put handed back
+           here is one Python finds a duplicate of or makes room for, with the same outcome */
         if (st->used_bytes + size > st->capacity_bytes ||
             st->map_bytes - st->deleted_bytes + charge > map_budget) {
             hc_stop(st, o, 1, 0); return;  /* over a budget: the evict hook is Python's */
@@ -306,11 +301,20 @@ static void hc_loop(hc_op *v, char *res, Py_ssize_t n, Py_ssize_t end, void *txn
         if (st->may_defer && st->map_bytes + st->freed_bytes + charge + st->headroom > st->map_size) {
             hc_stop(st, o, 1, 0); return;  /* fits only once freed pages are reusable */
         }
-        hc_val pv = {(size_t)size, o->page};
-        if ((rc = put(txn, pages, &k, &pv, 0))) { hc_stop(st, o, 2, rc); return; }
-        uint64_t digest = hash(o->page, (size_t)size);  /* the source, in cache after LMDB's copy */
+        /* the meta record first, inserted only if the key is new: one B-tree descent for
+           the dedup test and the insert; the checksum it carries is taken from the source
+           (which LMDB's copy then reads from the cache) */
+        uint64_t digest = hash(o->page, (size_t)size);
         hc_val mv = {HC_META_HEADER + (size_t)o->tokens_len, NULL};
-        if ((rc = put(txn, meta, &k, &mv, HC_RESERVE))) { hc_stop(st, o, 2, rc); return; }
+        rc = put(txn, meta, &k, &mv, HC_RESERVE | HC_NOOVERWRITE);
+        if (rc == HC_KEYEXIST) {  /* mv is the record on disk */
+            if (hc_same(&mv, o)) {
+                res[i] = 2; st->dedup_puts++; st->put_bytes_done += o->page_len;
+                continue;
+            }
+            hc_stop(st, o, 1, 0); return;  /* another namespace's or size's record: Python replaces it */
+        }
+        if (rc) { hc_stop(st, o, 2, rc); return; }
         unsigned char *m = mv.data;  /* disk_format.META_HEADER: "<16s16sQQQdIHH" + tokens */
         uint64_t zero = 0, usize = (uint64_t)size;
         uint32_t n_tokens = (uint32_t)(o->tokens_len / 4);
@@ -325,6 +329,8 @@ static void hc_loop(hc_op *v, char *res, Py_ssize_t n, Py_ssize_t end, void *txn
         memcpy(m + 68, &algo, 2);
         memcpy(m + 70, &flags, 2);
         memcpy(m + HC_META_HEADER, o->tokens, (size_t)o->tokens_len);
+        hc_val pv = {(size_t)size, (void *)o->page};  /* after filling the reserved record: next update */
+        if ((rc = put(txn, pages, &k, &pv, 0))) { hc_stop(st, o, 2, rc); return; }
         st->max_footprint = max_fp;
         st->used_bytes += size;
         st->map_bytes += charge;
