@@ -118,7 +118,8 @@ from hicache.tiers import disk_format as fmt
 from hicache.tiers.disk_batch import BatchDone, PutBatch
 from hicache.tiers.disk_config import DiskTierConfig
 from hicache.tiers.disk_format import DiskRecord
-from hicache.tiers.disk_writer import DiskWriter, EvictHook, OnDone
+from hicache.tiers.disk_ops import OnDone
+from hicache.tiers.disk_writer import DiskWriter, EvictHook
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +191,7 @@ class DiskTier:
                                   capacity_bytes=capacity_bytes, map_size=opened.map_size, config=config,
                                   evict_hook=evict_hook,
                                   used_bytes=opened.used_bytes, num_pages=opened.num_pages)
+        self._queue = self._writer.queue
 
     # ----------------------------------------------------------------- open/close
 
@@ -281,7 +283,7 @@ class DiskTier:
             mv = memoryview(page)  # the common case: already flat bytes
         else:
             mv = _readable_bytes(page)
-        return self._writer.put(salt, key, parent_key, tok_bytes, mv, on_done, parent_required)
+        return self._queue.put(salt, key, parent_key, tok_bytes, mv, on_done, parent_required)
 
     def put_many_async(self, salt: bytes, keys: Sequence[bytes], parent_key: bytes | None, tokens: object,
                        pages: object, on_done: BatchDone | None = None, *, rows: object = None,
@@ -327,17 +329,17 @@ class DiskTier:
         batch = PutBatch(salt, b"".join(keys), parent_key, chained, tok.astype("<i4", copy=False).tobytes(),
                          4 * (tok.size // n), mv.cast("B"), page_bytes,
                          memoryview(np.array(row, dtype=np.int64)), on_done, parent_required, n)
-        return self._writer.put_many(batch)
+        return self._queue.put_many(batch)
 
     def delete_async(self, keys: Iterable[bytes]) -> None:
         """Queue deletions (not bounded by the queue limits: they carry no pages)."""
         batch = [_check_key("key", k) for k in keys]
         if batch:
-            self._writer.delete(batch)
+            self._queue.delete(batch)
 
     def touch(self, keys: Iterable[bytes]) -> None:
         """Note an access; persisted lazily, every ``touch_interval_s``."""
-        self._writer.touch(keys)
+        self._queue.touch(keys)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Block until everything queued so far is committed (and touches
@@ -406,7 +408,7 @@ class DiskTier:
                 r["corrupt_pages"] += 1
         if status == "corrupt":
             self._writer.warn("corrupt page %s dropped", key.hex())
-            self._writer.drop(key, None if fields is None else fields[2])
+            self._queue.drop(key, None if fields is None else fields[2])
         return False
 
     def get_many_async(self, salt: bytes, keys: Sequence[bytes], outs: Sequence[object]) -> Future[list[bool]]:
@@ -470,7 +472,7 @@ class DiskTier:
 
     def stats(self) -> dict:
         w = self._writer
-        q = w.queue_stats()
+        q = self._queue.stats()
         with self._rlock:
             r = dict(self._r)
         r["gets"] = r["hits"] + r["misses"]

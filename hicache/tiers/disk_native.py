@@ -83,7 +83,7 @@ typedef struct {
     double now;
     int64_t pages_written, bytes_written, dedup_puts, rejected_orphan;
     int64_t put_bytes_done;  /* page bytes of the ops done (written, duplicates, orphans) */
-    int64_t stop_index, stop_page, stop_why, stop_rc;  /* stopped before ops[stop_index]'s page stop_page (-1: a PutOp) */
+    int64_t stop_index, stop_page, stop_why, stop_rc;  /* before ops[stop_index] (a part: its page stop_page) */
 } hc_state;
 
 typedef struct {

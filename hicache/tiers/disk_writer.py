@@ -67,7 +67,6 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 
 import lmdb
@@ -75,10 +74,11 @@ import lmdb
 from hicache.errors import DiskTierError
 from hicache.tiers import disk_format as fmt
 from hicache.tiers import disk_native
-from hicache.tiers.disk_batch import BatchPart, PutBatch, expand_all, put_bytes
+from hicache.tiers.disk_batch import BatchPart, expand_all, put_bytes
 from hicache.tiers.disk_config import DiskTierConfig
-from hicache.tiers.disk_ops import (HASH_OFFLOAD_BYTES, BarrierOp, DeleteOp, DropOp, HashJob, OnDone, PutOp,
+from hicache.tiers.disk_ops import (HASH_OFFLOAD_BYTES, BarrierOp, DeleteOp, DropOp, HashJob, PutOp,
                                     native_ok)
+from hicache.tiers.disk_queue import WriteQueue
 
 log = logging.getLogger(__name__)
 
@@ -142,90 +142,17 @@ class DiskWriter:
         self._last_warning = -1e9
         self._suppressed = 0
         self._last_touch_flush = time.monotonic()
-        # Queue state, guarded by _cond.
-        self._cond = threading.Condition()
-        self._queue: deque[PutOp | BatchPart | DeleteOp | DropOp | BarrierOp] = deque()
-        self._queued_pages = 0
-        self._queued_bytes = 0
-        self._puts = 0
-        self._skipped_queue_full = 0
-        self._skipped_disabled = 0
-        self._touches: dict[bytes, float] = {}
-        self._closing = False
-        self._writer_waiting = False  # in _take_batch's wait: puts notify only then
+        self.queue = WriteQueue(config, self._psize)  # what callers append to (disk_queue.py)
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="hicache-disk-hash")
         self._thread = threading.Thread(target=self._main, name="hicache-disk-writer", daemon=True)
         self._thread.start()
 
-    # ------------------------------------------------------- any thread: the queue
-
-    def put(self, salt: bytes, key: bytes, parent: bytes | None, tokens: bytes, page: memoryview,
-            on_done: OnDone | None, parent_required: bool = True) -> bool:
-        """Queue one (validated) page; False (counted) when full, closing or disabled."""
-        op = PutOp(salt, key, parent, tokens, page, on_done, parent_required)
-        with self._cond:
-            if self._fault and time.monotonic() < self._retry_at:
-                self._skipped_disabled += 1
-                return False
-            if self._closing or self._queued_pages >= self.config.max_queue_pages or \
-                    self._queued_bytes + page.nbytes > self.config.max_queue_bytes:
-                self._skipped_queue_full += 1
-                return False
-            self._queue.append(op)
-            self._queued_pages += 1
-            self._queued_bytes += page.nbytes
-            self._puts += 1
-            if self._writer_waiting:  # a notify costs ~0.5 us of Python; only a waiting writer needs one
-                self._cond.notify()
-        return True
-
-    def put_many(self, batch: PutBatch) -> int:
-        """Queue a (validated) batch, or as many of its first pages as the queue holds:
-        their number (the rest is counted as skipped). One queue item."""
-        n, size = batch.n_pages, batch.page_bytes
-        batch.charge = fmt.footprint(size, batch.token_bytes // 4, self._psize)
-        with self._cond:
-            if self._fault and time.monotonic() < self._retry_at:
-                self._skipped_disabled += n
-                return 0
-            room = 0 if self._closing else min(n, self.config.max_queue_pages - self._queued_pages,
-                                                (self.config.max_queue_bytes - self._queued_bytes) // size)
-            if room <= 0:
-                self._skipped_queue_full += n
-                return 0
-            self._skipped_queue_full += n - room
-            batch.n_pages = batch.pending = room
-            batch.results = bytearray(room)
-            self._queue.append(BatchPart(batch, 0, room))
-            self._queued_pages += room
-            self._queued_bytes += room * size
-            self._puts += room
-            if self._writer_waiting:
-                self._cond.notify()
-        return room
-
-    def delete(self, keys: list[bytes]) -> None:
-        self._enqueue(DeleteOp(keys))
-
-    def drop(self, key: bytes, checksum: tuple[int, int] | None) -> None:
-        """Delete a corrupt entry unless it is rewritten before the writer gets to it."""
-        self._enqueue(DropOp(key, checksum))
-
-    def touch(self, keys: Iterable[bytes]) -> None:
-        now = time.time()
-        with self._cond:
-            room = self.config.max_pending_touches - len(self._touches)
-            for k in keys:
-                if room <= 0:
-                    break
-                if k not in self._touches:
-                    room -= 1
-                self._touches[k] = now
+    # ------------------------------------------------------- any thread
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Block until everything queued so far is committed; False on timeout."""
         done = threading.Event()
-        if not self._enqueue(BarrierOp(done)):
+        if not self.queue.enqueue(BarrierOp(done)):
             return True
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not done.wait(0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))):
@@ -238,28 +165,11 @@ class DiskWriter:
     def stop(self) -> bool:
         """Drain the queue, commit and end the thread. Every caller waits for the
         thread; only the first gets True."""
-        with self._cond:
-            first = not self._closing
-            self._closing = True
-            self._cond.notify_all()
+        first = self.queue.close()
         self._thread.join()
         if first:
             self._hasher.shutdown(wait=True)
         return first
-
-    def _enqueue(self, op: DeleteOp | DropOp | BarrierOp) -> bool:
-        with self._cond:
-            if self._closing:
-                return False
-            self._queue.append(op)
-            self._cond.notify()
-        return True
-
-    def queue_stats(self) -> dict:
-        with self._cond:
-            return dict(queue_depth=len(self._queue), queue_bytes=self._queued_bytes, puts=self._puts,
-                        skipped_queue_full=self._skipped_queue_full, skipped_disabled=self._skipped_disabled,
-                        pending_touches=len(self._touches))
 
     def write_counters(self) -> dict:
         return dict(self._w)
@@ -284,7 +194,7 @@ class DiskWriter:
     def _main(self) -> None:
         while True:
             try:
-                ops, stop = self._take_batch()
+                ops, stop = self.queue.take(self.batch_ops, self.batch_limit)
                 if ops or self._touch_due(stop):
                     self._run_batch(ops, stop or any(isinstance(o, BarrierOp) for o in ops))
             except Exception:  # a bug; the writer must outlive it
@@ -295,56 +205,9 @@ class DiskWriter:
                 return
 
     def _touch_due(self, force: bool) -> bool:
-        if not self._touches:
+        if not self.queue.touches:
             return False
         return force or time.monotonic() - self._last_touch_flush >= self.config.touch_interval_s
-
-    def _take_batch(self) -> tuple[list, bool]:
-        cfg = self.config
-        with self._cond:
-            while not self._queue and not self._closing:
-                self._writer_waiting = True
-                try:
-                    if not self._cond.wait(cfg.touch_interval_s) and self._touches:
-                        return [], False
-                finally:
-                    self._writer_waiting = False
-            ops: list = []
-            n_bytes = 0
-            n_keys = 0  # puts and deleted keys: each copies up to a B-tree path per database
-            queue, psize, footprint = self._queue, self._psize, fmt.footprint
-            while queue and n_keys < self.batch_ops and n_bytes < self.batch_limit:
-                op = queue.popleft()
-                kind = type(op)
-                if kind is PutOp:  # the common case first
-                    ops.append(op)
-                    n_keys += 1
-                    self._queued_pages -= 1
-                    self._queued_bytes -= op.page.nbytes
-                    op.charge = footprint(op.page.nbytes, len(op.tokens) // 4, psize)
-                    n_bytes += op.charge
-                    continue
-                if kind is BatchPart:  # as many of its pages as the transaction takes; the rest waits
-                    charge = op.batch.charge
-                    take = min(op.hi - op.lo, self.batch_ops - n_keys, -(-(self.batch_limit - n_bytes) // charge))
-                    if take < op.hi - op.lo:
-                        queue.appendleft(BatchPart(op.batch, op.lo + take, op.hi))
-                        op = BatchPart(op.batch, op.lo, op.lo + take)
-                    ops.append(op)
-                    n_keys += take
-                    n_bytes += take * charge
-                    self._queued_pages -= take
-                    self._queued_bytes -= take * op.batch.page_bytes
-                    continue
-                if kind is DeleteOp and n_keys + len(op.keys) > self.batch_ops:
-                    room = max(1, self.batch_ops - n_keys)  # the rest waits for the next transaction
-                    queue.appendleft(DeleteOp(op.keys[room:]))
-                    op = DeleteOp(op.keys[:room])
-                ops.append(op)
-                n_keys += len(op.keys) if kind is DeleteOp else 1
-                if kind is BarrierOp:
-                    break  # commit everything before it, then release the waiter (a barrier ends a batch)
-            return ops, self._closing and not self._queue
 
     def _run_batch(self, ops: list, force_touch: bool) -> None:
         results = None
@@ -370,7 +233,7 @@ class DiskWriter:
                         p.on_done(p.key, ok)
                     except Exception:
                         log.exception("disk tier on_done callback failed")
-            if ops and type(ops[-1]) is BarrierOp:  # only ever last (_take_batch)
+            if ops and type(ops[-1]) is BarrierOp:  # only ever last (WriteQueue.take)
                 ops[-1].done.set()
 
     def _write(self, ops: list, force_touch: bool) -> list[tuple[PutOp | BatchPart, bool | None]]:
@@ -446,6 +309,7 @@ class DiskWriter:
 
     def _disable(self, e: BaseException) -> None:
         self._retry_at = time.monotonic() + self.config.write_retry_s
+        self.queue.refuse_until = self._retry_at
         if not self._fault:
             self._faults += 1
             log.error("disk tier %s: writes disabled: a batch failed even op by op (%s: %s); reads go on, "
@@ -524,9 +388,8 @@ class DiskWriter:
                         break
                     results.append((op, ok))
                 i += 1
-            if self._touches and (force_touch or self._touch_due(False)):
-                with self._cond:
-                    touches, self._touches = self._touches, {}
+            if self.queue.touches and (force_touch or self._touch_due(False)):
+                touches = self.queue.take_touches()
                 for k, t in touches.items():
                     cur = txn.get(k, db=self._meta)
                     if cur is not None:
@@ -541,6 +404,7 @@ class DiskWriter:
         if self._fault:
             log.warning("disk tier %s: writes resumed after %s", self.path, self._fault)
             self._fault = ""
+            self.queue.refuse_until = 0.0
         if touches is not None:
             self._last_touch_flush = time.monotonic()
         self._doomed.clear()
