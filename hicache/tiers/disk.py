@@ -1,10 +1,16 @@
 """The disk tier (L3): KV pages in one LMDB environment that survives restarts.
 
 Threads and ownership
-- Every write runs on one writer thread (hicache/tiers/disk_writer.py: the
-  queue, batching, the budget, error recovery). ``put_async``/``delete_async``
-  never block: a full queue is a ``False`` return.
-- ``on_done(key, ok)`` and ``evict_hook(bytes_needed)`` run ON THE WRITER
+- Every write runs on one writer thread (hicache/tiers/disk_writer.py: batching,
+  the budget, error recovery; its queue in disk_queue.py). ``put_async``,
+  ``put_many_async`` and ``delete_async`` never block: a full queue is a
+  ``False`` return (for a batch, fewer pages queued than asked).
+- ``put_many_async`` queues a run of pages (e.g. a radix node's) as one item,
+  read from rows of one buffer, and answers it with one ``on_done(oks)``:
+  neither thread runs Python per page (hicache/tiers/disk_batch.py). The
+  daemon's write-through and demotion use it; ``put_async`` stays for single
+  records (state checkpoints, imports).
+- ``on_done`` and ``evict_hook(bytes_needed)`` run ON THE WRITER
   THREAD. An asyncio owner hops back with ``loop.call_soon_threadsafe``; the
   hook must be thread-safe (or answer from a list prepared on the loop).
   Neither may call ``flush``/``close`` (the writer would wait for itself).

@@ -1,8 +1,9 @@
-"""The disk writer's put loop in C: one call writes a run of queued puts (parent
-check, dedup lookup, budget check, page, XXH3, meta record, in
-``DiskWriter._put``'s order, so LMDB allocates the map's pages as it does for
-the Python loop) inside the writer's open LMDB transaction, with the GIL
-released for the whole run.
+"""The disk writer's put loop in C: one call writes a run of queued puts and
+batch parts (disk_batch.py: each page's key, parent, tokens and row read from the
+batch's arrays, no Python object per page): parent check, budget check, XXH3,
+then the meta record inserted only if the key is new (``MDB_NOOVERWRITE``: the
+dedup test and the insert in one B-tree descent), then the page; inside the
+writer's open LMDB transaction, with the GIL released for the whole run.
 
 Why: py-lmdb drops the GIL in every call, and a thread that drops it waits to
 get it back for as long as another thread runs Python (the daemon's event loop,
@@ -26,7 +27,9 @@ too. XXH3 is the ``xxhash`` extension's own exported ``XXH3_64bits_dispatch``
 reads verify with.
 
 The C loop decides only the common case and hands anything else back to the
-writer (``STOP_PYTHON``, at that op, nothing of it done): a key already on disk
+writer (``STOP_PYTHON``, at that op or page of a part, nothing of it done; the
+budget is tested before the dedup, so a duplicate over the budget comes back
+too, and Python finds it a duplicate as before): a key already on disk
 under another namespace or size, a put over the byte budget or the map budget
 (the evict hook is Python's), or one that fits only once freed pages are
 reusable. Its budget arithmetic is ``DiskWriter._put``'s, on the same running
