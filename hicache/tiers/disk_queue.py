@@ -34,6 +34,7 @@ class WriteQueue:
         self._ops: deque[PutOp | BatchPart | DeleteOp | DropOp | BarrierOp] = deque()
         self._queued_pages = 0
         self._queued_bytes = 0
+        self._other_ops = 0  # queued deletions, drops and barriers
         self._puts = 0
         self._skipped_queue_full = 0
         self._skipped_disabled = 0
@@ -113,6 +114,7 @@ class WriteQueue:
             if self.closing:
                 return False
             self._ops.append(op)
+            self._other_ops += 1
             self.cond.notify()
         return True
 
@@ -126,9 +128,9 @@ class WriteQueue:
 
     def stats(self) -> dict:
         with self.cond:
-            return dict(queue_depth=len(self._ops), queue_bytes=self._queued_bytes, puts=self._puts,
-                        skipped_queue_full=self._skipped_queue_full, skipped_disabled=self._skipped_disabled,
-                        pending_touches=len(self.touches))
+            return dict(queue_depth=self._queued_pages + self._other_ops, queue_bytes=self._queued_bytes,
+                        puts=self._puts, skipped_queue_full=self._skipped_queue_full,
+                        skipped_disabled=self._skipped_disabled, pending_touches=len(self.touches))
 
     def take_touches(self) -> dict[bytes, float]:
         with self.cond:
@@ -179,6 +181,8 @@ class WriteQueue:
                     room = max(1, batch_ops - n_keys)  # the rest waits for the next transaction
                     queue.appendleft(DeleteOp(op.keys[room:]))
                     op = DeleteOp(op.keys[:room])
+                else:
+                    self._other_ops -= 1
                 ops.append(op)
                 n_keys += len(op.keys) if kind is DeleteOp else 1
                 if kind is BarrierOp:

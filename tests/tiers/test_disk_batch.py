@@ -121,7 +121,7 @@ def test_a_nearly_full_queue_takes_the_first_pages(tier):
     assert tier.put_many_async(SALT, keys[10:], keys[9], np.zeros(56, np.int32), store[10:], answers) == 6
     assert tier.put_many_async(SALT, keys[16:], keys[15], np.zeros(32, np.int32), store[16:], answers) == 0
     st = tier.stats()
-    assert st["skipped_queue_full"] == 8 + 8 and st["queue_depth"] == 2 and st["puts"] == 1 + 16
+    assert st["skipped_queue_full"] == 8 + 8 and st["queue_depth"] == 16 and st["puts"] == 1 + 16
     gate.open.set()
     assert tier.flush(timeout_s=60)
     assert answers.calls == [[True] * 10, [True] * 6]  # the refused batch is never answered
