@@ -92,7 +92,10 @@ the producer, against ~6 us for raw's whole put); per byte, the XXH3 pass (~60
 GB/s, against raw puts at 12-16 GB/s from cache-hot sources: 20-25% more CPU
 for 1-4 MiB pages on its own). Runs of puts under 1 MiB therefore go through
 a C loop with the GIL released (disk_native.py): the writer's CPU per 16 KiB
-page fell by ~45% (docs/benchmarks.md, 2026-11-26). Cold gets run at the device's
+page fell by ~45% (docs/benchmarks.md, 2026-11-26); batches (``put_many_async``)
+then took the Python per page off both threads: puts 0.42-0.58 / 0.66-0.70 /
+0.71-1.0 of raw per CPU-second at 16 / 64 / 256 KiB, the rest being the meta
+record's second B-tree insert and XXH3 (docs/benchmarks.md). Cold gets run at the device's
 random-read rate (disk_bench's ``random_pread`` row): reads outside the map and
 ``madvise``/``fadvise`` readahead measured no faster (docs/benchmarks.md). A prefetch's
 chain lies in consecutive pages of the file, but looking a batch up first and reading
@@ -121,7 +124,7 @@ import numpy as np
 from hicache.errors import ConfigError, DiskTierError
 from hicache.tiers import disk_env
 from hicache.tiers import disk_format as fmt
-from hicache.tiers.disk_batch import BatchDone, PutBatch
+from hicache.tiers.disk_batch import BatchDone, make_batch
 from hicache.tiers.disk_config import DiskTierConfig
 from hicache.tiers.disk_format import DiskRecord
 from hicache.tiers.disk_ops import OnDone
@@ -139,13 +142,6 @@ __all__ = ["DiskTier", "DiskTierConfig", "DiskRecord", "Durability", "DEFAULT_DU
 
 Durability = Literal["none", "batch", "sync"]
 DEFAULT_DURABILITY: Durability = "none"
-
-
-def _check_key(name: str, value: object) -> bytes:
-    if not isinstance(value, bytes) or len(value) != fmt.KEY_BYTES:
-        raise ValueError(f"{name} must be {fmt.KEY_BYTES} bytes, got {type(value).__name__} "
-                         f"of length {len(value) if isinstance(value, (bytes, bytearray)) else '?'}")
-    return value
 
 
 def _readable_bytes(page: object) -> memoryview:
@@ -273,10 +269,10 @@ class DiskTier:
         refused too. Pass False for records whose ``parent_key`` only anchors
         them (state checkpoints name a KV page of another salt)."""
         if type(salt) is not bytes or type(key) is not bytes or len(salt) != 16 or len(key) != 16:
-            _check_key("salt", salt)  # the message (this path is hot: one test when all is well)
-            _check_key("key", key)
+            fmt.check_key("salt", salt)  # the message (this path is hot: one test when all is well)
+            fmt.check_key("key", key)
         if parent_key is not None:
-            _check_key("parent_key", parent_key)
+            fmt.check_key("parent_key", parent_key)
         if type(tokens) is np.ndarray and tokens.dtype == _INT32 and tokens.ndim == 1:
             tok_bytes = tokens.tobytes()  # the common case: no conversion
         else:
@@ -307,39 +303,12 @@ class DiskTier:
         and page 0 ``parent_key``; otherwise every page has ``parent_key``.
         ``on_done(oks)`` fires once, on the writer thread, after the last queued page's
         commit (or rejection), with one bool per queued page."""
-        _check_key("salt", salt)
-        if parent_key is not None:
-            _check_key("parent_key", parent_key)
-        n = len(keys)
-        if n == 0:
-            raise ValueError("keys is empty")
-        if set(map(type, keys)) != {bytes} or set(map(len, keys)) != {fmt.KEY_BYTES}:
-            for k in keys:
-                _check_key("key", k)
-        try:
-            mv = memoryview(pages)  # type: ignore[arg-type]
-        except TypeError as e:
-            raise ValueError(f"pages must be a 2-D buffer of rows, got {type(pages).__name__}") from e
-        if mv.ndim != 2 or not mv.c_contiguous or mv.nbytes == 0:
-            raise ValueError(f"pages must be a non-empty C-contiguous 2-D buffer, got {mv.ndim} dimensions")
-        n_rows, page_bytes = mv.shape[0], mv.nbytes // mv.shape[0]
-        row = np.arange(n, dtype=np.int64) if rows is None else np.asarray(rows)
-        if row.shape != (n,) or row.dtype.kind not in "iu":
-            raise ValueError(f"rows must be {n} integers, one per key")
-        if rows is None and n_rows < n or n and (row.min() < 0 or row.max() >= n_rows):
-            raise ValueError(f"pages has {n_rows} rows: a page is out of range")
-        tok = np.asarray(tokens)
-        if tok.ndim not in (1, 2) or tok.dtype.kind not in "iu" or tok.size % n or \
-                tok.ndim == 2 and tok.shape[0] != n:
-            raise ValueError(f"tokens must be integers, the same number for each of the {n} pages")
-        batch = PutBatch(salt, b"".join(keys), parent_key, chained, tok.astype("<i4", copy=False).tobytes(),
-                         4 * (tok.size // n), mv.cast("B"), page_bytes,
-                         memoryview(np.array(row, dtype=np.int64)), on_done, parent_required, n)
+        batch = make_batch(salt, keys, parent_key, tokens, pages, on_done, rows, chained, parent_required)
         return self._queue.put_many(batch)
 
     def delete_async(self, keys: Iterable[bytes]) -> None:
         """Queue deletions (not bounded by the queue limits: they carry no pages)."""
-        batch = [_check_key("key", k) for k in keys]
+        batch = [fmt.check_key("key", k) for k in keys]
         if batch:
             self._queue.delete(batch)
 
@@ -365,8 +334,8 @@ class DiskTier:
         not have the stored page's size (a caller error; nothing changes).
         """
         if type(salt) is not bytes or type(key) is not bytes or len(salt) != 16 or len(key) != 16:
-            _check_key("salt", salt)  # the message (this path is hot: one test when all is well)
-            _check_key("key", key)
+            fmt.check_key("salt", salt)  # the message (this path is hot: one test when all is well)
+            fmt.check_key("key", key)
         dst = _writable_bytes(out)
         if self._closed:
             raise DiskTierError(f"{self.path}: disk tier is closed")
@@ -422,9 +391,9 @@ class DiskTier:
         result is the list of hits. Wrap it with ``asyncio.wrap_future``."""
         if len(keys) != len(outs):
             raise ValueError(f"{len(keys)} keys but {len(outs)} output buffers")
-        _check_key("salt", salt)
+        fmt.check_key("salt", salt)
         for k in keys:
-            _check_key("key", k)
+            fmt.check_key("key", k)
         result: Future[list[bool]] = Future()
         hits: list[bool] = [False] * len(keys)
         if not keys:

@@ -26,9 +26,12 @@ arrays; the C loop reads each page's fields straight from them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
+from hicache.tiers import disk_format as fmt
 from hicache.tiers.disk_ops import PutOp
 
 log = logging.getLogger(__name__)
@@ -87,6 +90,39 @@ class PutBatch:
             self.on_done(list(map(bool, self.results.translate(_OK))))
         except Exception:
             log.exception("disk tier on_done callback failed")
+
+def make_batch(salt: bytes, keys: Sequence[bytes], parent_key: bytes | None, tokens: object, pages: object,
+               on_done: BatchDone | None, rows: object, chained: bool, parent_required: bool) -> PutBatch:
+    """``DiskTier.put_many_async``'s arguments checked (ValueError, nothing queued) and
+    turned into a batch: keys joined, tokens as int32 bytes, the rows copied."""
+    fmt.check_key("salt", salt)
+    if parent_key is not None:
+        fmt.check_key("parent_key", parent_key)
+    n = len(keys)
+    if n == 0:
+        raise ValueError("keys is empty")
+    if set(map(type, keys)) != {bytes} or set(map(len, keys)) != {fmt.KEY_BYTES}:
+        for k in keys:
+            fmt.check_key("key", k)
+    try:
+        mv = memoryview(pages)  # type: ignore[arg-type]
+    except TypeError as e:
+        raise ValueError(f"pages must be a 2-D buffer of rows, got {type(pages).__name__}") from e
+    if mv.ndim != 2 or not mv.c_contiguous or mv.nbytes == 0:
+        raise ValueError(f"pages must be a non-empty C-contiguous 2-D buffer, got {mv.ndim} dimensions")
+    n_rows, page_bytes = mv.shape[0], mv.nbytes // mv.shape[0]
+    row = np.arange(n, dtype=np.int64) if rows is None else np.asarray(rows)
+    if row.shape != (n,) or row.dtype.kind not in "iu":
+        raise ValueError(f"rows must be {n} integers, one per key")
+    if rows is None and n_rows < n or n and (row.min() < 0 or row.max() >= n_rows):
+        raise ValueError(f"pages has {n_rows} rows: a page is out of range")
+    tok = np.asarray(tokens)
+    if tok.ndim not in (1, 2) or tok.dtype.kind not in "iu" or tok.size % n or \
+            tok.ndim == 2 and tok.shape[0] != n:
+        raise ValueError(f"tokens must be integers, the same number for each of the {n} pages")
+    return PutBatch(salt, b"".join(keys), parent_key, chained, tok.astype("<i4", copy=False).tobytes(),
+                     4 * (tok.size // n), mv.cast("B"), page_bytes,
+                     memoryview(np.array(row, dtype=np.int64)), on_done, parent_required, n)
 
 
 @dataclass(slots=True, eq=False)
