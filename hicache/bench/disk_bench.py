@@ -17,10 +17,10 @@ transaction, in one thread; gets are one read transaction per page,
 ring, in the same shuffled order. Raw does NOT write a meta record, a totals
 record or a dedup lookup, computes no checksum and has no queue or writer
 thread: the ratio charges the tier for all of its own work, including the
-``put_async`` call on the producer's thread and the GIL hand-offs between it
-and the writer. The tier's producer refills the queue from half empty and
-takes results through a C-level callback (see ``_tier_put``), so the harness
-itself costs next to nothing per page.
+``put_many_async`` call on the producer's thread and the GIL hand-offs between it
+and the writer. The tier's producer queues batches of raw's transaction size,
+as many as the queue holds, and waits for an answer before queueing the next
+(see ``_tier_put``), so the harness itself costs next to nothing per page.
 
 Puts are timed from the first put to the commit of the last one: "put_fresh"
 into a new environment (first-touch page faults: raw's sparse file pays for
@@ -178,25 +178,33 @@ def _raw_cold_get(path: str, size: int, keys: list[bytes]) -> tuple[float, float
 
 def _tier_put(tier: DiskTier, salt: bytes, size: int, keys: list[bytes],
               pages: list[np.ndarray]) -> tuple[float, float]:
-    """Puts as fast as the queue takes them. When the queue is full (put_async
-    answers False) the producer sleeps in 100 us steps until half of the queue
-    has been written, then refills it: the writer never runs dry, and the
-    harness adds next to nothing per page (on_done is a C-level
-    dict.__setitem__; every result is checked after the flush)."""
-    results: dict[bytes, bool] = {}
-    done = results.__setitem__
-    tokens = np.zeros(16, dtype=np.int32)
-    low_water = tier.config.max_queue_pages // 2
+    """Puts as fast as the queue takes them, in batches of the size raw commits
+    (``put_many_async``, as the daemon's write-through queues a node's pages), as many
+    in flight as the queue holds: the producer blocks on a semaphore that each batch's
+    answer releases, so the writer never runs dry and the harness adds next to nothing
+    per page (one Python call per batch; every result is checked after the flush)."""
+    results: list[bool] = []
+    cfg = tier.config
+    batch = max(1, min(cfg.batch_pages, cfg.batch_bytes // size))
+    room = threading.Semaphore(max(1, min(cfg.max_queue_pages // batch, cfg.max_queue_bytes // (batch * size))))
+    store = np.stack(pages)  # the 8 source pages as rows; page i is row i % 8
+    rows = np.arange(len(keys)) % len(pages)
+    tokens = np.zeros(16 * batch, dtype=np.int32)
+
+    def done(oks: list[bool]) -> None:
+        results.extend(oks)
+        room.release()
+
     with _Clock() as put:
-        for i, k in enumerate(keys):
-            while not tier.put_async(salt, k, None, tokens, pages[i % len(pages)], done):
-                deadline = time.monotonic() + 60
-                while i - len(results) > low_water:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"the tier wrote nothing for 60 s: {tier.stats()}")
-                    time.sleep(100e-6)
+        for i in range(0, len(keys), batch):
+            n = min(batch, len(keys) - i)
+            if not room.acquire(timeout=60):
+                raise RuntimeError(f"the tier wrote nothing for 60 s: {tier.stats()}")
+            if tier.put_many_async(salt, keys[i:i + n], None, tokens[:16 * n], store, done, rows=rows[i:i + n],
+                                   chained=False) != n:
+                raise RuntimeError(f"the queue refused pages in the benchmark: {tier.stats()}")
         tier.flush()
-    failed = sum(not ok for ok in results.values())
+    failed = sum(not ok for ok in results)
     if failed or len(results) != len(keys):
         raise RuntimeError(f"{failed} puts rejected, {len(keys) - len(results)} unanswered in the benchmark")
     return put.rates(len(keys) * size)

@@ -1,10 +1,16 @@
 """The disk tier (L3): KV pages in one LMDB environment that survives restarts.
 
 Threads and ownership
-- Every write runs on one writer thread (hicache/tiers/disk_writer.py: the
-  queue, batching, the budget, error recovery). ``put_async``/``delete_async``
-  never block: a full queue is a ``False`` return.
-- ``on_done(key, ok)`` and ``evict_hook(bytes_needed)`` run ON THE WRITER
+- Every write runs on one writer thread (hicache/tiers/disk_writer.py: batching,
+  the budget, error recovery; its queue in disk_queue.py). ``put_async``,
+  ``put_many_async`` and ``delete_async`` never block: a full queue is a
+  ``False`` return (for a batch, fewer pages queued than asked).
+- ``put_many_async`` queues a run of pages (e.g. a radix node's) as one item,
+  read from rows of one buffer, and answers it with one ``on_done(oks)``:
+  neither thread runs Python per page (hicache/tiers/disk_batch.py). The
+  daemon's write-through and demotion use it; ``put_async`` stays for single
+  records (state checkpoints, imports).
+- ``on_done`` and ``evict_hook(bytes_needed)`` run ON THE WRITER
   THREAD. An asyncio owner hops back with ``loop.call_soon_threadsafe``; the
   hook must be thread-safe (or answer from a list prepared on the loop).
   Neither may call ``flush``/``close`` (the writer would wait for itself).
@@ -86,7 +92,10 @@ the producer, against ~6 us for raw's whole put); per byte, the XXH3 pass (~60
 GB/s, against raw puts at 12-16 GB/s from cache-hot sources: 20-25% more CPU
 for 1-4 MiB pages on its own). Runs of puts under 1 MiB therefore go through
 a C loop with the GIL released (disk_native.py): the writer's CPU per 16 KiB
-page fell by ~45% (docs/benchmarks.md, 2026-11-26). Cold gets run at the device's
+page fell by ~45% (docs/benchmarks.md, 2026-11-26); batches (``put_many_async``)
+then took the Python per page off both threads: puts 0.42-0.58 / 0.66-0.70 /
+0.71-1.0 of raw per CPU-second at 16 / 64 / 256 KiB, the rest being the meta
+record's second B-tree insert and XXH3 (docs/benchmarks.md). Cold gets run at the device's
 random-read rate (disk_bench's ``random_pread`` row): reads outside the map and
 ``madvise``/``fadvise`` readahead measured no faster (docs/benchmarks.md). A prefetch's
 chain lies in consecutive pages of the file, but looking a batch up first and reading
@@ -115,9 +124,11 @@ import numpy as np
 from hicache.errors import ConfigError, DiskTierError
 from hicache.tiers import disk_env
 from hicache.tiers import disk_format as fmt
+from hicache.tiers.disk_batch import BatchDone, make_batch
 from hicache.tiers.disk_config import DiskTierConfig
 from hicache.tiers.disk_format import DiskRecord
-from hicache.tiers.disk_writer import DiskWriter, EvictHook, OnDone
+from hicache.tiers.disk_ops import OnDone
+from hicache.tiers.disk_writer import DiskWriter, EvictHook
 
 log = logging.getLogger(__name__)
 
@@ -131,13 +142,6 @@ __all__ = ["DiskTier", "DiskTierConfig", "DiskRecord", "Durability", "DEFAULT_DU
 
 Durability = Literal["none", "batch", "sync"]
 DEFAULT_DURABILITY: Durability = "none"
-
-
-def _check_key(name: str, value: object) -> bytes:
-    if not isinstance(value, bytes) or len(value) != fmt.KEY_BYTES:
-        raise ValueError(f"{name} must be {fmt.KEY_BYTES} bytes, got {type(value).__name__} "
-                         f"of length {len(value) if isinstance(value, (bytes, bytearray)) else '?'}")
-    return value
 
 
 def _readable_bytes(page: object) -> memoryview:
@@ -189,6 +193,7 @@ class DiskTier:
                                   capacity_bytes=capacity_bytes, map_size=opened.map_size, config=config,
                                   evict_hook=evict_hook,
                                   used_bytes=opened.used_bytes, num_pages=opened.num_pages)
+        self._queue = self._writer.queue
 
     # ----------------------------------------------------------------- open/close
 
@@ -264,10 +269,10 @@ class DiskTier:
         refused too. Pass False for records whose ``parent_key`` only anchors
         them (state checkpoints name a KV page of another salt)."""
         if type(salt) is not bytes or type(key) is not bytes or len(salt) != 16 or len(key) != 16:
-            _check_key("salt", salt)  # the message (this path is hot: one test when all is well)
-            _check_key("key", key)
+            fmt.check_key("salt", salt)  # the message (this path is hot: one test when all is well)
+            fmt.check_key("key", key)
         if parent_key is not None:
-            _check_key("parent_key", parent_key)
+            fmt.check_key("parent_key", parent_key)
         if type(tokens) is np.ndarray and tokens.dtype == _INT32 and tokens.ndim == 1:
             tok_bytes = tokens.tobytes()  # the common case: no conversion
         else:
@@ -280,17 +285,36 @@ class DiskTier:
             mv = memoryview(page)  # the common case: already flat bytes
         else:
             mv = _readable_bytes(page)
-        return self._writer.put(salt, key, parent_key, tok_bytes, mv, on_done, parent_required)
+        return self._queue.put(salt, key, parent_key, tok_bytes, mv, on_done, parent_required)
+
+    def put_many_async(self, salt: bytes, keys: Sequence[bytes], parent_key: bytes | None, tokens: object,
+                       pages: object, on_done: BatchDone | None = None, *, rows: object = None,
+                       chained: bool = True, parent_required: bool = True) -> int:
+        """Queue ``len(keys)`` pages as one item (hicache/tiers/disk_batch.py): ``put_async``
+        for each, in order, without Python per page on either thread. Returns how many of
+        the first pages were queued (the rest did not fit the queue, or writes are disabled
+        or closing: counted as ``put_async``'s refusals); 0 queues nothing.
+
+        ``pages`` is one C-contiguous 2-D buffer whose rows are pages (e.g. an arena viewed
+        as ``(slots, page_bytes)``); page i is row ``rows[i]`` (default: row i). Like
+        ``put_async`` it is not copied: keep those rows unchanged until ``on_done``.
+        ``tokens`` holds the same number of tokens for every page, page after page (1-D)
+        or one row per page (2-D). With ``chained`` page i > 0 has page i - 1 as parent
+        and page 0 ``parent_key``; otherwise every page has ``parent_key``.
+        ``on_done(oks)`` fires once, on the writer thread, after the last queued page's
+        commit (or rejection), with one bool per queued page."""
+        batch = make_batch(salt, keys, parent_key, tokens, pages, on_done, rows, chained, parent_required)
+        return self._queue.put_many(batch)
 
     def delete_async(self, keys: Iterable[bytes]) -> None:
         """Queue deletions (not bounded by the queue limits: they carry no pages)."""
-        batch = [_check_key("key", k) for k in keys]
+        batch = [fmt.check_key("key", k) for k in keys]
         if batch:
-            self._writer.delete(batch)
+            self._queue.delete(batch)
 
     def touch(self, keys: Iterable[bytes]) -> None:
         """Note an access; persisted lazily, every ``touch_interval_s``."""
-        self._writer.touch(keys)
+        self._queue.touch(keys)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Block until everything queued so far is committed (and touches
@@ -310,8 +334,8 @@ class DiskTier:
         not have the stored page's size (a caller error; nothing changes).
         """
         if type(salt) is not bytes or type(key) is not bytes or len(salt) != 16 or len(key) != 16:
-            _check_key("salt", salt)  # the message (this path is hot: one test when all is well)
-            _check_key("key", key)
+            fmt.check_key("salt", salt)  # the message (this path is hot: one test when all is well)
+            fmt.check_key("key", key)
         dst = _writable_bytes(out)
         if self._closed:
             raise DiskTierError(f"{self.path}: disk tier is closed")
@@ -359,7 +383,7 @@ class DiskTier:
                 r["corrupt_pages"] += 1
         if status == "corrupt":
             self._writer.warn("corrupt page %s dropped", key.hex())
-            self._writer.drop(key, None if fields is None else fields[2])
+            self._queue.drop(key, None if fields is None else fields[2])
         return False
 
     def get_many_async(self, salt: bytes, keys: Sequence[bytes], outs: Sequence[object]) -> Future[list[bool]]:
@@ -367,9 +391,9 @@ class DiskTier:
         result is the list of hits. Wrap it with ``asyncio.wrap_future``."""
         if len(keys) != len(outs):
             raise ValueError(f"{len(keys)} keys but {len(outs)} output buffers")
-        _check_key("salt", salt)
+        fmt.check_key("salt", salt)
         for k in keys:
-            _check_key("key", k)
+            fmt.check_key("key", k)
         result: Future[list[bool]] = Future()
         hits: list[bool] = [False] * len(keys)
         if not keys:
@@ -423,7 +447,7 @@ class DiskTier:
 
     def stats(self) -> dict:
         w = self._writer
-        q = w.queue_stats()
+        q = self._queue.stats()
         with self._rlock:
             r = dict(self._r)
         r["gets"] = r["hits"] + r["misses"]

@@ -89,6 +89,14 @@ _LMDB_NODE = 8
 _NODE_MAX = ((4096 - LMDB_PAGE_HEADER) // 2 & -2) - 2
 
 
+def check_key(name: str, value: object) -> bytes:
+    """`value` if it is a key (16 bytes), else ValueError naming it."""
+    if not isinstance(value, bytes) or len(value) != KEY_BYTES:
+        raise ValueError(f"{name} must be {KEY_BYTES} bytes, got {type(value).__name__} "
+                         f"of length {len(value) if isinstance(value, (bytes, bytearray)) else '?'}")
+    return value
+
+
 def _value_footprint(value_bytes: int, psize: int) -> int:
     node = _LMDB_NODE + KEY_BYTES + value_bytes
     if node <= _NODE_MAX:

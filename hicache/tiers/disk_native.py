@@ -1,8 +1,9 @@
-"""The disk writer's put loop in C: one call writes a run of queued puts (parent
-check, dedup lookup, budget check, page, XXH3, meta record, in
-``DiskWriter._put``'s order, so LMDB allocates the map's pages as it does for
-the Python loop) inside the writer's open LMDB transaction, with the GIL
-released for the whole run.
+"""The disk writer's put loop in C: one call writes a run of queued puts and
+batch parts (disk_batch.py: each page's key, parent, tokens and row read from the
+batch's arrays, no Python object per page): parent check, budget check, XXH3,
+then the meta record inserted only if the key is new (``MDB_NOOVERWRITE``: the
+dedup test and the insert in one B-tree descent), then the page; inside the
+writer's open LMDB transaction, with the GIL released for the whole run.
 
 Why: py-lmdb drops the GIL in every call, and a thread that drops it waits to
 get it back for as long as another thread runs Python (the daemon's event loop,
@@ -26,7 +27,9 @@ too. XXH3 is the ``xxhash`` extension's own exported ``XXH3_64bits_dispatch``
 reads verify with.
 
 The C loop decides only the common case and hands anything else back to the
-writer (``STOP_PYTHON``, at that op, nothing of it done): a key already on disk
+writer (``STOP_PYTHON``, at that op or page of a part, nothing of it done; the
+budget is tested before the dedup, so a duplicate over the budget comes back
+too, and Python finds it a duplicate as before): a key already on disk
 under another namespace or size, a put over the byte budget or the map budget
 (the evict hook is Python's), or one that fits only once freed pages are
 reusable. Its budget arithmetic is ``DiskWriter._put``'s, on the same running
@@ -70,6 +73,8 @@ typedef uint64_t (*hc_hash_fn)(const void *, size_t);              /* XXH3_64bit
 
 #define HC_NOTFOUND (-30798)
 #define HC_RESERVE 0x10000
+#define HC_NOOVERWRITE 0x10
+#define HC_KEYEXIST (-30799)
 #define HC_META_HEADER 72
 #define HC_PARENT_SCAN 16
 
@@ -81,19 +86,20 @@ typedef struct {
     double now;
     int64_t pages_written, bytes_written, dedup_puts, rejected_orphan;
     int64_t put_bytes_done;  /* page bytes of the ops done (written, duplicates, orphans) */
-    int64_t stop_index, stop_why, stop_rc;
+    int64_t stop_index, stop_page, stop_why, stop_rc;  /* before ops[stop_index] (a part: its page stop_page) */
 } hc_state;
 
 typedef struct {
-    const char *key, *salt, *parent, *tokens;
-    Py_ssize_t tokens_len;
+    const char *key, *salt, *parent, *tokens, *page;
+    Py_ssize_t tokens_len, page_len;
     int64_t charge;
     int parent_required;
-    Py_buffer page;
+    Py_ssize_t op_index, page_index;  /* where it came from: ops[op_index], page page_index of a batch (-1: a PutOp) */
 } hc_op;
 
 static const char hc_none[1] = {0};  /* marks a parent of None */
 static PyObject *n_key, *n_salt, *n_parent, *n_tokens, *n_page, *n_charge, *n_required, *n_job, *n_digest;
+static PyObject *n_batch, *n_lo, *n_hi, *n_keys, *n_chained, *n_token_bytes, *n_store, *n_page_bytes, *n_rows;
 
 static int hc_names(void) {
     if (n_key) return 0;
@@ -105,9 +111,19 @@ static int hc_names(void) {
     n_required = PyUnicode_InternFromString("parent_required");
     n_job = PyUnicode_InternFromString("job");
     n_digest = PyUnicode_InternFromString("digest");
+    n_batch = PyUnicode_InternFromString("batch");
+    n_lo = PyUnicode_InternFromString("lo");
+    n_hi = PyUnicode_InternFromString("hi");
+    n_keys = PyUnicode_InternFromString("keys");
+    n_chained = PyUnicode_InternFromString("chained");
+    n_token_bytes = PyUnicode_InternFromString("token_bytes");
+    n_store = PyUnicode_InternFromString("store");
+    n_page_bytes = PyUnicode_InternFromString("page_bytes");
+    n_rows = PyUnicode_InternFromString("rows");
     n_key = PyUnicode_InternFromString("key");
     return (n_key && n_salt && n_parent && n_tokens && n_page && n_charge && n_required && n_job
-            && n_digest) ? 0 : -1;
+            && n_digest && n_batch && n_lo && n_hi && n_keys && n_chained && n_token_bytes && n_store
+            && n_page_bytes && n_rows) ? 0 : -1;
 }
 
 /* A 16-byte bytes attribute; the op (alive in the caller's list) keeps it alive. */
@@ -122,11 +138,47 @@ static const char *hc_key16(PyObject *op, PyObject *name, int none_ok) {
     return p;
 }
 
+/* A bytes attribute (kept alive by its owner) and its length. */
+static const char *hc_bytes(PyObject *obj, PyObject *name, Py_ssize_t *len) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    const char *p = NULL;
+    if (!v) return NULL;
+    if (PyBytes_CheckExact(v)) { p = PyBytes_AS_STRING(v); *len = PyBytes_GET_SIZE(v); }
+    else PyErr_Format(PyExc_TypeError, "disk put: %U must be bytes", name);
+    Py_DECREF(v);
+    return p;
+}
+
+static int hc_int(PyObject *obj, PyObject *name, int64_t *out) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (!v) return -1;
+    *out = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int hc_bool(PyObject *obj, PyObject *name, int *out) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (!v) return -1;
+    *out = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return *out < 0 ? -1 : 0;
+}
+
+static int hc_buffer(PyObject *obj, PyObject *name, Py_buffer *buf) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (!v) return -1;
+    int rc = PyObject_GetBuffer(v, buf, PyBUF_SIMPLE);
+    Py_DECREF(v);
+    return rc;
+}
+
 /* Whether the C loop takes `obj`: a put whose page it hashes itself (none of a hasher
-   job's, nor a retry that carries its digest). 1 yes, 0 no, -1 error. */
-static int hc_eligible(PyObject *obj, PyObject *put_type) {
+   job's, nor a retry that carries its digest), or a part of a batch. 1 yes, 0 no, -1 error. */
+static int hc_eligible(PyObject *obj, PyObject *put_type, PyObject *part_type) {
     PyObject *job, *digest;
     int ok;
+    if (Py_TYPE(obj) == (PyTypeObject *)part_type) return 1;
     if (Py_TYPE(obj) != (PyTypeObject *)put_type) return 0;
     if (!(job = PyObject_GetAttr(obj, n_job))) return -1;
     if (!(digest = PyObject_GetAttr(obj, n_digest))) { Py_DECREF(job); return -1; }
@@ -136,28 +188,71 @@ static int hc_eligible(PyObject *obj, PyObject *put_type) {
     return ok;
 }
 
-static int hc_take(PyObject *obj, hc_op *o) {
-    PyObject *t, *c, *r, *pg;
+/* A PutOp's fields; its page's buffer goes to `buf` (released by the caller). */
+static int hc_take(PyObject *obj, hc_op *o, Py_buffer *buf) {
+    Py_ssize_t len;
     if (!(o->key = hc_key16(obj, n_key, 0)) || !(o->salt = hc_key16(obj, n_salt, 0))) return -1;
     if (!(o->parent = hc_key16(obj, n_parent, 1))) return -1;
     if (o->parent == hc_none) o->parent = NULL;
-    if (!(t = PyObject_GetAttr(obj, n_tokens))) return -1;
-    if (!PyBytes_CheckExact(t)) { Py_DECREF(t); PyErr_SetString(PyExc_TypeError, "disk put: tokens"); return -1; }
-    o->tokens = PyBytes_AS_STRING(t);
-    o->tokens_len = PyBytes_GET_SIZE(t);
-    Py_DECREF(t);
-    if (!(c = PyObject_GetAttr(obj, n_charge))) return -1;
-    o->charge = PyLong_AsLongLong(c);
-    Py_DECREF(c);
-    if (o->charge == -1 && PyErr_Occurred()) return -1;
-    if (!(r = PyObject_GetAttr(obj, n_required))) return -1;
-    o->parent_required = PyObject_IsTrue(r);
-    Py_DECREF(r);
-    if (o->parent_required < 0) return -1;
-    if (!(pg = PyObject_GetAttr(obj, n_page))) return -1;
-    int rc = PyObject_GetBuffer(pg, &o->page, PyBUF_SIMPLE);
-    Py_DECREF(pg);
-    return rc;
+    if (!(o->tokens = hc_bytes(obj, n_tokens, &len))) return -1;
+    o->tokens_len = len;
+    if (hc_int(obj, n_charge, &o->charge) < 0 || hc_bool(obj, n_required, &o->parent_required) < 0) return -1;
+    if (hc_buffer(obj, n_page, buf) < 0) return -1;
+    o->page = buf->buf;
+    o->page_len = buf->len;
+    o->page_index = -1;
+    return 0;
+}
+
+/* Pages [lo, hi) of a batch part (disk_batch.BatchPart) into v[0 .. hi - lo); the store's
+   and the rows' buffers go to bufs[0], bufs[1] (released by the caller). Returns the
+   number of buffers held, or -1 with an exception set. */
+static int hc_take_part(PyObject *part, int64_t lo, int64_t hi, hc_op *v, Py_buffer *bufs) {
+    PyObject *b = PyObject_GetAttr(part, n_batch);
+    const char *salt, *parent, *keys, *tokens;
+    Py_ssize_t keys_len, tokens_len;
+    int64_t token_bytes, page_bytes, charge;
+    int chained, required, held = 0;
+    if (!b) return -1;
+    if (!(salt = hc_key16(b, n_salt, 0)) || !(parent = hc_key16(b, n_parent, 1))
+        || !(keys = hc_bytes(b, n_keys, &keys_len)) || !(tokens = hc_bytes(b, n_tokens, &tokens_len))
+        || hc_int(b, n_token_bytes, &token_bytes) < 0 || hc_int(b, n_page_bytes, &page_bytes) < 0
+        || hc_int(b, n_charge, &charge) < 0 || hc_bool(b, n_chained, &chained) < 0
+        || hc_bool(b, n_required, &required) < 0) goto fail;
+    if (parent == hc_none) parent = NULL;
+    if (hc_buffer(b, n_store, &bufs[0]) < 0) goto fail;
+    held = 1;
+    if (hc_buffer(b, n_rows, &bufs[1]) < 0) goto fail;
+    held = 2;
+    if (lo < 0 || hi < lo || keys_len < 16 * hi || tokens_len < token_bytes * hi || token_bytes < 0
+        || bufs[1].len < 8 * hi || page_bytes <= 0) {
+        PyErr_SetString(PyExc_ValueError, "disk put: a batch part out of its batch's range");
+        goto fail;
+    }
+    const int64_t *rows = bufs[1].buf;
+    for (int64_t j = lo; j < hi; j++) {
+        hc_op *o = &v[j - lo];
+        if (rows[j] < 0 || (rows[j] + 1) * page_bytes > bufs[0].len) {
+            PyErr_SetString(PyExc_ValueError, "disk put: a batch row out of its store");
+            goto fail;
+        }
+        o->key = keys + 16 * j;
+        o->salt = salt;
+        o->parent = chained && j > 0 ? keys + 16 * (j - 1) : parent;
+        o->tokens = tokens + token_bytes * j;
+        o->tokens_len = token_bytes;
+        o->page = (const char *)bufs[0].buf + rows[j] * page_bytes;
+        o->page_len = page_bytes;
+        o->charge = charge;
+        o->parent_required = required;
+        o->page_index = j;
+    }
+    Py_DECREF(b);
+    return held;
+fail:
+    Py_DECREF(b);
+    for (int h = 0; h < held; h++) PyBuffer_Release(&bufs[h]);
+    return -1;
 }
 
 /* The record on disk under this key is this page's (DiskWriter._put's dedup test:
@@ -170,14 +265,15 @@ static int hc_same(const hc_val *d, const hc_op *o) {
     memcpy(&algo, p + 68, 2);
     memcpy(&size, p + 32, 8);
     if (d->size != HC_META_HEADER + 4 * (size_t)n_tokens || algo < 1 || algo > 3) return 0;
-    return memcmp(p + 16, o->salt, 16) == 0 && size == (uint64_t)o->page.len;
+    return memcmp(p + 16, o->salt, 16) == 0 && size == (uint64_t)o->page_len;
 }
 
-static void hc_stop(hc_state *st, Py_ssize_t i, int64_t why, int64_t rc) {
-    st->stop_index = i; st->stop_why = why; st->stop_rc = rc;
+/* Stop before entry `o` (nothing of it done): where (its op, its page of a batch) and why. */
+static void hc_stop(hc_state *st, const hc_op *o, int64_t why, int64_t rc) {
+    st->stop_index = o->op_index; st->stop_page = o->page_index; st->stop_why = why; st->stop_rc = rc;
 }
 
-static void hc_loop(hc_op *v, char *res, Py_ssize_t n, Py_ssize_t lo, void *txn, unsigned pages,
+static void hc_loop(hc_op *v, char *res, Py_ssize_t n, Py_ssize_t end, void *txn, unsigned pages,
                     unsigned meta, hc_get_fn get, hc_put_fn put, hc_hash_fn hash, hc_state *st) {
     for (Py_ssize_t i = 0; i < n; i++) {
         hc_op *o = &v[i];
@@ -190,36 +286,38 @@ static void hc_loop(hc_op *v, char *res, Py_ssize_t n, Py_ssize_t lo, void *txn,
                 hc_val pk = {16, (void *)o->parent};
                 rc = get(txn, meta, &pk, &d);
                 if (rc == HC_NOTFOUND) {
-                    res[i] = 3; st->rejected_orphan++; st->put_bytes_done += o->page.len;
+                    res[i] = 3; st->rejected_orphan++; st->put_bytes_done += o->page_len;
                     continue;
                 }
-                if (rc) { hc_stop(st, lo + i, 2, rc); return; }
+                if (rc) { hc_stop(st, o, 2, rc); return; }
             }
         }
-        rc = get(txn, meta, &k, &d);
-        if (rc == 0) {
-            if (hc_same(&d, o)) {
-                res[i] = 2; st->dedup_puts++; st->put_bytes_done += o->page.len;
-                continue;
-            }
-            hc_stop(st, lo + i, 1, 0); return;  /* another namespace's or size's record: Python replaces it */
-        }
-        if (rc != HC_NOTFOUND) { hc_stop(st, lo + i, 2, rc); return; }
-        int64_t size = o->page.len, charge = o->charge;
+        int64_t size = o->page_len, charge = o->charge;
         int64_t max_fp = charge > st->max_footprint ? charge : st->max_footprint;  /* kept once written */
         int64_t map_budget = st->map_size - st->headroom - 2 * (st->batch_limit + max_fp);
+        /* budgets before the dedup test (Python's order is the reverse): a put handed back
+           here is one Python finds a duplicate of or makes room for, with the same outcome */
         if (st->used_bytes + size > st->capacity_bytes ||
             st->map_bytes - st->deleted_bytes + charge > map_budget) {
-            hc_stop(st, lo + i, 1, 0); return;  /* over a budget: the evict hook is Python's */
+            hc_stop(st, o, 1, 0); return;  /* over a budget: the evict hook is Python's */
         }
         if (st->may_defer && st->map_bytes + st->freed_bytes + charge + st->headroom > st->map_size) {
-            hc_stop(st, lo + i, 1, 0); return;  /* fits only once freed pages are reusable */
+            hc_stop(st, o, 1, 0); return;  /* fits only once freed pages are reusable */
         }
-        hc_val pv = {(size_t)size, o->page.buf};
-        if ((rc = put(txn, pages, &k, &pv, 0))) { hc_stop(st, lo + i, 2, rc); return; }
-        uint64_t digest = hash(o->page.buf, (size_t)size);  /* the source, in cache after LMDB's copy */
+        /* the meta record first, inserted only if the key is new: one B-tree descent for
+           the dedup test and the insert; the checksum it carries is taken from the source
+           (which LMDB's copy then reads from the cache) */
+        uint64_t digest = hash(o->page, (size_t)size);
         hc_val mv = {HC_META_HEADER + (size_t)o->tokens_len, NULL};
-        if ((rc = put(txn, meta, &k, &mv, HC_RESERVE))) { hc_stop(st, lo + i, 2, rc); return; }
+        rc = put(txn, meta, &k, &mv, HC_RESERVE | HC_NOOVERWRITE);
+        if (rc == HC_KEYEXIST) {  /* mv is the record on disk */
+            if (hc_same(&mv, o)) {
+                res[i] = 2; st->dedup_puts++; st->put_bytes_done += o->page_len;
+                continue;
+            }
+            hc_stop(st, o, 1, 0); return;  /* another namespace's or size's record: Python replaces it */
+        }
+        if (rc) { hc_stop(st, o, 2, rc); return; }
         unsigned char *m = mv.data;  /* disk_format.META_HEADER: "<16s16sQQQdIHH" + tokens */
         uint64_t zero = 0, usize = (uint64_t)size;
         uint32_t n_tokens = (uint32_t)(o->tokens_len / 4);
@@ -234,6 +332,8 @@ static void hc_loop(hc_op *v, char *res, Py_ssize_t n, Py_ssize_t lo, void *txn,
         memcpy(m + 68, &algo, 2);
         memcpy(m + 70, &flags, 2);
         memcpy(m + HC_META_HEADER, o->tokens, (size_t)o->tokens_len);
+        hc_val pv = {(size_t)size, (void *)o->page};  /* after filling the reserved record: next update */
+        if ((rc = put(txn, pages, &k, &pv, 0))) { hc_stop(st, o, 2, rc); return; }
         st->max_footprint = max_fp;
         st->used_bytes += size;
         st->map_bytes += charge;
@@ -242,39 +342,73 @@ static void hc_loop(hc_op *v, char *res, Py_ssize_t n, Py_ssize_t lo, void *txn,
         st->put_bytes_done += size;
         res[i] = 1;
     }
-    hc_stop(st, lo + n, 0, 0);
+    st->stop_index = end; st->stop_page = -1; st->stop_why = 0; st->stop_rc = 0;
 }
 
 /* Write the run of puts the C loop takes (hc_eligible) from ops[lo], in the open
-   transaction `txn`, up to the first op it does not take; results[i - lo] gets each
-   op's outcome, `st` where and why the run stopped. Returns 0, or -1 with a Python
-   exception set (nothing written then). */
-int hicache_disk_put_run(PyObject *ops, Py_ssize_t lo, PyObject *put_type, void *txn, unsigned pages,
-                         unsigned meta, void *get, void *put, void *hash, hc_state *st, char *results) {
-    Py_ssize_t n = 0, taken = 0, ok = 1;
-    if (hc_names() < 0) return -1;
+   transaction `txn`, up to the first op it does not take: PutOps one page each, batch
+   parts (`part_type`) their pages [lo, hi). Returns bytes with each page's outcome in
+   order (NOT_DONE from where it stopped), `st` where (op, page) and why; NULL with a
+   Python exception set when an op is malformed (nothing written then). */
+PyObject *hicache_disk_put_run(PyObject *ops, Py_ssize_t lo, PyObject *put_type, PyObject *part_type,
+                               void *txn, unsigned pages, unsigned meta, void *get, void *put, void *hash,
+                               hc_state *st) {
+    Py_ssize_t n_ops = 0, n = 0, n_bufs = 0, cap;
+    int ok = 1;
+    PyObject *out = NULL;
+    if (hc_names() < 0) return NULL;
     if (!PyList_Check(ops) || lo < 0 || lo > PyList_GET_SIZE(ops)) {
         PyErr_SetString(PyExc_ValueError, "disk put run: bad op range");
-        return -1;
+        return NULL;
     }
-    Py_ssize_t room = PyList_GET_SIZE(ops) - lo;
-    hc_op *v = PyMem_Calloc(room ? room : 1, sizeof *v);
-    if (!v) { PyErr_NoMemory(); return -1; }
-    for (; n < room; n++) {
-        int e = hc_eligible(PyList_GET_ITEM(ops, lo + n), put_type);
-        if (e <= 0) { ok = e == 0; break; }
-        if (hc_take(PyList_GET_ITEM(ops, lo + n), &v[n]) < 0) { ok = 0; break; }
-        taken = n + 1;
+    /* the run: how many ops, how many pages */
+    for (Py_ssize_t i = lo; i < PyList_GET_SIZE(ops); i++, n_ops++) {
+        PyObject *op = PyList_GET_ITEM(ops, i);
+        int e = hc_eligible(op, put_type, part_type);
+        if (e < 0) return NULL;
+        if (!e) break;
+        if (Py_TYPE(op) == (PyTypeObject *)part_type) {
+            int64_t a, b;
+            if (hc_int(op, n_lo, &a) < 0 || hc_int(op, n_hi, &b) < 0) return NULL;
+            n += b > a ? b - a : 0;
+        } else n++;
     }
-    if (ok) {
-        memset(results, 0, (size_t)n);
+    cap = n ? n : 1;
+    hc_op *v = PyMem_Calloc((size_t)cap, sizeof *v);
+    Py_buffer *bufs = PyMem_Calloc((size_t)(2 * n_ops + 1), sizeof *bufs);
+    if (!v || !bufs) { PyMem_Free(v); PyMem_Free(bufs); PyErr_NoMemory(); return NULL; }
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < n_ops && ok; i++) {
+        PyObject *op = PyList_GET_ITEM(ops, lo + i);
+        if (Py_TYPE(op) == (PyTypeObject *)part_type) {
+            int64_t a, b;
+            int held;
+            if (hc_int(op, n_lo, &a) < 0 || hc_int(op, n_hi, &b) < 0 || b - a > n - k) { ok = 0; break; }
+            if ((held = hc_take_part(op, a, b, &v[k], &bufs[n_bufs])) < 0) { ok = 0; break; }
+            n_bufs += held;
+            for (int64_t j = 0; j < b - a; j++) v[k + j].op_index = lo + i;
+            k += b - a;
+        } else {
+            if (k >= n || hc_take(op, &v[k], &bufs[n_bufs]) < 0) { ok = 0; break; }
+            n_bufs++;
+            v[k++].op_index = lo + i;
+        }
+    }
+    if (ok && k != n) { PyErr_SetString(PyExc_ValueError, "disk put run: the ops changed"); ok = 0; }
+    if (ok && !PyErr_Occurred()) out = PyBytes_FromStringAndSize(NULL, n);
+    if (out) {
+        char *res = PyBytes_AS_STRING(out);
+        memset(res, 0, (size_t)n);
         Py_BEGIN_ALLOW_THREADS
-        hc_loop(v, results, n, lo, txn, pages, meta, (hc_get_fn)get, (hc_put_fn)put, (hc_hash_fn)hash, st);
+        hc_loop(v, res, n, lo + n_ops, txn, pages, meta, (hc_get_fn)get, (hc_put_fn)put, (hc_hash_fn)hash, st);
         Py_END_ALLOW_THREADS
+    } else if (!PyErr_Occurred()) {
+        PyErr_SetString(PyExc_ValueError, "disk put run: a malformed op");
     }
-    for (Py_ssize_t i = 0; i < taken; i++) PyBuffer_Release(&v[i].page);
+    for (Py_ssize_t i = 0; i < n_bufs; i++) PyBuffer_Release(&bufs[i]);
+    PyMem_Free(bufs);
     PyMem_Free(v);
-    return ok ? 0 : -1;
+    return out;
 }
 
 /* LMDB's txn_id of `txn`, to check the located pointer. */
@@ -294,7 +428,7 @@ class State(ctypes.Structure):
         "batch_limit", "max_footprint", "freed_bytes", "may_defer")] + [("now", ctypes.c_double)] + [
         (name, ctypes.c_int64) for name in (
             "pages_written", "bytes_written", "dedup_puts", "rejected_orphan", "put_bytes_done",
-            "stop_index", "stop_why", "stop_rc")]
+            "stop_index", "stop_page", "stop_why", "stop_rc")]
 
 
 class NativePutLoop:
@@ -303,10 +437,10 @@ class NativePutLoop:
     def __init__(self, lib: ctypes.PyDLL, engine: str, txn_offset: int, lmdb_lib: ctypes.CDLL,
                  hash_fn: int) -> None:
         self._run = lib.hicache_disk_put_run  # PyDLL: called with the GIL, which C drops for the loop
-        self._run.argtypes = [ctypes.py_object, ctypes.c_ssize_t, ctypes.py_object, ctypes.c_void_p,
-                              ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p,
-                              ctypes.c_void_p, ctypes.POINTER(State), ctypes.c_char_p]
-        self._run.restype = ctypes.c_int
+        self._run.argtypes = [ctypes.py_object, ctypes.c_ssize_t, ctypes.py_object, ctypes.py_object,
+                              ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p,
+                              ctypes.c_void_p, ctypes.POINTER(State)]
+        self._run.restype = ctypes.py_object
         self._dbi = lib.hicache_disk_dbi
         self._dbi.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint)]
         self._dbi.restype = ctypes.c_int
@@ -332,17 +466,17 @@ class NativePutLoop:
         return out.value
 
     def run(self, txn: lmdb.Transaction, pages: int, meta: int, ops: list, lo: int, put_type: type,
-            state: State) -> bytes:
-        """Write the run of puts (objects of `put_type` with no ``job`` and no ``digest``)
-        from ops[lo]; returns a result per op from ops[lo] on (WRITTEN / DEDUP / ORPHAN;
-        NOT_DONE from ``state.stop_index``, where it stopped, ``stop_why`` says why)."""
+            part_type: type, state: State) -> bytes:
+        """Write the run of puts from ops[lo]: objects of `put_type` with no ``job`` and no
+        ``digest`` (one page each) and batch parts of `part_type` (disk_batch.BatchPart, their
+        pages lo..hi). Returns one result per page of the run, in order (WRITTEN / DEDUP /
+        ORPHAN; NOT_DONE from where it stopped: before ``state.stop_index``'s op, at its page
+        ``stop_page`` if a part, -1 if a put; ``stop_why`` says why)."""
         ptr = self.txn_pointer(txn)
         if not ptr:
             raise lmdb.Error("the transaction is not open")
-        results = ctypes.create_string_buffer(len(ops) - lo)  # per call: writers of several tiers share the loop
-        self._run(ops, lo, put_type, ptr, pages, meta, self._get, self._put, self._hash, ctypes.byref(state),
-                  results)
-        return results.raw
+        return self._run(ops, lo, put_type, part_type, ptr, pages, meta, self._get, self._put, self._hash,
+                         ctypes.byref(state))
 
     def error_text(self, rc: int) -> str:
         return (self._strerror(rc) or b"").decode(errors="replace")

@@ -1,21 +1,27 @@
 """The disk tier's writer: the one thread that runs every LMDB write
-transaction of hicache/tiers/disk.py, the queue that feeds it, and the budget.
+transaction of hicache/tiers/disk.py, and the budget.
 
 - One thread, because LMDB write transactions are thread-bound and exclusive.
-  Callers only append to a bounded in-memory queue, so a put never waits for
-  the disk. The writer drains up to ``batch_pages``/``batch_bytes`` per
-  transaction, in queue order (a put then a delete of one key ends deleted).
+  Callers only append to a bounded in-memory queue (disk_queue.py), so a put
+  never waits for the disk. The writer drains up to ``batch_pages``/``batch_bytes``
+  per transaction, in queue order (a put then a delete of one key ends deleted).
+  A batch of ``put_many_async`` is one queue item and one answer (disk_batch.py);
+  the writer splits it where a transaction ends or a page needs the Python path.
 - No copies: a put hands the caller's buffer straight to LMDB (see DiskTier's
   contract on keeping it unchanged). The XXH3 checksum of a page under 1 MiB
-  runs inline on this thread, right after LMDB's copy while the page is in the
+  runs inline on this thread, next to LMDB's copy while the page is in the
   cache; pages of 1 MiB and more are hashed on a hasher thread (xxhash drops the
   GIL), one job per batch, while this thread copies earlier pages into the map.
+  (A hasher in C for batches of 16-256 KiB pages, racing the writer page by page,
+  cut the writer's CPU per page by ~10% but not the wall time in an A/B: the
+  writer's copy then reads a source no hash has warmed.)
   Measured on this 2-vCPU VM with nothing else running, puts / raw py-lmdb:
   inline everywhere 0.71-0.80 at 1-2 MiB; with the hasher 0.9 there (256 KiB
   pages lose more to the hand-off than they gain, so they stay inline).
-- Runs of puts go through a C loop where one can be built (disk_native.py):
-  one call per run, the GIL released throughout, LMDB called from C. It takes
-  the common case (parent check, budget check, XXH3, meta record, page) and
+- Runs of puts and batch parts go through a C loop where one can be built
+  (disk_native.py): one call per run, the GIL released throughout, LMDB called
+  from C. It takes the common case (parent check, budget check, XXH3, meta
+  record, page) and
   hands anything else back to ``_put`` (a key rewritten under another
   namespace or size, a put the evict hook must make room for or that has to
   wait for freed pages); pages of 1 MiB and more, hashed on the hasher thread,
@@ -67,7 +73,6 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 
 import lmdb
@@ -75,9 +80,11 @@ import lmdb
 from hicache.errors import DiskTierError
 from hicache.tiers import disk_format as fmt
 from hicache.tiers import disk_native
+from hicache.tiers.disk_batch import BatchPart, expand_all, put_bytes
 from hicache.tiers.disk_config import DiskTierConfig
-from hicache.tiers.disk_ops import (HASH_OFFLOAD_BYTES, BarrierOp, DeleteOp, DropOp, HashJob, OnDone, PutOp,
+from hicache.tiers.disk_ops import (HASH_OFFLOAD_BYTES, BarrierOp, DeleteOp, DropOp, HashJob, PutOp,
                                     native_ok)
+from hicache.tiers.disk_queue import WriteQueue
 
 log = logging.getLogger(__name__)
 
@@ -141,65 +148,17 @@ class DiskWriter:
         self._last_warning = -1e9
         self._suppressed = 0
         self._last_touch_flush = time.monotonic()
-        # Queue state, guarded by _cond.
-        self._cond = threading.Condition()
-        self._queue: deque[PutOp | DeleteOp | DropOp | BarrierOp] = deque()
-        self._queued_pages = 0
-        self._queued_bytes = 0
-        self._puts = 0
-        self._skipped_queue_full = 0
-        self._skipped_disabled = 0
-        self._touches: dict[bytes, float] = {}
-        self._closing = False
-        self._writer_waiting = False  # in _take_batch's wait: puts notify only then
+        self.queue = WriteQueue(config, self._psize)  # what callers append to (disk_queue.py)
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="hicache-disk-hash")
         self._thread = threading.Thread(target=self._main, name="hicache-disk-writer", daemon=True)
         self._thread.start()
 
-    # ------------------------------------------------------- any thread: the queue
-
-    def put(self, salt: bytes, key: bytes, parent: bytes | None, tokens: bytes, page: memoryview,
-            on_done: OnDone | None, parent_required: bool = True) -> bool:
-        """Queue one (validated) page; False (counted) when full, closing or disabled."""
-        op = PutOp(salt, key, parent, tokens, page, on_done, parent_required)
-        with self._cond:
-            if self._fault and time.monotonic() < self._retry_at:
-                self._skipped_disabled += 1
-                return False
-            if self._closing or self._queued_pages >= self.config.max_queue_pages or \
-                    self._queued_bytes + page.nbytes > self.config.max_queue_bytes:
-                self._skipped_queue_full += 1
-                return False
-            self._queue.append(op)
-            self._queued_pages += 1
-            self._queued_bytes += page.nbytes
-            self._puts += 1
-            if self._writer_waiting:  # a notify costs ~0.5 us of Python; only a waiting writer needs one
-                self._cond.notify()
-        return True
-
-    def delete(self, keys: list[bytes]) -> None:
-        self._enqueue(DeleteOp(keys))
-
-    def drop(self, key: bytes, checksum: tuple[int, int] | None) -> None:
-        """Delete a corrupt entry unless it is rewritten before the writer gets to it."""
-        self._enqueue(DropOp(key, checksum))
-
-    def touch(self, keys: Iterable[bytes]) -> None:
-        now = time.time()
-        with self._cond:
-            room = self.config.max_pending_touches - len(self._touches)
-            for k in keys:
-                if room <= 0:
-                    break
-                if k not in self._touches:
-                    room -= 1
-                self._touches[k] = now
+    # ------------------------------------------------------- any thread
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Block until everything queued so far is committed; False on timeout."""
         done = threading.Event()
-        if not self._enqueue(BarrierOp(done)):
+        if not self.queue.enqueue(BarrierOp(done)):
             return True
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not done.wait(0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))):
@@ -212,28 +171,11 @@ class DiskWriter:
     def stop(self) -> bool:
         """Drain the queue, commit and end the thread. Every caller waits for the
         thread; only the first gets True."""
-        with self._cond:
-            first = not self._closing
-            self._closing = True
-            self._cond.notify_all()
+        first = self.queue.close()
         self._thread.join()
         if first:
             self._hasher.shutdown(wait=True)
         return first
-
-    def _enqueue(self, op: DeleteOp | DropOp | BarrierOp) -> bool:
-        with self._cond:
-            if self._closing:
-                return False
-            self._queue.append(op)
-            self._cond.notify()
-        return True
-
-    def queue_stats(self) -> dict:
-        with self._cond:
-            return dict(queue_depth=len(self._queue), queue_bytes=self._queued_bytes, puts=self._puts,
-                        skipped_queue_full=self._skipped_queue_full, skipped_disabled=self._skipped_disabled,
-                        pending_touches=len(self._touches))
 
     def write_counters(self) -> dict:
         return dict(self._w)
@@ -258,7 +200,7 @@ class DiskWriter:
     def _main(self) -> None:
         while True:
             try:
-                ops, stop = self._take_batch()
+                ops, stop = self.queue.take(self.batch_ops, self.batch_limit)
                 if ops or self._touch_due(stop):
                     self._run_batch(ops, stop or any(isinstance(o, BarrierOp) for o in ops))
             except Exception:  # a bug; the writer must outlive it
@@ -269,44 +211,9 @@ class DiskWriter:
                 return
 
     def _touch_due(self, force: bool) -> bool:
-        if not self._touches:
+        if not self.queue.touches:
             return False
         return force or time.monotonic() - self._last_touch_flush >= self.config.touch_interval_s
-
-    def _take_batch(self) -> tuple[list, bool]:
-        cfg = self.config
-        with self._cond:
-            while not self._queue and not self._closing:
-                self._writer_waiting = True
-                try:
-                    if not self._cond.wait(cfg.touch_interval_s) and self._touches:
-                        return [], False
-                finally:
-                    self._writer_waiting = False
-            ops: list = []
-            n_bytes = 0
-            n_keys = 0  # puts and deleted keys: each copies up to a B-tree path per database
-            queue, psize, footprint = self._queue, self._psize, fmt.footprint
-            while queue and n_keys < self.batch_ops and n_bytes < self.batch_limit:
-                op = queue.popleft()
-                kind = type(op)
-                if kind is PutOp:  # the common case first
-                    ops.append(op)
-                    n_keys += 1
-                    self._queued_pages -= 1
-                    self._queued_bytes -= op.page.nbytes
-                    op.charge = footprint(op.page.nbytes, len(op.tokens) // 4, psize)
-                    n_bytes += op.charge
-                    continue
-                if kind is DeleteOp and n_keys + len(op.keys) > self.batch_ops:
-                    room = max(1, self.batch_ops - n_keys)  # the rest waits for the next transaction
-                    queue.appendleft(DeleteOp(op.keys[room:]))
-                    op = DeleteOp(op.keys[:room])
-                ops.append(op)
-                n_keys += len(op.keys) if kind is DeleteOp else 1
-                if kind is BarrierOp:
-                    break  # commit everything before it, then release the waiter (a barrier ends a batch)
-            return ops, self._closing and not self._queue
 
     def _run_batch(self, ops: list, force_touch: bool) -> None:
         results = None
@@ -320,16 +227,25 @@ class DiskWriter:
         finally:
             if results is None:
                 results = [(op, False) for op in ops if isinstance(op, PutOp)]
+                for op in ops:
+                    if type(op) is BatchPart:
+                        op.reject()
+                        results.append((op, None))
             for p, ok in results:
-                if p.on_done is not None:
+                if ok is None:  # a batch's pages [lo, hi): their outcomes are in the batch
+                    p.batch.answered(p.hi - p.lo)
+                elif p.on_done is not None:
                     try:
                         p.on_done(p.key, ok)
                     except Exception:
                         log.exception("disk tier on_done callback failed")
-            if ops and type(ops[-1]) is BarrierOp:  # only ever last (_take_batch)
+            if ops and type(ops[-1]) is BarrierOp:  # only ever last (WriteQueue.take)
                 ops[-1].done.set()
 
-    def _write(self, ops: list, force_touch: bool) -> list[tuple[PutOp, bool]]:
+    def _write(self, ops: list, force_touch: bool) -> list[tuple[PutOp | BatchPart, bool | None]]:
+        if self._native is None or any(type(op) is BatchPart and op.batch.page_bytes >= HASH_OFFLOAD_BYTES
+                                       for op in ops):
+            ops = expand_all(ops)  # page by page: the Python loop, or big pages for the hasher
         big = [op for op in ops if isinstance(op, PutOp) and op.digest is None and op.job is None
                and op.page.nbytes >= HASH_OFFLOAD_BYTES]
         if big:
@@ -346,18 +262,18 @@ class DiskWriter:
                 log.warning("disk tier %s: the map filled up with pages free but scattered; keeping 1/%d of it "
                             "free from now on", self.path, self._frag_divisor)
             self.warn("write failed (%s); evicting and retrying", e)
-            self._make_room(sum(op.page.nbytes for op in ops if isinstance(op, PutOp)))
+            self._make_room(put_bytes(ops))
             try:
                 return self._commit(ops, force_touch)
             except lmdb.Error:
                 pass
         except Exception:
             log.exception("disk tier %s: write batch failed; retrying op by op", self.path)
-        # Commit op by op, in order: what fits goes in, the rest is rejected.
+        # Commit op by op (a batch page by page), in order: what fits goes in, the rest is rejected.
         results: list[tuple[PutOp, bool]] = []
         self._op_fault = None
         committed = 0
-        for op in ops:
+        for op in expand_all(ops):
             res, ok = self._commit_alone(op, force_touch)
             results += res
             committed += ok
@@ -381,6 +297,9 @@ class DiskWriter:
             self._w["rejected_errors"] += 1
             log.debug("disk tier %s: put %s rejected: %s", self.path, op.key.hex(), e)
             return [(op, False)]
+        if isinstance(op, BatchPart):  # only while writes are disabled: a failed batch retries page by page
+            op.reject()
+            return [(op, None)]
         if isinstance(op, DeleteOp):
             self._doomed.update(dict.fromkeys(op.keys, False))
         elif isinstance(op, DropOp):
@@ -396,6 +315,7 @@ class DiskWriter:
 
     def _disable(self, e: BaseException) -> None:
         self._retry_at = time.monotonic() + self.config.write_retry_s
+        self.queue.refuse_until = self._retry_at
         if not self._fault:
             self._faults += 1
             log.error("disk tier %s: writes disabled: a batch failed even op by op (%s: %s); reads go on, "
@@ -446,16 +366,21 @@ class DiskWriter:
                 c["evicted_pages" if evicted else "deleted_pages"] += self._delete(txn, k)
             for k, checksum in self._drops.items():
                 self._drop(txn, k, checksum)
-            remaining = sum(op.page.nbytes for op in ops if isinstance(op, PutOp))
+            remaining = put_bytes(ops)
             hook_dry = False
+            work = list(ops)  # a batch part handed back is split here; `ops` stays as it came for a retry
             i = 0
-            while i < len(ops):
-                op = ops[i]
-                if self._native is not None and native_ok(op):
-                    i, remaining = self._put_native(txn, ops, i, remaining, c, results)
-                    if i == len(ops):
+            while i < len(work):
+                op = work[i]
+                if self._native is not None and (type(op) is BatchPart or native_ok(op)):
+                    i, remaining = self._put_native(txn, work, i, remaining, c, results)
+                    if i == len(work):
                         break
-                    op = ops[i]  # the op after the run, or one handed back: the Python path below
+                    op = work[i]  # the op after the run, or one handed back: the Python path below
+                if type(op) is BatchPart:  # its first page handed back: that page alone in Python
+                    work[i:i + 1] = [op.batch.page_op(op.lo)] + ([BatchPart(op.batch, op.lo + 1, op.hi)]
+                                                                 if op.hi > op.lo + 1 else [])
+                    op = work[i]
                 if isinstance(op, DeleteOp):
                     for k in op.keys:
                         c["deleted_pages"] += self._delete(txn, k)
@@ -465,13 +390,12 @@ class DiskWriter:
                     remaining -= op.page.nbytes
                     ok, hook_dry = self._put(txn, op, remaining, hook_dry, c)
                     if ok is None:  # fits once the freed pages are reusable: after this commit
-                        self._deferred = ops[i:]
+                        self._deferred = work[i:]
                         break
                     results.append((op, ok))
                 i += 1
-            if self._touches and (force_touch or self._touch_due(False)):
-                with self._cond:
-                    touches, self._touches = self._touches, {}
+            if self.queue.touches and (force_touch or self._touch_due(False)):
+                touches = self.queue.take_touches()
                 for k, t in touches.items():
                     cur = txn.get(k, db=self._meta)
                     if cur is not None:
@@ -486,6 +410,7 @@ class DiskWriter:
         if self._fault:
             log.warning("disk tier %s: writes resumed after %s", self.path, self._fault)
             self._fault = ""
+            self.queue.refuse_until = 0.0
         if touches is not None:
             self._last_touch_flush = time.monotonic()
         self._doomed.clear()
@@ -557,18 +482,19 @@ class DiskWriter:
         return True, hook_dry
 
     def _put_native(self, txn: lmdb.Transaction, ops: list, lo: int, remaining: int,
-                    c: dict[str, int], results: list[tuple[PutOp, bool]]) -> tuple[int, int]:
+                    c: dict[str, int], results: list) -> tuple[int, int]:
         """Puts the run of ops from ops[lo] that the C loop takes (disk_native.py), on the
         transaction's running totals; (the index it stopped at, bytes of puts left). The op
-        there goes through the Python path (a deletion, a big page, or one handed back);
-        an LMDB error is raised as py-lmdb raises it."""
+        there goes through the Python path (a deletion, a big page, or one handed back: of
+        a batch part stopped at page j, ops[index] becomes the part from j on); an LMDB
+        error is raised as py-lmdb raises it."""
         st = self._native_state
         st.used_bytes, st.map_bytes, st.deleted_bytes = self._used_bytes_tx, self._map_bytes_tx, self._deleted_tx
         st.capacity_bytes, st.map_size, st.headroom = self.capacity_bytes, self.map_size, self._headroom_tx
         st.batch_limit, st.max_footprint = self.batch_limit, self._max_footprint
         st.freed_bytes, st.may_defer, st.now = sum(self._freed), self._may_defer, self._now_tx
         st.pages_written = st.bytes_written = st.dedup_puts = st.rejected_orphan = st.put_bytes_done = 0
-        codes = self._native.run(txn, *self._native_dbis, ops, lo, PutOp, st)
+        codes = self._native.run(txn, *self._native_dbis, ops, lo, PutOp, BatchPart, st)
         self._used_bytes_tx, self._map_bytes_tx = st.used_bytes, st.map_bytes
         self._max_footprint = st.max_footprint
         self._num_pages_tx += st.pages_written
@@ -576,10 +502,23 @@ class DiskWriter:
         c["bytes_written"] += st.bytes_written
         c["dedup_puts"] += st.dedup_puts
         c["rejected_orphan"] += st.rejected_orphan
-        stop = st.stop_index
-        results += zip(ops[lo:stop], map(disk_native.ORPHAN.__ne__, codes[:stop - lo]))
         if st.stop_why == disk_native.STOP_ERROR:
             raise self._native.error(st.stop_rc)
+        stop = st.stop_index
+        pos = 0  # the outcomes in `codes`, a page each, in op order
+        for op in ops[lo:stop]:
+            if type(op) is PutOp:
+                results.append((op, codes[pos] != disk_native.ORPHAN))
+                pos += 1
+            else:
+                op.batch.results[op.lo:op.hi] = codes[pos:pos + op.hi - op.lo]
+                results.append((op, None))
+                pos += op.hi - op.lo
+        if st.stop_page > 0 and type(ops[stop]) is BatchPart and ops[stop].lo < st.stop_page:
+            part, j = ops[stop], st.stop_page  # stopped inside a part: its pages before j are done
+            part.batch.results[part.lo:j] = codes[pos:pos + j - part.lo]
+            results.append((BatchPart(part.batch, part.lo, j), None))
+            ops[stop] = BatchPart(part.batch, j, part.hi)
         return stop, remaining - st.put_bytes_done
 
     def _drop(self, txn: lmdb.Transaction, key: bytes, checksum: tuple[int, int] | None) -> None:

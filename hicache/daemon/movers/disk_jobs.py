@@ -23,6 +23,11 @@ class PageViews:
     def page_view(self, slot: int) -> memoryview:
         return memoryview(self.arena[slot * self.page_bytes:(slot + 1) * self.page_bytes])
 
+    def rows(self) -> np.ndarray:
+        """The arena as (slots, page_bytes): row s is slot s (a batch of disk puts reads its rows)."""
+        n = self.arena.size // self.page_bytes
+        return self.arena[:n * self.page_bytes].reshape(n, self.page_bytes)
+
 
 @dataclass(slots=True, eq=False)
 class DiskWrite:

@@ -282,48 +282,44 @@ class DiskMover:
         return True
 
     def _queue(self, write: DiskWrite, view: PageViews, page_bytes: int, copy: bool) -> int:
-        """Queue the node's pages in order; after the first refusal the rest are
-        refused too (a page is never written without the one before it)."""
+        """Queue the node's pages as one batch (DiskTier.put_many_async: one queue item, one
+        completion), straight from their arena slots or, with `copy`, from one copy of them.
+        When the tier's queue holds only the first pages, the rest are refused (a page is
+        never written without the one before it; the tier counts them as skipped)."""
         self._wid += 1
         wid = self._wid
         self.writes[wid] = write
         ns, node = write.ns, write.node
+        n = node.n_pages
         parent = node.parent.keys[-1] if node.parent is not None and node.parent.keys else None
-        queued = 0
-        for i, key in enumerate(node.keys):
-            self.inflight_bytes += page_bytes
-            if not write.demote:  # a demoted page counts on disk from its queueing (set_disk)
-                self.inflight_by_ns[ns.salt] = self.inflight_by_ns.get(ns.salt, 0) + page_bytes
-            done = self._done_cb(wid, page_bytes)
-            if queued == i:
-                toks = node.tokens[i * ns.index.page_size:(i + 1) * ns.index.page_size]
-                page = view.page_view(int(node.host[i]))
-                if self.tier.put_async(ns.salt, key, parent, toks, bytes(page) if copy else page, done):
-                    queued += 1
-                    parent = key
-                    continue
-                self.skipped_writes += node.n_pages - i - 1  # the tier counted the refused one
-            done(key, False)
+        self.inflight_bytes += n * page_bytes
+        if not write.demote:  # a demoted page counts on disk from its queueing (set_disk)
+            self.inflight_by_ns[ns.salt] = self.inflight_by_ns.get(ns.salt, 0) + n * page_bytes
+        slots = np.asarray(node.host[:n], dtype=np.int64)
+        rows = view.rows()
+        if copy:  # the victims' slots are reused right after this
+            rows, slots = rows[slots], None
+        queued = self.tier.put_many_async(ns.salt, node.keys[:n], parent, node.tokens[:n * ns.index.page_size], rows,
+                                          lambda oks: self.post(self._pages_written, wid, oks, page_bytes),
+                                          rows=slots)
+        if queued < n:
+            self.post(self._pages_written, wid, [False] * (n - queued), page_bytes)
         return queued
 
-    def _done_cb(self, wid: int, page_bytes: int):
-        def done(key: bytes, ok: bool) -> None:
-            self.post(self._page_written, wid, ok, page_bytes)
-        return done
-
-    def _page_written(self, wid: int, ok: bool, page_bytes: int) -> None:
+    def _pages_written(self, wid: int, oks: list[bool], page_bytes: int) -> None:
         write = self.writes.get(wid)
         if write is None:
             return
-        self.inflight_bytes -= page_bytes
+        nbytes = len(oks) * page_bytes
+        self.inflight_bytes -= nbytes
         if not write.demote:
-            left = self.inflight_by_ns.get(write.ns.salt, 0) - page_bytes
+            left = self.inflight_by_ns.get(write.ns.salt, 0) - nbytes
             if left > 0:
                 self.inflight_by_ns[write.ns.salt] = left
             else:
                 self.inflight_by_ns.pop(write.ns.salt, None)
-        write.ok &= ok
-        write.remaining -= 1
+        write.ok &= all(oks)
+        write.remaining -= len(oks)
         if write.remaining:
             return
         del self.writes[wid]
