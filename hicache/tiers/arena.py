@@ -120,6 +120,10 @@ class HostArena:
         self.nbytes = num_slabs * slab_bytes
         # Pre-faulting (see `prefault`): one background thread, started on first use.
         self._fault_lock = threading.Lock()  # held by a pre-fault; close() takes it before unmapping
+        # Guards the queue only, never held across a pre-fault: a slab mapped (or taken) while
+        # another is being pre-faulted must not wait for it (mapping 16 slabs otherwise waited
+        # out ~15 slabs' pre-faults on the caller's thread).
+        self._queue_lock = threading.Lock()
         self._fault_queue: queue.SimpleQueue[tuple[int, bool] | None] | None = None
         span = -(-self.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
         # The reservation costs address space only; slabs are mapped over it. Python's
@@ -210,9 +214,11 @@ class HostArena:
             self._mlock_slab(slab)
         return self._gens[slab]
 
-    def map_slab(self, slab: int, fd: int, gen: int, *, keep_fd: bool = False) -> None:
+    def map_slab(self, slab: int, fd: int, gen: int, *, keep_fd: bool = False, prefault: bool = True) -> None:
         """(An engine) map a slab memfd the daemon sent, taking ownership of `fd`
-        (closed once mapped unless `keep_fd`). Replaces an older generation."""
+        (closed once mapped unless `keep_fd`). Replaces an older generation. Not `prefault`:
+        the caller queues the pre-fault itself once it has mapped all it maps now (an mmap
+        waits for a pre-fault in progress, which holds the address space's lock)."""
         try:
             self._check_open()
             if not 0 <= slab < self.num_slabs:
@@ -230,7 +236,8 @@ class HostArena:
         if not keep_fd:
             os.close(fd)
         self._gens[slab] = gen
-        self.prefault_async(slab)  # the engine's first copy into it must not fault per 4 KiB
+        if prefault:
+            self.prefault_async(slab)  # the engine's first copy into it must not fault per 4 KiB
 
     def unmap_slab(self, slab: int) -> None:
         """(An engine) drop a slab that is no longer ours; its range faults again."""
@@ -282,8 +289,9 @@ class HostArena:
 
     def prefault_async(self, slab: int, *, allocate: bool = False) -> None:
         """`prefault` on this arena's background thread, off the caller's path (slabs in
-        the order asked). A copy that gets there first faults as usual."""
-        with self._fault_lock:
+        the order asked). A copy that gets there first faults as usual. Never waits for a
+        pre-fault in progress."""
+        with self._queue_lock:
             if self._array is None or not _populate_supported:
                 return
             if self._fault_queue is None:
@@ -385,7 +393,7 @@ class HostArena:
         if self._array is None:
             return
         self.unregister_cuda()
-        with self._fault_lock:  # a pre-fault in progress ends before the range goes
+        with self._fault_lock, self._queue_lock:  # a pre-fault in progress ends before the range goes
             self._array = None
             if self._fault_queue is not None:
                 self._fault_queue.put(None)
