@@ -265,16 +265,14 @@ class HostArena:
         A first write into a fresh mapping takes a page fault per 4 KiB otherwise.
 
         ``allocate`` (the daemon, whose memfd pages may not exist yet): MADV_POPULATE_WRITE,
-        one fault and a zeroed page per 4 KiB, done once. Else (an engine mapping pages the
-        daemon allocated): MADV_POPULATE_READ, where the kernel's fault-around maps 16
-        resident pages per fault, writable at once (a shared memfd mapping needs no write
-        notification), then each page marked written (the native `dirty_pages`, an atomic
-        add of zero): the CPU's first write into a clean entry costs a slow assist.
-        Measured on a loaded 2-core VM, 64 MiB of allocated slab: a copy into the fresh
-        mapping 92 ms (16384 faults), POPULATE_READ 18 ms (1025 faults) and then the copy
-        27 ms with no fault; POPULATE_WRITE 40 ms. 256 MiB, 2 copy threads: a first copy
-        after POPULATE_READ 30-39 ms against 20-26 ms once written; after READ (25 ms) and
-        dirty_pages (9-12 ms) 20-26 ms, as after POPULATE_WRITE (82-101 ms).
+        one fault and a zeroed page per 4 KiB. Else (an engine mapping pages the daemon
+        allocated): MADV_POPULATE_READ, where fault-around maps 16 resident pages per fault,
+        writable at once (a shared memfd mapping needs no write notification), then every
+        page marked written (native `dirty_pages`), as a first write into a clean entry
+        costs the CPU a slow assist. Measured (loaded 2-core VM, 256 MiB, 2 copy threads):
+        a copy into the fresh mapping 150-260 ms (65536 faults); POPULATE_READ 20-37 ms,
+        then a copy 28-48 ms against 18-28 ms into written pages; READ and dirty_pages
+        25-35 ms, then 19-26 ms; POPULATE_WRITE 76-102 ms, then 21-25 ms.
         False where the kernel lacks it (before 5.14), or the slab is not backed."""
         global _populate_supported
         advice = MADV_POPULATE_WRITE if allocate else MADV_POPULATE_READ
@@ -438,8 +436,8 @@ def _prefault_loop(arena_ref: weakref.ref[HostArena], jobs: queue.SimpleQueue[tu
 
 
 def _dirty_pages(address: int, nbytes: int) -> None:
-    """Mark a mapped range's pages written, contents unchanged (`prefault`); nothing without
-    the native library. Imported here: the daemon, which never calls it, builds nothing."""
+    """Mark mapped pages written, bytes unchanged (`prefault`); nothing without the native
+    library (imported here: the daemon never calls this, and builds nothing)."""
     from hicache.kernels import native_copy
 
     lib = native_copy.chunk_copy()
