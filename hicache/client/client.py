@@ -74,13 +74,15 @@ class HiCacheClient(ReportCalls, RetentionCalls):
     reconnect attempts. `daemon_uids`: uids (or user names) trusted to serve the socket besides
     this user and root (default: $HICACHE_DAEMON_UIDS, else the `hicache` service user).
     `prefill_tokens_per_s`: the engine's prefill rate, for the daemon's fetch-or-recompute rule;
-    without it the engine may time its prefills (`note_prefill`) instead."""
+    without it the engine may time its prefills (`note_prefill`) instead. `store_pages`: the
+    most pages one store of this engine writes (SGLang: its storage batch), so the daemon keeps
+    host slabs of that room mapped and pre-faulted here before the first store."""
 
     def __init__(self, layout: KVLayout, device_pages: int, *, model: str, socket_path: str | None = None,
                  tp_rank: int = 0, tp_size: int = 1, extra_key: str = "", timeout_s: float | None = None,
                  backoff_s: tuple[float, float] = (0.05, 2.0), state: StateLayout | None = None,
                  deadlines: CallDeadlines | None = None, daemon_uids: Iterable[int | str] | None = None,
-                 prefill_tokens_per_s: float | None = None) -> None:
+                 prefill_tokens_per_s: float | None = None, store_pages: int = 0) -> None:
         if timeout_s is not None and deadlines is not None:
             raise ValueError("pass timeout_s or deadlines, not both")
         self.layout = layout
@@ -111,6 +113,7 @@ class HiCacheClient(ReportCalls, RetentionCalls):
         self.posted_calls: Counter[str] = Counter()  # posted by method
         self._reconnector: Reconnector[_Handshake] | None = None
         self.prefill_rate = PrefillRate(prefill_tokens_per_s)  # before connecting: register sends it
+        self.store_pages = store_pages
 
     # -- connection management -------------------------------------------------
     @property
@@ -170,6 +173,8 @@ class HiCacheClient(ReportCalls, RetentionCalls):
             hs.prefill_rate = self.prefill_rate.tokens_per_s
             if hs.prefill_rate is not None:
                 params["prefill_tokens_per_s"] = hs.prefill_rate
+            if self.store_pages:
+                params["store_pages"] = self.store_pages
             hs.reply = conn.call("register", params, timeout_s=d.connect_s)
         except BaseException:
             hs.close()
@@ -232,8 +237,10 @@ class HiCacheClient(ReportCalls, RetentionCalls):
                 if len(fds) != len(r["sent"]):
                     raise ClientError("BAD_REPLY", f"{len(fds)} slab fds for {len(r['sent'])} slabs")
                 for (slab, gen), fd in zip(r["sent"], fds):
-                    arena.map_slab(int(slab), fd, int(gen))  # takes the fd, even when it fails
+                    arena.map_slab(int(slab), fd, int(gen), prefault=False)  # takes the fd, even when it fails
                 fds = []
+                for slab, _ in r["sent"]:  # once all are mapped: an mmap waits for a pre-fault in progress
+                    arena.prefault_async(int(slab))
                 owned = {int(s) for s, _ in r["owned"]}
                 for slab in np.flatnonzero(arena.backed).tolist():
                     if slab not in owned:

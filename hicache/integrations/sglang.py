@@ -58,6 +58,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from sglang.srt.mem_cache import hicache_storage
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from hicache.client.client import HiCacheClient
@@ -72,6 +73,10 @@ log = logging.getLogger(__name__)
 # A hung daemon costs SGLang's prefetch / backup thread one deadline, then nothing until it
 # answers again. fetch may wait for the disk tier, so it gets longer than the rest.
 DEADLINES = CallDeadlines(connect_s=0.5, match_s=0.5, load_s=2.0, update_s=0.5, admin_s=5.0)
+
+# The most pages SGLang hands one batch_set_v1 (its storage batch): the daemon keeps that much
+# host room mapped and pre-faulted here ahead of each store, the first one included.
+STORE_PAGES = int(getattr(hicache_storage, "STORAGE_BATCH_SIZE", 128))
 
 # token axis (pools indexed by token slot) or page axis (indexed by page) of each host layout
 _TOKEN_AXIS = {("mha", "layer_first"): 2, ("mha", "page_first"): 1, ("mla", "layer_first"): 1,
@@ -223,7 +228,8 @@ class HiCacheStore(HiCacheStorage):
     def _open(self) -> KeyedPagesClient:
         ns = self.namespace
         client = HiCacheClient(ns.layout, 1, model=ns.model, socket_path=self.socket_path, tp_rank=ns.tp_rank,
-                               tp_size=ns.tp_size, extra_key=ns.extra_key, deadlines=self.deadlines)
+                               tp_size=ns.tp_size, extra_key=ns.extra_key, deadlines=self.deadlines,
+                               store_pages=STORE_PAGES if self.writer else 0)
         client.connect()
         with self._lock:
             self._clients.append(client)

@@ -120,6 +120,10 @@ class HostArena:
         self.nbytes = num_slabs * slab_bytes
         # Pre-faulting (see `prefault`): one background thread, started on first use.
         self._fault_lock = threading.Lock()  # held by a pre-fault; close() takes it before unmapping
+        # Guards the queue only, never held across a pre-fault: a slab mapped (or taken) while
+        # another is being pre-faulted must not wait for it (mapping 16 slabs otherwise waited
+        # out ~15 slabs' pre-faults on the caller's thread).
+        self._queue_lock = threading.Lock()
         self._fault_queue: queue.SimpleQueue[tuple[int, bool] | None] | None = None
         span = -(-self.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
         # The reservation costs address space only; slabs are mapped over it. Python's
@@ -210,9 +214,11 @@ class HostArena:
             self._mlock_slab(slab)
         return self._gens[slab]
 
-    def map_slab(self, slab: int, fd: int, gen: int, *, keep_fd: bool = False) -> None:
+    def map_slab(self, slab: int, fd: int, gen: int, *, keep_fd: bool = False, prefault: bool = True) -> None:
         """(An engine) map a slab memfd the daemon sent, taking ownership of `fd`
-        (closed once mapped unless `keep_fd`). Replaces an older generation."""
+        (closed once mapped unless `keep_fd`). Replaces an older generation. Not `prefault`:
+        the caller queues the pre-fault itself once it has mapped all it maps now (an mmap
+        waits for a pre-fault in progress, which holds the address space's lock)."""
         try:
             self._check_open()
             if not 0 <= slab < self.num_slabs:
@@ -230,7 +236,8 @@ class HostArena:
         if not keep_fd:
             os.close(fd)
         self._gens[slab] = gen
-        self.prefault_async(slab)  # the engine's first copy into it must not fault per 4 KiB
+        if prefault:
+            self.prefault_async(slab)  # the engine's first copy into it must not fault per 4 KiB
 
     def unmap_slab(self, slab: int) -> None:
         """(An engine) drop a slab that is no longer ours; its range faults again."""
@@ -238,8 +245,9 @@ class HostArena:
         if not self.backed[slab]:
             return
         self._unregister_slab(slab)
-        _reserve_fixed(self.slab_address(slab), self.slab_bytes)
-        self.backed[slab] = False
+        with self._fault_lock:  # a pre-fault writes into the slab: it ends before the range goes
+            _reserve_fixed(self.slab_address(slab), self.slab_bytes)
+            self.backed[slab] = False
         self._gens[slab] = 0
         if self._fds[slab] >= 0:
             os.close(self._fds[slab])
@@ -257,19 +265,23 @@ class HostArena:
         A first write into a fresh mapping takes a page fault per 4 KiB otherwise.
 
         ``allocate`` (the daemon, whose memfd pages may not exist yet): MADV_POPULATE_WRITE,
-        one fault and a zeroed page per 4 KiB, done once. Else (an engine mapping pages the
-        daemon allocated): MADV_POPULATE_READ, where the kernel's fault-around maps 16
-        resident pages per fault, writable at once (a shared memfd mapping needs no write
-        notification). Measured on a loaded 2-core VM, 64 MiB of allocated slab: a copy
-        into the fresh mapping 92 ms (16384 faults), POPULATE_READ 18 ms (1025 faults) and
-        then the copy 27 ms with no fault; POPULATE_WRITE 40 ms.
+        one fault and a zeroed page per 4 KiB. Else (an engine mapping pages the daemon
+        allocated): MADV_POPULATE_READ, where fault-around maps 16 resident pages per fault,
+        writable at once (a shared memfd mapping needs no write notification), then every
+        page marked written (native `dirty_pages`), as a first write into a clean entry
+        costs the CPU a slow assist. Measured (loaded 2-core VM, 256 MiB, 2 copy threads):
+        a copy into the fresh mapping 150-260 ms (65536 faults); POPULATE_READ 20-37 ms,
+        then a copy 28-48 ms against 18-28 ms into written pages; READ and dirty_pages
+        25-35 ms, then 19-26 ms; POPULATE_WRITE 76-102 ms, then 21-25 ms.
         False where the kernel lacks it (before 5.14), or the slab is not backed."""
         global _populate_supported
         advice = MADV_POPULATE_WRITE if allocate else MADV_POPULATE_READ
-        with self._fault_lock:
+        with self._fault_lock:  # unmap_slab and close take it: the slab stays mapped meanwhile
             if not _populate_supported or self._array is None or not self.backed[slab]:
                 return False
             if _libc.madvise(self.slab_address(slab), self.slab_bytes, advice) == 0:
+                if not allocate:
+                    _dirty_pages(self.slab_address(slab), self.slab_bytes)
                 return True
             err = ctypes.get_errno()
         if err == errno.EINVAL:
@@ -282,8 +294,9 @@ class HostArena:
 
     def prefault_async(self, slab: int, *, allocate: bool = False) -> None:
         """`prefault` on this arena's background thread, off the caller's path (slabs in
-        the order asked). A copy that gets there first faults as usual."""
-        with self._fault_lock:
+        the order asked). A copy that gets there first faults as usual. Never waits for a
+        pre-fault in progress."""
+        with self._queue_lock:
             if self._array is None or not _populate_supported:
                 return
             if self._fault_queue is None:
@@ -385,7 +398,7 @@ class HostArena:
         if self._array is None:
             return
         self.unregister_cuda()
-        with self._fault_lock:  # a pre-fault in progress ends before the range goes
+        with self._fault_lock, self._queue_lock:  # a pre-fault in progress ends before the range goes
             self._array = None
             if self._fault_queue is not None:
                 self._fault_queue.put(None)
@@ -420,6 +433,16 @@ def _prefault_loop(arena_ref: weakref.ref[HostArena], jobs: queue.SimpleQueue[tu
             return
         arena.prefault(job[0], allocate=job[1])
         del arena
+
+
+def _dirty_pages(address: int, nbytes: int) -> None:
+    """Mark mapped pages written, bytes unchanged (`prefault`); nothing without the native
+    library (imported here: the daemon never calls this, and builds nothing)."""
+    from hicache.kernels import native_copy
+
+    lib = native_copy.chunk_copy()
+    if lib is not None:
+        lib.dirty_pages(address, nbytes, mmap.PAGESIZE)
 
 
 def _punch(fd: int, nbytes: int) -> None:

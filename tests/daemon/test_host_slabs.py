@@ -219,6 +219,26 @@ def test_a_growing_class_gets_its_next_slabs_one_store_ahead():
     host.close()
 
 
+def test_a_class_told_its_store_size_keeps_that_room_before_its_first_store():
+    """An engine names its store size at register: its first store lands in slabs its
+    engines mapped (and pre-faulted) already; the room holds no page and stays capped."""
+    host = HostTier(16 << 20, mlock=False)
+    a, owner = host.page_class(b"a" * 16, PB), b"a" * 16
+    per_slab = host.slab_bytes // PB
+    a.expect_stores(0)
+    assert host.spare_slabs == 0 and host.slab_version(owner) == 0
+    a.expect_stores(2 * per_slab)
+    assert host.spare_slabs == 2 and host.used_bytes == 0 and a.used_pages == 0
+    mapped, version = {s for s, _ in host.slabs_of(owner)}, host.slab_version(owner)
+    first = a.alloc(2 * per_slab)
+    assert first is not None and set(a.slab_of(first).tolist()) <= mapped
+    assert host.slab_version(owner) == version + 2  # the next store's room, taken after this one
+    b = host.page_class(b"b" * 16, PB)
+    b.expect_stores(1 << 30)  # more than the arena: a quarter at most
+    assert len(b.slabs) == host.num_slabs // 4 and b.used_pages == 0
+    host.close()
+
+
 def test_spare_slabs_are_capped_at_a_quarter_of_the_arena():
     host = HostTier(16 << 20, mlock=False)
     a = host.page_class(b"a" * 16, PB)

@@ -124,6 +124,28 @@ def test_a_stopped_daemon_is_a_miss_not_an_error(daemon_factory):
     a.client.close()
 
 
+def test_an_engine_that_names_its_store_size_maps_that_room_when_it_connects(daemon_factory):
+    """register's store_pages: the spare slabs are taken and mapped before the first store,
+    whose copy then needs no map_slabs; they hold no page."""
+    d = daemon_factory("--host-capacity", "8MiB", "--no-disk").start()  # 8 slabs of 1 MiB
+    per_slab = (1 << 20) // LAYOUT.page_bytes
+    client = HiCacheClient(LAYOUT, 1, model="m", socket_path=d.socket, store_pages=per_slab + 1)
+    assert client.connect()
+    a = KeyedPagesClient(client)
+    assert a.client.arena.backed.sum() == 2  # room for per_slab + 1 pages: two slabs
+    stats = RpcConnection.one_call(d.socket, "stats", None, timeout_s=5.0)["tiers"]["host"]
+    assert stats["pages"] == 0 and stats["spare_slabs"] == 2
+    keys, tokens = names(a, *[f"p{i}" for i in range(per_slab + 1)])
+    version = a.client.slab_version
+    r = a.store(keys, tokens)
+    assert r is not None and a.mapped(r.host_pages) and a.client.slab_version == version  # nothing mapped
+    for slot in r.host_pages.tolist():
+        write(a, slot, 3)
+    assert a.store_done(r) == per_slab + 1
+    assert all(read(a, s) == bytes([3]) * LAYOUT.page_bytes for s in r.host_pages.tolist())
+    a.client.close()
+
+
 def test_spare_slabs_are_mapped_after_the_copy_and_a_stale_mapping_before_it(daemon_factory):
     """The daemon keeps room for a next store as large (spare slabs): once the engine maps
     the slabs a store's copy needs, it maps the new spares after the copy, so their

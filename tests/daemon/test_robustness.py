@@ -79,6 +79,8 @@ def test_oversized_frame_closes_only_that_connection(daemon):
     ("register", {"model": 5, "layout": LAYOUT.to_dict(), "device_pages": 8}, "BAD_PARAMS"),
     ("register", {"model": "m", "layout": LAYOUT.to_dict(), "device_pages": 0}, "BAD_PARAMS"),
     ("register", {"model": "m", "layout": LAYOUT.to_dict(), "device_pages": 8, "tp_rank": 3}, "BAD_PARAMS"),
+    ("register", {"model": "m", "layout": LAYOUT.to_dict(), "device_pages": 8, "store_pages": -1}, "BAD_PARAMS"),
+    ("register", {"model": "m", "layout": LAYOUT.to_dict(), "device_pages": 8, "store_pages": "128"}, "BAD_PARAMS"),
     ("match", {"engine": 12345, "keys": b""}, "NOT_REGISTERED"),
     ("match", {"engine": "ENGINE", "keys": b""}, "BAD_PARAMS"),
     ("release", {"pin": 999}, "NOT_FOUND"),

@@ -319,6 +319,32 @@ def test_sglangs_threads_run_at_once_with_one_round_trip_per_batch(daemon, monke
     b2.close()
 
 
+def test_the_first_store_finds_its_host_slabs_mapped_at_registration(daemon, monkeypatch):
+    """The backend names SGLang's storage batch when it registers: the daemon keeps that
+    room in spare slabs, mapped (and pre-faulted) here before the first batch_set_v1,
+    whose copy then waits for no map_slabs; the next spares are mapped after it."""
+    calls: list[str] = []
+    real_call = RpcConnection.call
+
+    def counted(self, method, *args, **kwargs):
+        calls.append(method)
+        return real_call(self, method, *args, **kwargs)
+
+    pool = host_pool(pages=2 * 128 + 8)
+    b = backend(daemon.socket, pool)
+    host = admin(daemon.socket, "stats")["tiers"]["host"]
+    assert host["pages"] == 0 and host["spare_slabs"] > 0  # room, and no page in it
+    monkeypatch.setattr(RpcConnection, "call", counted)
+    keys, src = page_keys(128, seed=5), pool.alloc(128 * PAGE_SIZE)
+    fill(pool, src, seed=5)
+    assert b.batch_set_v1(keys, src) == [True] * 128
+    assert calls[:2] == ["store", "store_done"] and set(calls[2:]) <= {"map_slabs"}
+    monkeypatch.undo()
+    dst = pool.alloc(128 * PAGE_SIZE)
+    assert b.batch_get_v1(keys, dst) == [True] * 128 and matches(pool, dst, seed=5) == [True] * 128
+    b.close()
+
+
 # ------------------------------------------------------------------ what a real server showed (issue 27)
 
 def test_sglang_traffic_feeds_stats_metrics_and_events(daemon_factory):

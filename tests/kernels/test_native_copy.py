@@ -179,3 +179,30 @@ def test_strided_pages_copy_to_flat_pages_in_c_order(perm, index):
     kcopy.ChunkCopier().copy(dense, strided, nbytes)
     for p in ids.tolist():
         assert torch.equal(back_pages[p], pages[p])
+
+
+@needs_native
+def test_dirty_pages_changes_no_byte_even_while_another_thread_writes():
+    """An engine's pre-fault marks pages written with an atomic add of zero: the bytes stay,
+    and a write another thread makes meanwhile is never undone."""
+    page = 4096
+    buf = np.random.default_rng(3).integers(0, 256, 64 * page, dtype=np.uint8)
+    want = buf.copy()
+    native.dirty_pages(buf.ctypes.data, buf.nbytes, page)
+    assert np.array_equal(buf, want)
+    stop = threading.Event()
+
+    def writer() -> None:
+        for value in range(1, 200):
+            buf[::page] = value
+        stop.set()
+
+    t = threading.Thread(target=writer)
+    t.start()
+    while not stop.is_set():
+        native.dirty_pages(buf.ctypes.data, buf.nbytes, page)
+    t.join()
+    assert (buf[::page] == 199).all()
+    mask = np.ones(buf.size, dtype=bool)
+    mask[::page] = False
+    assert np.array_equal(buf[mask], want[mask])

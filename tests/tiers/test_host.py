@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -192,6 +193,22 @@ def test_prefault_maps_an_engines_slab_without_a_fault_per_page_and_keeps_its_by
     assert _minor_faults() - before < slab // 4096 // 4
     assert np.array_equal(daemon.array[:slab], (np.arange(slab, dtype=np.uint64).astype(np.uint8)
                                                 + (np.arange(slab) % 4096 == 0)).astype(np.uint8))
+    engine.close()
+    daemon.close()
+
+
+def test_queueing_a_prefault_never_waits_for_one_in_progress():
+    """A slab mapped while another is being pre-faulted (which holds the arena's fault
+    lock for the whole madvise) is queued at once, not after that pre-fault."""
+    daemon = HostArena.create(2 << 20, mlock=False, slab_bytes=1 << 20)
+    engine = HostArena.reserve(2, 1 << 20)
+    for s in range(2):
+        engine.map_slab(s, os.dup(daemon.slab_fd(s)), daemon.slab_gen(s), prefault=False)
+    with engine._fault_lock:  # as the pre-fault thread holds it during a madvise
+        queued = threading.Thread(target=lambda: [engine.prefault_async(s) for s in range(2)])
+        queued.start()
+        queued.join(10)
+        assert not queued.is_alive()
     engine.close()
     daemon.close()
 

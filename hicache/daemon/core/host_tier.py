@@ -16,7 +16,8 @@ any engine seeing across.
 
 A page class that grows keeps *spare* slabs: after an allocation it takes free
 slabs until it has room for another allocation as large as its largest one
-(at most a quarter of the arena; only clean slabs or its owner's own), and
+(at most a quarter of the arena; only clean slabs or its owner's own; an engine
+that names its store size when it registers gets that room at once), and
 keeps emptied slabs up to that room instead of giving them back. A spare slab
 is its owner's like any other (only its engines map it), so they map it and
 pre-fault it before the store that writes into it, not during that store's
@@ -106,6 +107,13 @@ class PageClass:
         first, count = self._slab_range(slab)
         self.slabs[slab] = HostSlotAllocator(first, count)
         return count
+
+    def expect_stores(self, n: int) -> None:
+        """Keep spare room for stores of `n` pages from now on (an engine names its store
+        size when it registers), so even the first store finds its slabs mapped and
+        pre-faulted by its engines, within the class's share."""
+        if n > 0:
+            self._keep_spare(n, self.available())
 
     def _keep_spare(self, n: int, have: int) -> None:
         """Take free slabs (clean ones or the owner's own) until `have` free pages cover
@@ -214,7 +222,8 @@ class HostTier:
             self.slabs_reassigned += 1
         self.owner_of[slab] = last[slab] = cls.owner
         self._versions[cls.owner] = self._versions.get(cls.owner, 0) + 1
-        self.arena.prefault_async(slab, allocate=True)  # its memory, off the request path (unless mlocked)
+        if not self.arena.locked:  # an mlocked slab is resident and mapped already
+            self.arena.prefault_async(slab, allocate=True)  # its memory, off the request path
         return slab
 
     def _lend_spare(self, cls: PageClass) -> None:

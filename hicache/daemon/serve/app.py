@@ -21,6 +21,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+# np.unique (slab ids of a store, of freed pages) imports numpy.ma on its first call: ~20 ms,
+# which an engine's first store waited for. Imported at start-up instead.
+import numpy.ma  # noqa: F401
+
 from hicache import __version__
 from hicache.config import Config, format_size, private_socket_dir
 from hicache.daemon.serve.gc_steward import GcSteward

@@ -50,6 +50,7 @@ ADMIN_METHODS = frozenset({"flush", "evict_tier", "doctor", "export_open", "expo
 MAX_SETTLE_S = 60.0
 MAX_NAME_CHARS = 1024  # model names, extra keys, namespace queries
 MAX_TP_SIZE = 1 << 16
+MAX_STORE_PAGES = 1 << 20  # register's store size; the spare room it asks for is capped by the arena
 MAX_EVICT_BYTES = (1 << 63) - 1
 EVICT_STEP_PAGES = 4096  # evict_tier lets the loop run between steps of this many pages
 
@@ -148,8 +149,12 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
         if ns.state is not None and daemon.hybrid is not None:
             daemon.hybrid.check_namespace(ns)
         rate = _prefill_rate(p, 0.0)
+        store_pages = _int(p, "store_pages", 0, MAX_STORE_PAGES, 0)
         rec = svc.register(conn, ns, _get(p, "device_pages", int))
         rec.prefill_tokens_per_s = rate
+        # Spare slabs for stores of that size now: the reply's slab version names them, so the
+        # engine maps and pre-faults them before its first store (hicache/daemon/core/host_tier.py).
+        rec.ns.page_class.expect_stores(store_pages)
         conn.namespaces.add(rec.ns.salt.hex())  # what this connection may see from now on
         reply = {"engine": rec.engine_id, "salt": rec.ns.salt, "page_bytes": layout.page_bytes,
                  "write_policy": svc.write_policy.value, "slabs": host.slab_version(rec.ns.salt)}
