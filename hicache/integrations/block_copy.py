@@ -21,7 +21,11 @@ Two ways to move the bytes, which write the same page bytes:
   every (block, layer, run) chunk and a per-layer load one call with that
   layer's chunks: one pass over the bytes, the GIL released, no torch op and
   so no OpenMP team of the copying thread competing with the engine's
-  threads. Measured (`hicache bench blockcopy`): see the README.
+  threads. Saves use streaming stores at any size (the engine does not read the
+  pages it saved: ordinary stores would first read every destination line into
+  the cache and evict the engine's own data); a load streams by the size of all
+  its layers (`hicache.kernels.copy.use_streaming`), since attention reads the
+  first layers soon. Measured (`hicache bench blockcopy`): see the README.
 - CUDA tensors (`triton`): one launch of `copy_triton.copy_block_runs` per
   layer loaded or per save, on the caller's current stream, straight between
   the KV tensors and the arena (registered with CUDA, so the kernel addresses
@@ -203,7 +207,7 @@ class BlockCopier:
             src.append((r.address + b[:, None] * r.block_stride + r.offsets).reshape(-1))
             dst.append((self._page_address(h, layer)[:, None] + np.arange(len(r.offsets)) * r.run_bytes).reshape(-1))
             size.append(np.full(src[-1].size, r.run_bytes, dtype=np.int64))
-        self._chunks.copy(np.concatenate(src), np.concatenate(dst), np.concatenate(size))
+        self._chunks.copy(np.concatenate(src), np.concatenate(dst), np.concatenate(size), streaming=True)
 
     def save_layer(self, layer: int, block_ids: Sequence[int], host_pages: Sequence[int]) -> None:
         """One layer of the blocks into the host pages (hybrid models: each layer's group
@@ -220,10 +224,13 @@ class BlockCopier:
         r = self.runs[layer]
         src = r.address + b[:, None] * r.block_stride + r.offsets
         dst = self._page_address(h, layer)[:, None] + np.arange(len(r.offsets)) * r.run_bytes
-        self._chunks.copy(src.reshape(-1), dst.reshape(-1), np.full(src.size, r.run_bytes, dtype=np.int64))
+        self._chunks.copy(src.reshape(-1), dst.reshape(-1), np.full(src.size, r.run_bytes, dtype=np.int64),
+                          streaming=True)
 
-    def load_layer(self, layer: int, block_ids: Sequence[int], host_pages: Sequence[int]) -> None:
-        """One layer of the host pages into the blocks."""
+    def load_layer(self, layer: int, block_ids: Sequence[int], host_pages: Sequence[int], *,
+                   transfer_bytes: int | None = None) -> None:
+        """One layer of the host pages into the blocks; `transfer_bytes`: the bytes of every
+        layer of this load, which pick streaming stores (default: this layer's)."""
         b, h = self._ids(block_ids, host_pages)
         if not len(b):
             return
@@ -236,7 +243,8 @@ class BlockCopier:
         r = self.runs[layer]
         src = self._page_address(h, layer)[:, None] + np.arange(len(r.offsets)) * r.run_bytes
         dst = r.address + b[:, None] * r.block_stride + r.offsets
-        self._chunks.copy(src.reshape(-1), dst.reshape(-1), np.full(src.size, r.run_bytes, dtype=np.int64))
+        self._chunks.copy(src.reshape(-1), dst.reshape(-1), np.full(src.size, r.run_bytes, dtype=np.int64),
+                          transfer_bytes=transfer_bytes)
 
     # -- the kernel path ------------------------------------------------------------------
     def _run_kernel(self, b: np.ndarray, h: np.ndarray, layer0: int, num_layers: int, *, to_host: bool) -> None:
