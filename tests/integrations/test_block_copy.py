@@ -186,6 +186,25 @@ def test_per_layer_saves_take_each_layers_own_blocks(kind, method):
             copier.save_layer(0, [1, 2], pages)
 
 
+def test_layers_arranged_differently_save_the_same_pages():
+    """The native save builds every layer's chunks in one broadcast where layers differ only
+    in address; layers whose blocks lie differently in memory take the per-layer tables."""
+    layout = layout_for(torch.float32)
+    cpu, _ = make_caches("cpu", torch.float32, seed=9)
+    outer, _ = make_caches("heads-outer", torch.float32, seed=10)
+    mixed = [cpu[0], outer[1], cpu[2]]  # same logical shape, runs of a block vs of a head
+    blocks, pages = [4, 12, 0], [1, 7, 3]
+    with HostArena.create(16 * layout.page_bytes, mlock=False) as arena:
+        native = BlockCopier(mixed, NUM_BLOCKS, layout, arena, method="native")
+        assert native._all_layers is None and BlockCopier(cpu, NUM_BLOCKS, layout, arena)._all_layers is not None
+        native.save(blocks, pages)
+        BlockCopier(mixed, NUM_BLOCKS, layout, arena, method="torch").save(blocks, [8, 9, 10])
+        host = arena.array.reshape(-1, layout.page_bytes)
+        assert np.array_equal(host[pages], host[[8, 9, 10]])
+        for layer, t in enumerate(mixed):
+            assert torch.equal(native.host[torch.tensor(pages)][:, layer], block_bytes(t, "cpu", blocks))
+
+
 def test_saves_stream_and_loads_stream_by_all_their_layers(monkeypatch):
     """Native path: a save takes streaming stores at any size (nothing here reads the pages
     back); a per-layer load streams once all its layers pass the threshold, though one
