@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 EQUAL_CPUS = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 BASE = "none"
 STEP_COUNTER = "vllm:hicache_step_seconds"
+# Rates over the copy thread's CPU time: the copy's own speed, without its waits for a core
+# (other processes, the daemon) or the GIL, which the wall-time rate includes.
+CPU_RATE = ", copy thread's CPU time"
 
 
 class OutputsDiffer(Exception):
@@ -55,7 +58,8 @@ class Measured:
     wall_s: float  # generating everything (turns: the sum of the generate calls)
     warm_wall_s: float | None  # turns mode: turns 2+ only
     init_s: float
-    transfers: dict[str, float] = field(default_factory=dict)  # saved/loaded tokens, save_s, load_s
+    # saved/loaded tokens, save_s, load_s; hicache also save_cpu_s, load_cpu_s (the copy thread's CPU time)
+    transfers: dict[str, float] = field(default_factory=dict)
     # seconds engine steps spent inside the connector's calls, per turn (turns mode; hicache only)
     step_s: list[float] | None = None
 
@@ -88,7 +92,9 @@ def _transfers(peer: PeerRun, counters: dict[str, float]) -> dict[str, float]:
         return {"saved_tokens": counters.get("vllm:hicache_saved_tokens", 0.0),
                 "save_s": counters.get("vllm:hicache_save_seconds", 0.0),
                 "loaded_tokens": counters.get("vllm:hicache_loaded_tokens", 0.0),
-                "load_s": counters.get("vllm:hicache_load_seconds", 0.0)}
+                "load_s": counters.get("vllm:hicache_load_seconds", 0.0),
+                "save_cpu_s": counters.get("vllm:hicache_save_cpu_seconds", 0.0),
+                "load_cpu_s": counters.get("vllm:hicache_load_cpu_seconds", 0.0)}
     return {}
 
 
@@ -175,8 +181,10 @@ def _metrics(m: Measured, bytes_per_token: int, poisson: bool) -> dict[str, tupl
     tr = m.transfers
     for kind in ("save", "load"):
         tokens = tr.get("saved_tokens" if kind == "save" else "loaded_tokens")
-        seconds = tr.get(f"{kind}_s")
-        out[f"{kind} GB/s"] = (tokens * bytes_per_token / seconds / 1e9 if tokens and seconds else None, "GB/s")
+        for suffix, seconds in (("", tr.get(f"{kind}_s")), (CPU_RATE, tr.get(f"{kind}_cpu_s"))):
+            rate = tokens * bytes_per_token / seconds / 1e9 if tokens and seconds else None
+            if rate is not None or not suffix:  # the CPU-time rate only where a peer reports it
+                out[f"{kind} GB/s{suffix}"] = (rate, "GB/s")
     if m.step_s is not None:  # what the connector's calls added to the engine's steps
         out["connector time in steps, cold (turn 1)"] = (m.step_s[0] * 1e3, "ms")
         out["connector time in steps, warm (turns 2+)"] = (sum(m.step_s[1:]) * 1e3, "ms")
@@ -237,9 +245,10 @@ def rows(measured: dict[str, Measured], bytes_per_token: int, poisson: bool,
         out.append(row("memcpy GB/s (one thread, pre-faulted, 64 MiB)", memcpy, "GB/s"))
         for name, ms in metrics.items():
             for kind in ("save", "load"):
-                value = ms[f"{kind} GB/s"][0]
-                if value is not None:
-                    out.append(row(f"{kind} GB/s vs memcpy [{name}]", value, "GB/s", memcpy, "memcpy"))
+                for suffix in ("", CPU_RATE):
+                    value = ms.get(f"{kind} GB/s{suffix}", (None,))[0]
+                    if value is not None:
+                        out.append(row(f"{kind} GB/s{suffix} vs memcpy [{name}]", value, "GB/s", memcpy, "memcpy"))
     return out
 
 

@@ -21,7 +21,11 @@ Two ways to move the bytes, which write the same page bytes:
   every (block, layer, run) chunk and a per-layer load one call with that
   layer's chunks: one pass over the bytes, the GIL released, no torch op and
   so no OpenMP team of the copying thread competing with the engine's
-  threads. Measured (`hicache bench blockcopy`): see the README.
+  threads. Saves use streaming stores at any size (the engine does not read the
+  pages it saved: ordinary stores would first read every destination line into
+  the cache and evict the engine's own data); a load streams by the size of all
+  its layers (`hicache.kernels.copy.use_streaming`), since attention reads the
+  first layers soon. Measured (`hicache bench blockcopy`): see the README.
 - CUDA tensors (`triton`): one launch of `copy_triton.copy_block_runs` per
   layer loaded or per save, on the caller's current stream, straight between
   the KV tensors and the arena (registered with CUDA, so the kernel addresses
@@ -107,6 +111,29 @@ class BlockRuns:
         return cls(v.data_ptr(), v.stride(0) * es, offsets, inner * es)
 
 
+@dataclass(frozen=True, slots=True)
+class _AllLayerRuns:
+    """Every layer's runs at once, where layers differ only in their address (one
+    allocation per layer, as backends do): a save's chunk tables in one broadcast."""
+
+    addresses: np.ndarray  # [layers] int64
+    block_stride: int
+    offsets: np.ndarray  # [runs] byte offsets in a block
+    page_offsets: np.ndarray  # [layers, runs] byte offsets in a page
+    run_bytes: int
+
+    @classmethod
+    def of(cls, runs: list[BlockRuns], layer_page_bytes: int) -> _AllLayerRuns | None:
+        r0 = runs[0]
+        if any(r.block_stride != r0.block_stride or r.run_bytes != r0.run_bytes
+               or not np.array_equal(r.offsets, r0.offsets) for r in runs):
+            return None
+        layers = np.arange(len(runs), dtype=np.int64)
+        page_offsets = layers[:, None] * layer_page_bytes + np.arange(len(r0.offsets), dtype=np.int64) * r0.run_bytes
+        return cls(np.array([r.address for r in runs], dtype=np.int64), r0.block_stride, r0.offsets,
+                   page_offsets, r0.run_bytes)
+
+
 class BlockCopier:
     """Moves whole blocks, all layers or one layer at a time, between `caches` (one tensor
     per layer, in layer order) and the pages of `arena` laid out for `layout`.
@@ -134,7 +161,10 @@ class BlockCopier:
                                   f"{layout.layer_page_bytes}")
             self.blocks.append(v)
         self.device = caches[0].device
+        self._page_bytes, self._lpb = layout.page_bytes, layout.layer_page_bytes  # (properties: computed per use)
         self.runs: list[BlockRuns] = []
+        self._run_dst: list[np.ndarray] = []
+        self._all_layers: _AllLayerRuns | None = None
         self._chunks: ChunkCopier | None = None
         self._kernel: _KernelTables | None = None
         if method == "triton" or (method == "auto" and self.device.type == "cuda"):
@@ -154,6 +184,11 @@ class BlockCopier:
             why = "the native chunk copier cannot be built here"
         if why is None:
             self.runs, self._chunks = [r for r in runs if r is not None], chunks
+            # Per layer, where each run goes in a page's layer (byte offsets), so a copy's
+            # chunk tables are a few array ops: per-call Python was 0.4 ms, as long as the
+            # copy of 2.5 MiB it served.
+            self._run_dst = [np.arange(len(r.offsets), dtype=np.int64) * r.run_bytes for r in self.runs]
+            self._all_layers = _AllLayerRuns.of(self.runs, self._lpb)
         elif required:
             raise LayoutError(f"native block copies cannot run: {why}")
 
@@ -170,6 +205,7 @@ class BlockCopier:
         if self.device.type == "cuda":
             arena.register_cuda()  # kernels and DMA address its pages directly (slabs mapped later too)
         self.arena = arena
+        self._host_ptr = self.host.data_ptr()
 
     def _ids(self, block_ids: Sequence[int], host_pages: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         b = np.asarray(block_ids, dtype=np.int64)
@@ -180,12 +216,12 @@ class BlockCopier:
             raise LayoutError(f"block ids must be in [0, {self.num_blocks})")
         if len(h) and (int(h.min()) < 0 or int(h.max()) >= self.host.shape[0]):
             raise LayoutError(f"host pages must be in [0, {self.host.shape[0]})")
-        if not self.arena.covers(h, self.layout.page_bytes):
+        if not self.arena.covers(h, self._page_bytes):
             raise LayoutError("host pages lie outside the slabs mapped here")
         return b, h
 
     def _page_address(self, h: np.ndarray, layer: int) -> np.ndarray:
-        return self.host.data_ptr() + h * self.layout.page_bytes + layer * self.layout.layer_page_bytes
+        return self._host_ptr + h * self._page_bytes + layer * self._lpb
 
     def save(self, block_ids: Sequence[int], host_pages: Sequence[int]) -> None:
         """Every layer of the blocks into the host pages."""
@@ -198,12 +234,18 @@ class BlockCopier:
         if self._chunks is None:
             self._save_torch(b, h)
             return
-        src, dst, size = [], [], []  # layer after layer (faster here than page after page)
-        for layer, r in enumerate(self.runs):
+        if (a := self._all_layers) is not None:  # layer after layer (faster here than page after page)
+            src = a.addresses[:, None, None] + (b * a.block_stride)[None, :, None] + a.offsets
+            dst = (self._host_ptr + h * self._page_bytes)[None, :, None] + a.page_offsets[:, None, :]
+            self._chunks.copy(src.reshape(-1), dst.reshape(-1), np.full(src.size, a.run_bytes, dtype=np.int64),
+                              streaming=True)
+            return
+        src, dst, size = [], [], []
+        for layer, (r, run_dst) in enumerate(zip(self.runs, self._run_dst)):
             src.append((r.address + b[:, None] * r.block_stride + r.offsets).reshape(-1))
-            dst.append((self._page_address(h, layer)[:, None] + np.arange(len(r.offsets)) * r.run_bytes).reshape(-1))
+            dst.append((self._page_address(h, layer)[:, None] + run_dst).reshape(-1))
             size.append(np.full(src[-1].size, r.run_bytes, dtype=np.int64))
-        self._chunks.copy(np.concatenate(src), np.concatenate(dst), np.concatenate(size))
+        self._chunks.copy(np.concatenate(src), np.concatenate(dst), np.concatenate(size), streaming=True)
 
     def save_layer(self, layer: int, block_ids: Sequence[int], host_pages: Sequence[int]) -> None:
         """One layer of the blocks into the host pages (hybrid models: each layer's group
@@ -219,11 +261,14 @@ class BlockCopier:
             return
         r = self.runs[layer]
         src = r.address + b[:, None] * r.block_stride + r.offsets
-        dst = self._page_address(h, layer)[:, None] + np.arange(len(r.offsets)) * r.run_bytes
-        self._chunks.copy(src.reshape(-1), dst.reshape(-1), np.full(src.size, r.run_bytes, dtype=np.int64))
+        dst = self._page_address(h, layer)[:, None] + self._run_dst[layer]
+        self._chunks.copy(src.reshape(-1), dst.reshape(-1), np.full(src.size, r.run_bytes, dtype=np.int64),
+                          streaming=True)
 
-    def load_layer(self, layer: int, block_ids: Sequence[int], host_pages: Sequence[int]) -> None:
-        """One layer of the host pages into the blocks."""
+    def load_layer(self, layer: int, block_ids: Sequence[int], host_pages: Sequence[int], *,
+                   transfer_bytes: int | None = None) -> None:
+        """One layer of the host pages into the blocks; `transfer_bytes`: the bytes of every
+        layer of this load, which pick streaming stores (default: this layer's)."""
         b, h = self._ids(block_ids, host_pages)
         if not len(b):
             return
@@ -234,9 +279,10 @@ class BlockCopier:
             self._load_layer_torch(layer, b, h)
             return
         r = self.runs[layer]
-        src = self._page_address(h, layer)[:, None] + np.arange(len(r.offsets)) * r.run_bytes
+        src = self._page_address(h, layer)[:, None] + self._run_dst[layer]
         dst = r.address + b[:, None] * r.block_stride + r.offsets
-        self._chunks.copy(src.reshape(-1), dst.reshape(-1), np.full(src.size, r.run_bytes, dtype=np.int64))
+        self._chunks.copy(src.reshape(-1), dst.reshape(-1), np.full(src.size, r.run_bytes, dtype=np.int64),
+                          transfer_bytes=transfer_bytes)
 
     # -- the kernel path ------------------------------------------------------------------
     def _run_kernel(self, b: np.ndarray, h: np.ndarray, layer0: int, num_layers: int, *, to_host: bool) -> None:

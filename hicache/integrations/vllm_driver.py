@@ -79,8 +79,8 @@ def _corrupt_loads() -> None:
 
     real = BlockCopier.load_layer
 
-    def load_layer(self: BlockCopier, layer: int, block_ids: Any, host_pages: Any) -> None:
-        real(self, layer, block_ids, host_pages)
+    def load_layer(self: BlockCopier, layer: int, block_ids: Any, host_pages: Any, **kw: Any) -> None:
+        real(self, layer, block_ids, host_pages, **kw)
         b = torch.as_tensor(list(block_ids), dtype=torch.long)
         v = self.blocks[layer]
         v[b] = -v[b] + 1.0
@@ -95,10 +95,10 @@ def _fail_loads() -> None:
 
     real = BlockCopier.load_layer
 
-    def load_layer(self: BlockCopier, layer: int, block_ids: Any, host_pages: Any) -> None:
+    def load_layer(self: BlockCopier, layer: int, block_ids: Any, host_pages: Any, **kw: Any) -> None:
         if layer >= self.layout.num_layers // 2:
             raise OSError("injected load failure")
-        real(self, layer, block_ids, host_pages)
+        real(self, layer, block_ids, host_pages, **kw)
 
     BlockCopier.load_layer = load_layer  # type: ignore[method-assign]
 

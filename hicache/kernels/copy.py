@@ -319,16 +319,20 @@ class ChunkCopier:
         return self._native is not None
 
     def copy(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, *,
-             transfer_bytes: int | None = None) -> None:
+             transfer_bytes: int | None = None, streaming: bool | None = None) -> None:
         """Copy every chunk. `transfer_bytes`: the size of the whole transfer this call
         is part of (all layers of a per-layer load), which picks streaming stores
-        (`STREAM_MIN_BYTES`); default: this call's bytes."""
+        (`STREAM_MIN_BYTES`); default: this call's bytes. `streaming` True / False
+        decides instead (True: nothing reads the destination soon, e.g. a save into
+        host pages, whatever its size)."""
         src, dst, nbytes = coalesce(src, dst, nbytes)
         total = int(nbytes.sum())
+        if streaming is None:
+            streaming = use_streaming(total, transfer_bytes)
         workers = min(self.num_threads, len(src), max(1, total // max(1, self.min_split_bytes)))
         if not self.is_native and total < self.min_chunk_bytes * len(src):
             workers = 1  # per-chunk ctypes calls: small chunks queue on the GIL
-        run = self._batch_runner(src, dst, nbytes, stream=use_streaming(total, transfer_bytes))
+        run = self._batch_runner(src, dst, nbytes, stream=streaming)
         if workers <= 1:
             run(0, len(src))
             return

@@ -149,13 +149,19 @@ def test_rows_of_a_peer_without_step_times_say_not_exposed():
 
     measured = {"none": run("none", 0.5, None), "hicache": run("hicache", 0.5, [0.01, 0.02]),
                 "lmcache": run("lmcache", 0.5, None)}
-    measured["hicache"].transfers.update(saved_tokens=1000, save_s=0.004, loaded_tokens=500, load_s=0.001)
+    measured["hicache"].transfers.update(saved_tokens=1000, save_s=0.004, loaded_tokens=500, load_s=0.001,
+                                         save_cpu_s=0.001, load_cpu_s=0.0)
     table = {r["name"]: r for r in rows(measured, 16384, poisson=False, memcpy=8.192)}
     assert table["connector time in steps, cold (turn 1) [hicache]"]["value"] == pytest.approx(10.0)
     # the copies against a memcpy of the same machine: 16384 bytes per token
     assert table["save GB/s vs memcpy [hicache]"]["ratio"] == pytest.approx(1000 * 16384 / 0.004 / 1e9 / 8.192)
     assert table["load GB/s vs memcpy [hicache]"]["ratio"] == pytest.approx(1.0)
     assert "save GB/s vs memcpy [lmcache]" not in table  # it said nothing of what it moved
+    # over the copy thread's CPU time: the copy's own speed (4x the wall rate: it waited 3/4)
+    cpu = table["save GB/s, copy thread's CPU time vs memcpy [hicache]"]
+    assert cpu["ratio"] == pytest.approx(4 * table["save GB/s vs memcpy [hicache]"]["ratio"])
+    assert "load GB/s, copy thread's CPU time vs memcpy [hicache]" not in table  # no CPU time reported
+    assert not any("CPU time" in name for name in table if "[lmcache]" in name)
     assert table["connector time in steps, warm (turns 2+) [hicache]"]["value"] == pytest.approx(20.0)
     assert math.isnan(table["connector time in steps, cold (turn 1) [lmcache]"]["value"])
     assert table["connector time in steps / cold TTFT of vLLM alone [hicache]"]["value"] == pytest.approx(0.02)

@@ -186,6 +186,61 @@ def test_per_layer_saves_take_each_layers_own_blocks(kind, method):
             copier.save_layer(0, [1, 2], pages)
 
 
+def test_layers_arranged_differently_save_the_same_pages():
+    """The native save builds every layer's chunks in one broadcast where layers differ only
+    in address; layers whose blocks lie differently in memory take the per-layer tables."""
+    layout = layout_for(torch.float32)
+    cpu, _ = make_caches("cpu", torch.float32, seed=9)
+    outer, _ = make_caches("heads-outer", torch.float32, seed=10)
+    mixed = [cpu[0], outer[1], cpu[2]]  # same logical shape, runs of a block vs of a head
+    blocks, pages = [4, 12, 0], [1, 7, 3]
+    with HostArena.create(16 * layout.page_bytes, mlock=False) as arena:
+        native = BlockCopier(mixed, NUM_BLOCKS, layout, arena, method="native")
+        assert native._all_layers is None and BlockCopier(cpu, NUM_BLOCKS, layout, arena)._all_layers is not None
+        native.save(blocks, pages)
+        BlockCopier(mixed, NUM_BLOCKS, layout, arena, method="torch").save(blocks, [8, 9, 10])
+        host = arena.array.reshape(-1, layout.page_bytes)
+        assert np.array_equal(host[pages], host[[8, 9, 10]])
+        for layer, t in enumerate(mixed):
+            assert torch.equal(native.host[torch.tensor(pages)][:, layer], block_bytes(t, "cpu", blocks))
+
+
+def test_saves_stream_and_loads_stream_by_all_their_layers(monkeypatch):
+    """Native path: a save takes streaming stores at any size (nothing here reads the pages
+    back); a per-layer load streams once all its layers pass the threshold, though one
+    layer does not. Bytes are exact either way."""
+    from hicache.kernels import copy as kcopy
+
+    layout = layout_for(torch.float32)
+    blocks, pages = [9, 2, 11, 4], [6, 0, 14, 3]
+    one_layer = len(blocks) * layout.layer_page_bytes
+    monkeypatch.setattr(kcopy, "STREAM_MIN_BYTES", 2 * one_layer)  # above a layer, below all 3
+    stores: list[bool] = []  # the flag each native call got (the real copier still runs)
+    real = kcopy.ChunkCopier._batch_runner
+
+    def watched(self, src, dst, nbytes, stream):
+        stores.append(stream)
+        return real(self, src, dst, nbytes, stream)
+
+    monkeypatch.setattr(kcopy.ChunkCopier, "_batch_runner", watched)
+    with HostArena.create(16 * layout.page_bytes, mlock=False) as arena:
+        src, _ = make_caches("cpu", torch.float32, seed=7)
+        copier = BlockCopier(src, NUM_BLOCKS, layout, arena, method="native")
+        copier.save(blocks[:1], pages[:1])  # one block, far below the threshold
+        copier.save_layer(0, blocks[:1], pages[:1])
+        assert stores == [True, True]
+        dst, _ = make_caches("cpu", torch.float32, seed=8, zero=True)
+        loader = BlockCopier(dst, NUM_BLOCKS, layout, arena, method="native")
+        copier.save(blocks, pages)
+        stores.clear()
+        loader.load_layer(0, blocks, pages)  # alone: one layer's bytes decide
+        loader.load_layer(1, blocks, pages, transfer_bytes=LAYERS * one_layer)
+        loader.load_layer(2, blocks, pages, transfer_bytes=LAYERS * one_layer)
+        assert stores == [False, True, True]
+        for s, d in zip(src, dst):
+            assert torch.equal(block_bytes(d, "cpu", blocks), block_bytes(s, "cpu", blocks))
+
+
 # Runs in a fresh interpreter with TRITON_INTERPRET=1 set before Triton is imported.
 _INTERPRET_RUNNER = textwrap.dedent("""
     import sys

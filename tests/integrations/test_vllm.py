@@ -101,6 +101,8 @@ def test_outputs_equal_and_hits_after_vllm_forgets(work, reference, daemon):
     assert c["vllm:hicache_saved_tokens"] >= sum(full_blocks(p) for p in ps[:1])
     assert c["vllm:hicache_loaded_tokens"] == c["vllm:external_prefix_cache_hits"]
     assert c["vllm:hicache_load_error_blocks"] == 0
+    for kind in ("save", "load"):  # the copy thread's CPU time is part of the copies' wall time
+        assert 0 < c[f"vllm:hicache_{kind}_cpu_seconds"] <= c[f"vllm:hicache_{kind}_seconds"]
 
 
 def test_second_process_hits_at_once(work, reference, daemon):

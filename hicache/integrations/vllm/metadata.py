@@ -52,13 +52,16 @@ class HiCacheWorkerMeta(KVConnectorWorkerMetadata):
         return HiCacheWorkerMeta({**self.saved, **other.saved}, self.loaded | other.loaded)
 
 
-STAT_KEYS = ("loads", "loaded_tokens", "load_errors", "saved_tokens", "load_s", "save_s", "step_s")
+STAT_KEYS = ("loads", "loaded_tokens", "load_errors", "saved_tokens", "load_s", "save_s", "load_cpu_s", "save_cpu_s",
+             "step_s")
 
 
 class HiCacheStats(KVConnectorStats):
     """Counts of one interval: loads (requests), loaded and saved tokens, blocks that failed
-    to load, seconds spent copying in and out (on the copy thread), and seconds the engine's
-    step spent inside the connector's calls (scheduler and worker: what it adds to a step)."""
+    to load, seconds spent copying in and out (on the copy thread: wall time, and the
+    thread's CPU time in it, so a rate can tell the copy's own speed from its waits for a
+    core), and seconds the engine's step spent inside the connector's calls (scheduler and
+    worker: what it adds to a step)."""
 
     def __init__(self, data: dict[str, Any] | None = None) -> None:
         super().__init__(data=dict.fromkeys(STAT_KEYS, 0) | dict(data or {}))
@@ -75,7 +78,8 @@ class HiCacheStats(KVConnectorStats):
         d = self.data
         return {"hicache loads": d["loads"], "loaded tokens": d["loaded_tokens"], "saved tokens": d["saved_tokens"],
                 "load errors": d["load_errors"], "load time (s)": round(d["load_s"], 4),
-                "save time (s)": round(d["save_s"], 4), "step time (s)": round(d["step_s"], 4)}
+                "save time (s)": round(d["save_s"], 4), "load CPU time (s)": round(d["load_cpu_s"], 4),
+                "save CPU time (s)": round(d["save_cpu_s"], 4), "step time (s)": round(d["step_s"], 4)}
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
@@ -88,6 +92,10 @@ PROM_COUNTERS = {  # stat -> (metric name, help)
     "load_errors": ("vllm:hicache_load_error_blocks", "Blocks hicache failed to load (vLLM recomputed them)."),
     "load_s": ("vllm:hicache_load_seconds", "Seconds spent copying KV in from hicache."),
     "save_s": ("vllm:hicache_save_seconds", "Seconds spent copying KV out to hicache."),
+    "load_cpu_s": ("vllm:hicache_load_cpu_seconds",
+                   "CPU seconds the copy thread spent copying KV in (of hicache_load_seconds; CPU path)."),
+    "save_cpu_s": ("vllm:hicache_save_cpu_seconds",
+                   "CPU seconds the copy thread spent copying KV out (of hicache_save_seconds; CPU path)."),
     "step_s": ("vllm:hicache_step_seconds", "Seconds engine steps spent inside the hicache connector's calls."),
 }
 

@@ -213,16 +213,19 @@ class WorkerSide:
     def _load_job(self, load: _Load) -> None:
         copier = self.copier
         assert copier is not None
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
-            for layer, (blocks, pages) in enumerate(self._layer_ids(load)):
-                copier.load_layer(layer, blocks, pages)
+            per_layer = self._layer_ids(load)
+            nbytes = sum(len(blocks) for blocks, _ in per_layer) * self.shape.layout.layer_page_bytes
+            for layer, (blocks, pages) in enumerate(per_layer):
+                copier.load_layer(layer, blocks, pages, transfer_bytes=nbytes)
                 load.events[layer].set()
         except Exception:
             log.exception("hicache: loading KV failed; vLLM recomputes those blocks")
             self._fail_load(load)
             return
-        self._load_done(load, True, time.perf_counter() - t0)
+        cpu_s = time.thread_time() - cpu0  # read before the wall clock: within it
+        self._load_done(load, True, time.perf_counter() - t0, cpu_s)
 
     def _load_on_stream(self, load: _Load, streams: StreamCopies) -> None:
         try:
@@ -238,7 +241,9 @@ class WorkerSide:
             # hybrid request is reported) once what was queued has completed.
             self._fail_load(load, release=False)
 
-    def _load_done(self, load: _Load, ok: bool, seconds: float) -> None:
+    def _load_done(self, load: _Load, ok: bool, seconds: float, cpu_seconds: float = 0.0) -> None:
+        """`seconds`: the copies' wall time; `cpu_seconds`: the copy thread's CPU time in it
+        (the CPU path; the difference is time it waited for a core or the GIL)."""
         tokens = sum(len(s.block_ids[0]) for s in load.specs) * self.shape.layout.page_size
         with self._lock:
             self._loaded.update(s.req_id for s in load.specs)
@@ -251,6 +256,7 @@ class WorkerSide:
                 d["loads"] += len(load.specs)
                 d["loaded_tokens"] += tokens
             d["load_s"] += seconds
+            d["load_cpu_s"] += cpu_seconds
 
     def _fail_load(self, load: _Load, release: bool = True) -> None:
         """Report the loads failed; `release`: and finished (False: `_load_done` will, and
@@ -334,16 +340,19 @@ class WorkerSide:
             copier.save(s.block_ids[0], s.host_pages)
 
     def _save_job(self, s: SaveSpec) -> None:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         error = None
         try:
             self._save_copy(s)
         except Exception as e:
             error = e
-        self._saves_done([s], [error], time.perf_counter() - t0)
+        cpu_s = time.thread_time() - cpu0  # read before the wall clock: within it
+        self._saves_done([s], [error], time.perf_counter() - t0, cpu_s)
 
-    def _saves_done(self, specs: list[SaveSpec], errors: list[Exception | None], seconds: float) -> None:
-        """The saves' copies are complete (`errors`: per save, None or why it failed)."""
+    def _saves_done(self, specs: list[SaveSpec], errors: list[Exception | None], seconds: float,
+                    cpu_seconds: float = 0.0) -> None:
+        """The saves' copies are complete (`errors`: per save, None or why it failed);
+        `seconds` and `cpu_seconds` as for `_load_done`."""
         for error in errors:
             if error is not None:
                 log.error("hicache: saving KV failed; the pages are dropped", exc_info=error)
@@ -356,6 +365,7 @@ class WorkerSide:
                 if error is None:
                     self.stats.data["saved_tokens"] += len(s.host_pages) * self.shape.layout.page_size
             self.stats.data["save_s"] += seconds
+            self.stats.data["save_cpu_s"] += cpu_seconds
 
     # -- reports ----------------------------------------------------------------------------
     def _poll(self) -> None:
