@@ -125,6 +125,10 @@ class HostArena:
         # out ~15 slabs' pre-faults on the caller's thread).
         self._queue_lock = threading.Lock()
         self._fault_queue: queue.SimpleQueue[tuple[int, bool] | None] | None = None
+        # CPUs the pre-fault thread runs on (None: those of the thread that started it). An
+        # engine sets its copy threads' CPUs, so pre-faults stay off its forward pass's cores.
+        self.prefault_cpus: set[int] | None = None
+        self._fault_thread: threading.Thread | None = None
         span = -(-self.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
         # The reservation costs address space only; slabs are mapped over it. Python's
         # mmap is asked for a writable mapping (its buffer is read-only otherwise), which
@@ -301,8 +305,9 @@ class HostArena:
                 return
             if self._fault_queue is None:
                 self._fault_queue = queue.SimpleQueue()
-                threading.Thread(target=_prefault_loop, args=(weakref.ref(self), self._fault_queue),
-                                 name="hicache-prefault", daemon=True).start()
+                self._fault_thread = threading.Thread(target=_prefault_loop, name="hicache-prefault",
+                                                      args=(weakref.ref(self), self._fault_queue), daemon=True)
+                self._fault_thread.start()
             self._fault_queue.put((slab, allocate))
 
     def covers(self, slots: np.ndarray, page_bytes: int) -> bool:
@@ -426,11 +431,21 @@ class HostArena:
 
 def _prefault_loop(arena_ref: weakref.ref[HostArena], jobs: queue.SimpleQueue[tuple[int, bool] | None]) -> None:
     """The pre-fault thread: holds its arena only while working on a slab (a weak
-    reference otherwise, so an arena nobody closes is still collected)."""
+    reference otherwise, so an arena nobody closes is still collected). Before each slab it
+    moves to the arena's `prefault_cpus` if they changed."""
+    placed: set[int] | None = None
     while (job := jobs.get()) is not None:
         arena = arena_ref()
         if arena is None:
             return
+        want = arena.prefault_cpus
+        if want and want != placed and hasattr(os, "sched_setaffinity"):
+            placed = want
+            try:
+                os.sched_setaffinity(0, want)  # 0: this thread only
+            except OSError as e:  # CPUs outside this process's cpuset: stay where it is
+                log.info("pre-fault thread kept on CPUs %s (%s unusable: %s)",
+                         sorted(os.sched_getaffinity(0)), sorted(want), e)
         arena.prefault(job[0], allocate=job[1])
         del arena
 

@@ -219,3 +219,25 @@ def test_a_reconnect_between_match_and_step_makes_the_load_stale(tmp_path):
         assert meta.instances == {0: c.instance}
         assert [(s.stale, s.host_pages, s.block_ids) for s in meta.loads] == [(True, {}, [list(range(6))])]
         sched.close()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to tell the copy CPUs apart")
+def test_the_worker_gives_its_arena_the_copy_threads_cpus(tmp_path, monkeypatch):
+    """The arena's pre-faults (slabs the worker maps as stores come) run where the copy
+    thread does, off the forward pass's cores."""
+    from hicache.daemon.serve.launcher import LocalDaemon
+    from hicache.integrations.vllm.layout import EngineShape, expected_arrangement
+    from hicache.integrations.vllm.worker import WorkerSide
+
+    copy_cpu = max(os.sched_getaffinity(0))
+    monkeypatch.setenv("HICACHE_COPY_CPUS", str(copy_cpu))
+    layout = LAYOUTS["mha-f32"]
+    shape = EngineShape("m", layout, 1, "cpu", expected_arrangement(False, 32, 2, 32, "float32"))
+    with LocalDaemon(tmp_path / "d", "--host-capacity", "64MiB", "--no-disk") as d:
+        w = WorkerSide(shape, NUM_BLOCKS, d.socket, 0)
+        try:
+            w.register({f"layers.{i}.attn": t for i, t in enumerate(caches_for(layout, seed=3))},
+                       lambda n: int(n.split(".")[1]))
+            assert w.client.arena is not None and w.client.arena.prefault_cpus == {copy_cpu}
+        finally:
+            w.close()

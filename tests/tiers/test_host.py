@@ -20,6 +20,7 @@ from hicache.kernels import triton_env
 from hicache.layout import KVLayout
 from hicache.tiers.device import DevicePool
 from hicache.tiers.host import HostArena, HostCacheError, HostKVCache, HostSlotAllocator
+from tests.wait import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 DTYPES = ["float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2"]
@@ -209,6 +210,25 @@ def test_queueing_a_prefault_never_waits_for_one_in_progress():
         queued.start()
         queued.join(10)
         assert not queued.is_alive()
+    engine.close()
+    daemon.close()
+
+
+def test_the_prefault_thread_moves_to_the_cpus_it_is_given():
+    """An engine gives its arena its copy threads' CPUs: the pre-fault thread runs there
+    from its next slab on, not on the cores of whichever thread started it."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs to tell a move from staying put")
+    daemon = HostArena.create(2 << 20, mlock=False, slab_bytes=1 << 20)
+    engine = HostArena.reserve(2, 1 << 20)
+    engine.map_slab(0, os.dup(daemon.slab_fd(0)), daemon.slab_gen(0), prefault=False)
+    engine.prefault_cpus = {cpus[-1]}
+    engine.prefault_async(0)
+    thread = engine._fault_thread
+    assert thread is not None
+    wait_until(lambda: thread.native_id is not None and os.sched_getaffinity(thread.native_id) == {cpus[-1]},
+               what="the pre-fault thread on the CPU given")
     engine.close()
     daemon.close()
 

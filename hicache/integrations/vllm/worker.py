@@ -138,6 +138,7 @@ class WorkerSide:
 
     def _make_copier(self) -> None:
         assert self.client.arena is not None
+        self.client.arena.prefault_cpus = self._copy_cpus  # its pre-faults off the forward pass's cores too
         self.copier = BlockCopier(self.caches, self.num_blocks, self.shape.layout, self.client.arena,
                                   method=self._copy_method)
         if self.copier.device.type == "cuda" or self._stream_api is not None:
@@ -153,6 +154,7 @@ class WorkerSide:
             if self.copier is None:
                 self._make_copier()
             else:
+                self.client.arena.prefault_cpus = self._copy_cpus
                 self.copier.rebind(self.client.arena)
 
     def _ready(self, meta: HiCacheMeta) -> bool:
