@@ -176,6 +176,31 @@ def _echo_client(path: str, payload: dict, n: int, q: mp.Queue) -> None:
     conn.close()
 
 
+def _frame_client(path: str, frame: bytes, n: int, q: mp.Queue) -> None:
+    """A request frame sent as prepared bytes, the answer read whole and not decoded: as
+    little client work as `_redis_client` does, so that the server's own cost shows."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    buf = bytearray(2 * len(frame) + 4096)
+    view = memoryview(buf)
+    lat = np.empty(n)
+    for i in range(n + 20):
+        t0 = time.perf_counter()
+        s.sendall(frame)
+        got, want = 0, 4
+        while got < want:
+            k = s.recv_into(view[got:])
+            if not k:
+                raise ConnectionResetError(f"{path}: the server closed the connection")
+            got += k
+            if want == 4 and got >= 4:
+                want += int.from_bytes(buf[:4], "big")
+        if i >= 20:
+            lat[i - 20] = time.perf_counter() - t0
+    q.put(lat)
+    s.close()
+
+
 def _redis_client(path: str, nbytes: int, n: int, q: mp.Queue) -> None:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(path)
@@ -244,20 +269,20 @@ def _run_clients(target, args_for, clients: int, cpus: set[int] | None = None) -
     return np.concatenate(lats)
 
 
-def _echo_server_rows(label: str, servers: dict[str, tuple[list, list]], red: list, cpu_red: list,
+def _echo_server_rows(label: str, servers: dict[str, tuple[list, list, list]], red: list, cpu_red: list,
                       n_calls: int, repeats: int) -> list[dict]:
     """Each echo server's percentiles against redis GET's (the echo server's where redis
-    is missing), the ratio to the Python echo server in `vs_echo`, and its CPU per call
-    against redis-server's per GET."""
+    is missing), the ratio to the Python echo server's in `vs_echo`, with the hicache client
+    and with the raw frame client; and its CPU per call against redis-server's per GET."""
     rows = []
-    echo = servers["echo"][0]
-    for name, (lats, cpus) in servers.items():
-        for q in (50, 99):
-            value, base = _median_pcts(lats, q), _median_pcts(red or echo, q)
-            vs_echo = value / _median_pcts(echo, q)
-            rows.append(row(f"{label} {name} server p{q}", value, "us", baseline=base,
-                            baseline_name="redis" if red else "echo", repeats=repeats, vs_echo=vs_echo,
-                            note=f"{vs_echo:.2f}x echo"))
+    for name, (lats, cpus, raw) in servers.items():
+        for client, rounds, echo in [("", lats, servers["echo"][0]), (", raw client", raw, servers["echo"][2])]:
+            for q in (50, 99):
+                value, base = _median_pcts(rounds, q), _median_pcts(red or echo, q)
+                vs_echo = value / _median_pcts(echo, q)
+                rows.append(row(f"{label} {name} server{client} p{q}", value, "us", baseline=base,
+                                baseline_name="redis" if red else "echo", repeats=repeats, vs_echo=vs_echo,
+                                note=f"{vs_echo:.2f}x echo"))
         if red and None not in cpus + cpu_red:
             rows.append(row(f"{label} {name} server CPU per call", float(np.median(cpus)) / n_calls * 1e6, "us",
                             baseline=float(np.median(cpu_red)) / n_calls * 1e6,
@@ -345,7 +370,9 @@ def run(socket_path: str | None = None, prompt_tokens: int = 8192, requests: int
                 size = len(pack_frame({"id": 1, "method": kind, "params": payloads[kind]}))
                 hc, echo, red = [], [], []
                 cpu_hc, cpu_echo, cpu_red = [], [], []  # servers' CPU seconds per round
-                nat: dict[str, tuple[list, list]] = {name: ([], []) for name in native}  # latencies, CPU
+                # echo servers with `servers`: latencies, CPU, latencies with the raw frame client
+                nat: dict[str, tuple[list, list, list]] = {name: ([], [], []) for name in ["echo", *native]}
+                frame = pack_frame({"id": 1, "method": "echo", "params": payloads[kind]})
                 for _ in range(repeats):  # the servers take turns: load swings hit all three alike
                     toks = [rng.integers(0, 1 << 30, prompt_tokens, dtype=np.int32) for _ in range(clients)]
                     lat, cpu = _timed_cpu(daemon_pid, lambda: _run_clients(
@@ -366,6 +393,10 @@ def run(socket_path: str | None = None, prompt_tokens: int = 8192, requests: int
                             _echo_client, lambda i: (path, payloads[kind], per), clients, cpus))
                         nat[name][0].append(lat)
                         nat[name][1].append(cpu)
+                    if native:  # each echo server again with a client as light as redis's
+                        for name, path in [("echo", echo_path), *((n, p) for n, (p, _) in native.items())]:
+                            nat[name][2].append(_run_clients(_frame_client, lambda i: (path, frame, per),
+                                                             clients, cpus))
                 label = f"{kind} {prompt_tokens} tokens, {clients} client{'s' if clients > 1 else ''}"
                 for q in (50, 99):
                     rows.append(row(f"{label} p{q}", _median_pcts(hc, q), "us", baseline=_median_pcts(echo, q),
@@ -389,7 +420,8 @@ def run(socket_path: str | None = None, prompt_tokens: int = 8192, requests: int
                         rows.append(row(f"{label} p{q} vs redis GET {size}B", _median_pcts(hc, q), "us",
                                         baseline=_median_pcts(red, q), baseline_name="redis", repeats=repeats))
                 if native:
-                    rows += _echo_server_rows(label, {"echo": (echo, cpu_echo), **nat}, red, cpu_red,
+                    nat["echo"] = (echo, cpu_echo, nat["echo"][2])
+                    rows += _echo_server_rows(label, nat, red, cpu_red,
                                               clients * (per + 20), repeats)
         return rows
     finally:

@@ -218,6 +218,8 @@ def test_the_bench_times_each_native_server_against_redis_and_the_python_echo():
             r = by_name[f"match 64 tokens, 1 client {server} server p{q}"]
             assert r["value"] > 0 and r["baseline"] > 0 and r["vs_echo"] > 0
             assert r["baseline_name"] == ("redis" if any("redis" in n for n in by_name) else "echo")
+            raw = by_name[f"match 64 tokens, 1 client {server} server, raw client p{q}"]
+            assert raw["value"] > 0 and raw["baseline"] == r["baseline"]
 
 
 def test_an_unknown_server_is_refused_before_anything_starts():
