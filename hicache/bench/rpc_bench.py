@@ -8,8 +8,8 @@ sent one by one):
 - redis-server GET over a Unix socket (when redis-server is installed);
 - with `servers`, native echo servers with the same framing (hicache/bench/native_echo.py:
   a C epoll loop; a C reader callback on uvloop answering in C, or calling a Python
-  handler per frame), timed with the echo client and reported against redis GET and
-  the Python echo server.
+  handler per frame), reported against redis GET and the Python echo server; with them,
+  every echo server is also timed with a raw frame client as light as the redis one.
 
 Each client is its own process with a blocking socket, as engine schedulers are.
 The three servers take turns, `repeats` rounds of each, and every percentile
