@@ -7,6 +7,7 @@ import platform
 import sys
 import time
 
+from hicache.bench.native_echo import VARIANTS as NATIVE_ECHO_VARIANTS
 from hicache.bench.pin_bench import add_arguments as pin_arguments
 from hicache.bench.plot import plot, plot_file, require_matplotlib
 from hicache.bench.report import print_rows
@@ -38,6 +39,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    default=["match", "insert"],
                    help="which calls to time (puts: a step's 8 put reservations, pipelined vs one by one; "
                         "handlers: the daemon's CPU for a match + release in-process, vs echo's frame work)")
+    b.add_argument("--servers", nargs="+", default=[], choices=[f"native-{v}" for v in NATIVE_ECHO_VARIANTS],
+                   help="native echo servers timed beside the others (C epoll loop; C reader callback on uvloop "
+                        "answering in C, or calling a Python handler per frame: identity / msgpack echo)")
 
     b = bench("transfer", "per-layer load and all-layer backup vs a contiguous copy")
     b.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -188,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
         from hicache.bench.rpc_bench import run as go
         calls = tuple(c for c in args.calls if c != "handlers")
         rows = go(args.socket_path, args.prompt_tokens, args.requests, tuple(args.clients), args.repeats, args.pin,
-                  calls) if calls else []
+                  calls, tuple(args.servers)) if calls else []
         if "handlers" in args.calls:
             from hicache.bench.handler_bench import run as in_process
             rows += in_process(args.prompt_tokens, args.requests, args.repeats)

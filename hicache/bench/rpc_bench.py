@@ -5,7 +5,11 @@ sent one by one):
 
 - a bare echo server with hicache's framing (asyncio + uvloop, 4-byte length +
   msgpack), which is the floor any RPC over this socket can reach;
-- redis-server GET over a Unix socket (when redis-server is installed).
+- redis-server GET over a Unix socket (when redis-server is installed);
+- with `servers`, native echo servers with the same framing (hicache/bench/native_echo.py:
+  a C epoll loop; a C reader callback on uvloop answering in C, or calling a Python
+  handler per frame), reported against redis GET and the Python echo server; with them,
+  every echo server is also timed with a raw frame client as light as the redis one.
 
 Each client is its own process with a blocking socket, as engine schedulers are.
 The three servers take turns, `repeats` rounds of each, and every percentile
@@ -42,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hicache.bench import native_echo
 from hicache.bench.report import row
 from hicache.client.connection import RpcConnection
 from hicache.daemon.serve.launcher import LocalDaemon
@@ -49,6 +54,7 @@ from hicache.index.keys import page_keys
 from hicache.layout import KVLayout
 from hicache.rpc.framing import ids_to_bytes, pack_frame
 
+NATIVE_SERVERS = tuple(f"native-{v}" for v in native_echo.VARIANTS)  # `servers` choices
 LAYOUT = KVLayout("mha", num_layers=32, page_size=16, dtype="bfloat16", num_kv_heads=8, head_dim=128)
 STEP_PUTS = 8  # `puts`: the reservations of one vLLM step (its scheduler's requests), as one batch
 
@@ -82,6 +88,12 @@ def echo_server(path: str) -> None:
         factory = None
     with asyncio.Runner(loop_factory=factory) as runner:
         runner.run(main())
+
+
+def _start_native(path: str, server: str) -> subprocess.Popen:
+    variant = server.removeprefix("native-")
+    return subprocess.Popen([sys.executable, "-c", f"from hicache.bench.native_echo import serve; "
+                             f"serve({path!r}, {variant!r})"])
 
 
 def _wait_socket(path: str, proc: subprocess.Popen, timeout_s: float = 30) -> None:
@@ -164,6 +176,31 @@ def _echo_client(path: str, payload: dict, n: int, q: mp.Queue) -> None:
     conn.close()
 
 
+def _frame_client(path: str, frame: bytes, n: int, q: mp.Queue) -> None:
+    """A request frame sent as prepared bytes, the answer read whole and not decoded: as
+    little client work as `_redis_client` does, so that the server's own cost shows."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    buf = bytearray(2 * len(frame) + 4096)
+    view = memoryview(buf)
+    lat = np.empty(n)
+    for i in range(n + 20):
+        t0 = time.perf_counter()
+        s.sendall(frame)
+        got, want = 0, 4
+        while got < want:
+            k = s.recv_into(view[got:])
+            if not k:
+                raise ConnectionResetError(f"{path}: the server closed the connection")
+            got += k
+            if want == 4 and got >= 4:
+                want += int.from_bytes(buf[:4], "big")
+        if i >= 20:
+            lat[i - 20] = time.perf_counter() - t0
+    q.put(lat)
+    s.close()
+
+
 def _redis_client(path: str, nbytes: int, n: int, q: mp.Queue) -> None:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(path)
@@ -232,6 +269,27 @@ def _run_clients(target, args_for, clients: int, cpus: set[int] | None = None) -
     return np.concatenate(lats)
 
 
+def _echo_server_rows(label: str, servers: dict[str, tuple[list, list, list]], red: list, cpu_red: list,
+                      n_calls: int, repeats: int) -> list[dict]:
+    """Each echo server's percentiles against redis GET's (the echo server's where redis
+    is missing), the ratio to the Python echo server's in `vs_echo`, with the hicache client
+    and with the raw frame client; and its CPU per call against redis-server's per GET."""
+    rows = []
+    for name, (lats, cpus, raw) in servers.items():
+        for client, rounds, echo in [("", lats, servers["echo"][0]), (", raw client", raw, servers["echo"][2])]:
+            for q in (50, 99):
+                value, base = _median_pcts(rounds, q), _median_pcts(red or echo, q)
+                vs_echo = value / _median_pcts(echo, q)
+                rows.append(row(f"{label} {name} server{client} p{q}", value, "us", baseline=base,
+                                baseline_name="redis" if red else "echo", repeats=repeats, vs_echo=vs_echo,
+                                note=f"{vs_echo:.2f}x echo"))
+        if red and None not in cpus + cpu_red:
+            rows.append(row(f"{label} {name} server CPU per call", float(np.median(cpus)) / n_calls * 1e6, "us",
+                            baseline=float(np.median(cpu_red)) / n_calls * 1e6,
+                            baseline_name="redis-server CPU per GET", repeats=repeats))
+    return rows
+
+
 # -- the benchmark --------------------------------------------------------------------------
 def _median_pcts(rounds: list[np.ndarray], q: float) -> float:
     return float(np.median([_pct(lat, q) for lat in rounds]))
@@ -253,7 +311,12 @@ def _puts_rows(path: str, prompt_tokens: int, n: int, clients: int, repeats: int
 
 def run(socket_path: str | None = None, prompt_tokens: int = 8192, requests: int = 2000,
         client_counts: tuple[int, ...] = (1, 8), repeats: int = 5, pin: bool = False,
-        calls: tuple[str, ...] = ("match", "insert")) -> list[dict]:
+        calls: tuple[str, ...] = ("match", "insert"), servers: tuple[str, ...] = ()) -> list[dict]:
+    """`servers`: native echo servers (NATIVE_SERVERS) timed beside the others, each
+    one taking its turn in every round; one that cannot be built here gets a row saying so."""
+    unknown = [s for s in servers if s not in NATIVE_SERVERS]
+    if unknown:
+        raise ValueError(f"unknown servers {unknown}; known: {', '.join(NATIVE_SERVERS)}")
     tmp = Path(tempfile.mkdtemp(prefix="hicache-rpc-bench-"))
     procs: list[subprocess.Popen] = []
     daemon = None
@@ -273,6 +336,17 @@ def run(socket_path: str | None = None, prompt_tokens: int = 8192, requests: int
             procs.append(subprocess.Popen(["redis-server", "--port", "0", "--unixsocket", redis_path,
                                            "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL))
             _wait_socket(redis_path, procs[-1])
+        rows: list[dict] = []
+        native: dict[str, tuple[str, subprocess.Popen]] = {}  # server -> (socket, process)
+        if servers and native_echo.load() is None:
+            rows += [row(f"{name} server", float("nan"), "us", note=f"unavailable: {native_echo.unavailable_reason()}")
+                     for name in servers]
+        else:
+            for name in servers:
+                path = str(tmp / f"{name}.sock")
+                procs.append(_start_native(path, name))
+                _wait_socket(path, procs[-1])
+                native[name] = (path, procs[-1])
 
         daemon_pid = daemon.proc.pid if daemon is not None and daemon.proc is not None else None
         cpus = _client_cpus() if pin else None
@@ -281,7 +355,6 @@ def run(socket_path: str | None = None, prompt_tokens: int = 8192, requests: int
             for pid in [p.pid for p in procs] + ([daemon.proc.pid] if daemon is not None and daemon.proc else []):
                 os.sched_setaffinity(pid, server_cpu)
         rng = np.random.default_rng(0)
-        rows: list[dict] = []
         n_pages = prompt_tokens // LAYOUT.page_size
         payloads = {  # what each call carries, for echo and redis of the same size
             "match": {"engine": 1, "keys": bytes(16 * n_pages)},
@@ -297,6 +370,9 @@ def run(socket_path: str | None = None, prompt_tokens: int = 8192, requests: int
                 size = len(pack_frame({"id": 1, "method": kind, "params": payloads[kind]}))
                 hc, echo, red = [], [], []
                 cpu_hc, cpu_echo, cpu_red = [], [], []  # servers' CPU seconds per round
+                # echo servers with `servers`: latencies, CPU, latencies with the raw frame client
+                nat: dict[str, tuple[list, list, list]] = {name: ([], [], []) for name in ["echo", *native]}
+                frame = pack_frame({"id": 1, "method": "echo", "params": payloads[kind]})
                 for _ in range(repeats):  # the servers take turns: load swings hit all three alike
                     toks = [rng.integers(0, 1 << 30, prompt_tokens, dtype=np.int32) for _ in range(clients)]
                     lat, cpu = _timed_cpu(daemon_pid, lambda: _run_clients(
@@ -312,6 +388,15 @@ def run(socket_path: str | None = None, prompt_tokens: int = 8192, requests: int
                             _redis_client, lambda i: (redis_path, size, per), clients, cpus))
                         red.append(lat)
                         cpu_red.append(cpu)
+                    for name, (path, proc) in native.items():
+                        lat, cpu = _timed_cpu(proc.pid, lambda: _run_clients(
+                            _echo_client, lambda i: (path, payloads[kind], per), clients, cpus))
+                        nat[name][0].append(lat)
+                        nat[name][1].append(cpu)
+                    if native:  # each echo server again with a client as light as redis's
+                        for name, path in [("echo", echo_path), *((n, p) for n, (p, _) in native.items())]:
+                            nat[name][2].append(_run_clients(_frame_client, lambda i: (path, frame, per),
+                                                             clients, cpus))
                 label = f"{kind} {prompt_tokens} tokens, {clients} client{'s' if clients > 1 else ''}"
                 for q in (50, 99):
                     rows.append(row(f"{label} p{q}", _median_pcts(hc, q), "us", baseline=_median_pcts(echo, q),
@@ -334,6 +419,10 @@ def run(socket_path: str | None = None, prompt_tokens: int = 8192, requests: int
                     for q in (50, 99):
                         rows.append(row(f"{label} p{q} vs redis GET {size}B", _median_pcts(hc, q), "us",
                                         baseline=_median_pcts(red, q), baseline_name="redis", repeats=repeats))
+                if native:
+                    nat["echo"] = (echo, cpu_echo, nat["echo"][2])
+                    rows += _echo_server_rows(label, nat, red, cpu_red,
+                                              clients * (per + 20), repeats)
         return rows
     finally:
         if daemon is not None:

@@ -1,0 +1,383 @@
+"""The C source of the native echo servers (hicache/bench/native_echo.py builds and loads
+it): a CPython extension module `hicache_native_echo` with
+
+- `serve_epoll(listen_fd, max_frame_bytes)`: a single-threaded epoll loop, GIL released,
+  answering every frame with the same bytes until an error or a Python signal handler
+  raises;
+- `FrameConn(loop, fd, handler=None, max_frame_bytes)`: one connection, installed as the
+  event loop's reader callback (`loop.add_reader(fd, conn)`). A call receives once,
+  answers every whole frame (in C, or with `handler(body)`'s bytes; None answers
+  nothing) and sends; while a reply cannot all be sent it swaps its reader for a writer
+  (`on_writable`) and reads again once it has drained. End of stream, an oversized frame
+  or a handler that raises closes the connection (the exception goes to the loop).
+
+Frames are hicache's: a 4-byte big-endian length, then the body (hicache/rpc/framing.py).
+"""
+
+from __future__ import annotations
+
+SOURCE = r"""
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#define RECV_CHUNK 65536
+enum { IO_OK = 0, IO_PENDING = 1, IO_CLOSED = -1, IO_RAISED = -2 };
+
+/* A byte buffer: [start, end) holds data, room after end. */
+typedef struct { char *p; size_t start, end, cap; } buf_t;
+
+static int buf_room(buf_t *b, size_t want) {
+    if (b->start == b->end) b->start = b->end = 0;
+    if (b->cap - b->end >= want) return 0;
+    if (b->start) {
+        memmove(b->p, b->p + b->start, b->end - b->start);
+        b->end -= b->start;
+        b->start = 0;
+        if (b->cap - b->end >= want) return 0;
+    }
+    size_t cap = b->cap ? b->cap : RECV_CHUNK;
+    while (cap - b->end < want) cap *= 2;
+    char *p = realloc(b->p, cap);
+    if (!p) return -1;
+    b->p = p;
+    b->cap = cap;
+    return 0;
+}
+
+static void buf_free(buf_t *b) { free(b->p); memset(b, 0, sizeof *b); }
+
+static int buf_put_frame(buf_t *b, const char *body, size_t n) {
+    if (n > UINT32_MAX || buf_room(b, n + 4)) return -1;
+    unsigned char *h = (unsigned char *)b->p + b->end;
+    h[0] = (unsigned char)(n >> 24); h[1] = (unsigned char)(n >> 16);
+    h[2] = (unsigned char)(n >> 8); h[3] = (unsigned char)n;
+    memcpy(b->p + b->end + 4, body, n);
+    b->end += n + 4;
+    return 0;
+}
+
+static uint32_t be32(const char *p) {
+    const unsigned char *h = (const unsigned char *)p;
+    return ((uint32_t)h[0] << 24) | ((uint32_t)h[1] << 16) | ((uint32_t)h[2] << 8) | h[3];
+}
+
+/* One recv (level-triggered: the loop calls again while bytes remain), with room for
+   the whole frame being assembled. IO_CLOSED on end of stream, error, or no memory. */
+static int conn_recv(int fd, buf_t *in) {
+    size_t want = RECV_CHUNK, have = in->end - in->start;
+    if (have >= 4) {
+        size_t need = (size_t)be32(in->p + in->start) + 4;
+        if (need > have && need - have > want) want = need - have;
+    }
+    if (buf_room(in, want)) return IO_CLOSED;
+    for (;;) {
+        ssize_t k = recv(fd, in->p + in->end, in->cap - in->end, 0);
+        if (k > 0) { in->end += (size_t)k; return IO_OK; }
+        if (k == 0) return IO_CLOSED;
+        if (errno == EINTR) continue;
+        return errno == EAGAIN || errno == EWOULDBLOCK ? IO_OK : IO_CLOSED;
+    }
+}
+
+static int conn_flush(int fd, buf_t *out) {
+    while (out->start < out->end) {
+        ssize_t k = send(fd, out->p + out->start, out->end - out->start, MSG_NOSIGNAL);
+        if (k >= 0) { out->start += (size_t)k; continue; }
+        if (errno == EINTR) continue;
+        return errno == EAGAIN || errno == EWOULDBLOCK ? IO_PENDING : IO_CLOSED;
+    }
+    out->start = out->end = 0;
+    return IO_OK;
+}
+
+/* The next whole frame's body, consumed from `in`: 1; 0 if none yet; -1 if its
+   length exceeds the cap (the stream is broken, as in the daemon). */
+static int next_frame(buf_t *in, uint32_t max, const char **body, uint32_t *n) {
+    size_t have = in->end - in->start;
+    if (have < 4) return 0;
+    uint32_t len = be32(in->p + in->start);
+    if (len > max) return -1;
+    if (have - 4 < len) return 0;
+    *body = in->p + in->start + 4;
+    *n = len;
+    in->start += 4 + (size_t)len;
+    return 1;
+}
+
+static int echo_frames(buf_t *in, buf_t *out, uint32_t max) {
+    const char *body;
+    uint32_t n;
+    int r;
+    while ((r = next_frame(in, max, &body, &n)) == 1)
+        if (buf_put_frame(out, body, n)) return IO_CLOSED;
+    return r < 0 ? IO_CLOSED : IO_OK;
+}
+
+/* ---- (a) a plain epoll loop, answering in C ------------------------------------- */
+typedef struct { int fd; buf_t in, out; } econn_t;
+
+static void econn_close(int ep, econn_t *c) {
+    epoll_ctl(ep, EPOLL_CTL_DEL, c->fd, NULL);
+    close(c->fd);
+    buf_free(&c->in);
+    buf_free(&c->out);
+    free(c);
+}
+
+static void econn_watch(int ep, econn_t *c, uint32_t events) {
+    struct epoll_event ev = {.events = events, .data.ptr = c};
+    epoll_ctl(ep, EPOLL_CTL_MOD, c->fd, &ev);
+}
+
+static PyObject *serve_epoll(PyObject *mod, PyObject *args) {
+    int lfd;
+    unsigned int max;
+    if (!PyArg_ParseTuple(args, "iI", &lfd, &max)) return NULL;
+    int ep = epoll_create1(EPOLL_CLOEXEC);
+    if (ep < 0) return PyErr_SetFromErrno(PyExc_OSError);
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = NULL};
+    if (epoll_ctl(ep, EPOLL_CTL_ADD, lfd, &ev)) {
+        close(ep);
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    int err = 0;
+    struct epoll_event evs[64];
+    Py_BEGIN_ALLOW_THREADS
+    for (;;) {
+        int k = epoll_wait(ep, evs, 64, -1);
+        if (k < 0) {
+            if (errno != EINTR) { err = errno; break; }
+            Py_BLOCK_THREADS  /* a signal: let Python's handler run (Ctrl-C stops the server) */
+            int raised = PyErr_CheckSignals();
+            Py_UNBLOCK_THREADS
+            if (raised) { err = -1; break; }
+            continue;
+        }
+        for (int i = 0; i < k; i++) {
+            econn_t *c = evs[i].data.ptr;
+            if (!c) {  /* the listener */
+                int fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+                if (fd < 0) continue;
+                c = calloc(1, sizeof *c);
+                struct epoll_event cev = {.events = EPOLLIN, .data.ptr = c};
+                if (!c || epoll_ctl(ep, EPOLL_CTL_ADD, fd, &cev)) { close(fd); free(c); }
+                else c->fd = fd;
+                continue;
+            }
+            int r;
+            if (evs[i].events & EPOLLOUT) {  /* only watched while a reply is pending */
+                r = conn_flush(c->fd, &c->out);
+                if (r == IO_OK) econn_watch(ep, c, EPOLLIN);
+            } else {
+                r = conn_recv(c->fd, &c->in);
+                if (r == IO_OK) r = echo_frames(&c->in, &c->out, max);
+                if (r == IO_OK) r = conn_flush(c->fd, &c->out);
+                if (r == IO_PENDING) econn_watch(ep, c, EPOLLOUT);  /* stop reading until it drains */
+            }
+            if (r == IO_CLOSED) econn_close(ep, c);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    close(ep);
+    if (err < 0) return NULL;
+    errno = err;
+    return PyErr_SetFromErrno(PyExc_OSError);
+}
+
+/* ---- (b) a C reader callback per connection on the Python event loop ------------ */
+typedef struct {
+    PyObject_HEAD
+    int fd;
+    int writing;  /* a reply is pending: the reader is off, the writer on */
+    uint32_t max;
+    buf_t in, out;
+    PyObject *loop;
+    PyObject *handler;  /* None: answer in C */
+} FrameConn;
+
+static int loop_call(FrameConn *c, const char *method, PyObject *cb) {
+    PyObject *r = cb ? PyObject_CallMethod(c->loop, method, "iO", c->fd, cb)
+                     : PyObject_CallMethod(c->loop, method, "i", c->fd);
+    Py_XDECREF(r);
+    return r ? 0 : -1;
+}
+
+/* Unwatch and close; an exception already set (a handler's) is kept. */
+static void conn_close(FrameConn *c) {
+    if (c->fd < 0) return;
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    if (loop_call(c, c->writing ? "remove_writer" : "remove_reader", NULL)) PyErr_WriteUnraisable((PyObject *)c);
+    close(c->fd);
+    c->fd = -1;
+    buf_free(&c->in);
+    buf_free(&c->out);
+    PyErr_Restore(t, v, tb);
+}
+
+static int call_frames(FrameConn *c) {
+    const char *body;
+    uint32_t n;
+    int r;
+    while ((r = next_frame(&c->in, c->max, &body, &n)) == 1) {
+        PyObject *arg = PyBytes_FromStringAndSize(body, n);
+        if (!arg) return IO_RAISED;
+        PyObject *res = PyObject_CallOneArg(c->handler, arg);
+        Py_DECREF(arg);
+        if (!res) return IO_RAISED;
+        if (res != Py_None) {  /* None: no reply */
+            Py_buffer view;
+            if (PyObject_GetBuffer(res, &view, PyBUF_SIMPLE)) { Py_DECREF(res); return IO_RAISED; }
+            int bad = buf_put_frame(&c->out, view.buf, (size_t)view.len);
+            PyBuffer_Release(&view);
+            Py_DECREF(res);
+            if (bad) { PyErr_NoMemory(); return IO_RAISED; }
+        }
+    }
+    return r < 0 ? IO_CLOSED : IO_OK;
+}
+
+static PyObject *conn_after(FrameConn *c, int r) {
+    if (r == IO_PENDING && !c->writing) {
+        PyObject *cb = PyObject_GetAttrString((PyObject *)c, "on_writable");
+        int bad = !cb || loop_call(c, "remove_reader", NULL);
+        c->writing = !bad;
+        bad = bad || loop_call(c, "add_writer", cb);
+        Py_XDECREF(cb);
+        if (bad) r = IO_RAISED;
+    }
+    if (r == IO_CLOSED || r == IO_RAISED) conn_close(c);
+    if (r == IO_RAISED) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* The reader callback: FrameConn objects are called by the loop with no arguments. */
+static PyObject *conn_readable(PyObject *self, PyObject *args, PyObject *kw) {
+    FrameConn *c = (FrameConn *)self;
+    if (c->fd < 0 || c->writing) Py_RETURN_NONE;
+    int r = conn_recv(c->fd, &c->in);
+    if (r == IO_OK) r = c->handler == Py_None ? echo_frames(&c->in, &c->out, c->max) : call_frames(c);
+    if (r == IO_OK) r = conn_flush(c->fd, &c->out);
+    return conn_after(c, r);
+}
+
+static PyObject *conn_writable(PyObject *self, PyObject *unused) {
+    FrameConn *c = (FrameConn *)self;
+    if (c->fd < 0 || !c->writing) Py_RETURN_NONE;
+    int r = conn_flush(c->fd, &c->out);
+    if (r == IO_OK) {  /* drained: read again */
+        c->writing = 0;
+        if (loop_call(c, "remove_writer", NULL) || loop_call(c, "add_reader", self)) r = IO_RAISED;
+    }
+    return conn_after(c, r);
+}
+
+static PyObject *conn_close_py(PyObject *self, PyObject *unused) {
+    conn_close((FrameConn *)self);
+    if (PyErr_Occurred()) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *conn_fd(PyObject *self, void *unused) { return PyLong_FromLong(((FrameConn *)self)->fd); }
+
+static int conn_init(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"loop", "fd", "handler", "max_frame_bytes", NULL};
+    FrameConn *c = (FrameConn *)self;
+    PyObject *loop, *handler = Py_None;
+    int fd;
+    unsigned int max = 64u << 20;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "Oi|OI", names, &loop, &fd, &handler, &max)) return -1;
+    if (handler != Py_None && !PyCallable_Check(handler)) {
+        PyErr_SetString(PyExc_TypeError, "handler must be callable or None");
+        return -1;
+    }
+    if (fd < 0) {
+        PyErr_SetString(PyExc_ValueError, "fd must be an open descriptor");
+        return -1;
+    }
+    Py_INCREF(loop);
+    Py_INCREF(handler);
+    Py_XSETREF(c->loop, loop);
+    Py_XSETREF(c->handler, handler);
+    c->fd = fd;  /* owned from here: closed at end of stream, close(), or collection */
+    c->max = max;
+    return 0;
+}
+
+static PyObject *conn_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    FrameConn *c = (FrameConn *)type->tp_alloc(type, 0);
+    if (c) c->fd = -1;
+    return (PyObject *)c;
+}
+
+static int conn_traverse(PyObject *self, visitproc visit, void *arg) {
+    Py_VISIT(((FrameConn *)self)->loop);
+    Py_VISIT(((FrameConn *)self)->handler);
+    return 0;
+}
+
+static int conn_clear(PyObject *self) {
+    Py_CLEAR(((FrameConn *)self)->loop);
+    Py_CLEAR(((FrameConn *)self)->handler);
+    return 0;
+}
+
+static void conn_dealloc(PyObject *self) {
+    FrameConn *c = (FrameConn *)self;
+    PyObject_GC_UnTrack(self);
+    if (c->fd >= 0) close(c->fd);  /* the loop may be gone: no unwatching here */
+    buf_free(&c->in);
+    buf_free(&c->out);
+    conn_clear(self);
+    Py_TYPE(self)->tp_free(self);
+}
+
+static PyMethodDef conn_methods[] = {
+    {"on_writable", conn_writable, METH_NOARGS, "writer callback while a reply is pending"},
+    {"close", conn_close_py, METH_NOARGS, "unwatch and close the connection"},
+    {NULL}
+};
+static PyGetSetDef conn_getset[] = {{"fd", conn_fd, NULL, "the descriptor, -1 once closed", NULL}, {NULL}};
+
+static PyTypeObject FrameConnType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "hicache_native_echo.FrameConn",
+    .tp_basicsize = sizeof(FrameConn),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "FrameConn(loop, fd, handler=None, max_frame_bytes=64 MiB): call it when fd is readable",
+    .tp_new = conn_new,
+    .tp_init = conn_init,
+    .tp_call = conn_readable,
+    .tp_dealloc = conn_dealloc,
+    .tp_traverse = conn_traverse,
+    .tp_clear = conn_clear,
+    .tp_methods = conn_methods,
+    .tp_getset = conn_getset,
+};
+
+static PyMethodDef mod_methods[] = {
+    {"serve_epoll", serve_epoll, METH_VARARGS, "serve_epoll(listen_fd, max_frame_bytes): echo frames forever"},
+    {NULL}
+};
+static struct PyModuleDef mod_def = {PyModuleDef_HEAD_INIT, "hicache_native_echo", NULL, -1, mod_methods};
+
+PyMODINIT_FUNC PyInit_hicache_native_echo(void) {
+    if (PyType_Ready(&FrameConnType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&mod_def);
+    if (!m) return NULL;
+    Py_INCREF(&FrameConnType);
+    if (PyModule_AddObject(m, "FrameConn", (PyObject *)&FrameConnType) < 0) {
+        Py_DECREF(&FrameConnType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
+"""
