@@ -142,7 +142,6 @@ class DiskWriter:
         # The fault state (see the module docstring); written on the writer thread.
         self._fault = ""
         self._faults = 0
-        self._retry_at = 0.0
         self._op_fault: BaseException | None = None
         self.last_write_time = 0.0
         self._last_warning = -1e9
@@ -218,7 +217,7 @@ class DiskWriter:
     def _run_batch(self, ops: list, force_touch: bool) -> None:
         results = None
         try:
-            if self._fault and time.monotonic() < self._retry_at:
+            if self._fault and time.monotonic() < self.queue.refuse_until:
                 results = self._refuse(ops)
             else:
                 results = self._write(ops, force_touch)
@@ -314,8 +313,7 @@ class DiskWriter:
         return results
 
     def _disable(self, e: BaseException) -> None:
-        self._retry_at = time.monotonic() + self.config.write_retry_s
-        self.queue.refuse_until = self._retry_at
+        self.queue.refuse_until = time.monotonic() + self.config.write_retry_s  # puts are refused until then too
         if not self._fault:
             self._faults += 1
             log.error("disk tier %s: writes disabled: a batch failed even op by op (%s: %s); reads go on, "
