@@ -91,6 +91,7 @@ class PutBatch:
         except Exception:
             log.exception("disk tier on_done callback failed")
 
+
 def make_batch(salt: bytes, keys: Sequence[bytes], parent_key: bytes | None, tokens: object, pages: object,
                on_done: BatchDone | None, rows: object, chained: bool, parent_required: bool) -> PutBatch:
     """``DiskTier.put_many_async``'s arguments checked (ValueError, nothing queued) and
