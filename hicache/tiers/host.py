@@ -35,7 +35,8 @@ from hicache.errors import LayoutError
 from hicache.kernels import copy as kcopy
 from hicache.kernels import copy_triton, dma
 from hicache.layout import KVLayout
-from hicache.tiers.arena import HostArena, HostCacheError, HostSlotAllocator
+from hicache.tiers.arena import HostArena, HostCacheError
+from hicache.tiers.host_slots import HostSlotAllocator
 from hicache.tiers.device import DevicePool
 
 __all__ = ["HostArena", "HostCacheError", "HostKVCache", "HostSlotAllocator", "PagePlan"]

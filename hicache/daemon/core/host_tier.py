@@ -39,7 +39,8 @@ import logging
 import numpy as np
 
 from hicache.errors import HiCacheError
-from hicache.tiers.arena import MAX_SLABS, HostArena, HostSlotAllocator
+from hicache.tiers.arena import MAX_SLABS, HostArena
+from hicache.tiers.host_slots import HostSlotAllocator
 
 log = logging.getLogger(__name__)
 
