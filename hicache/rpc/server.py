@@ -38,11 +38,14 @@ import time
 from types import CoroutineType
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hicache.errors import ProtocolError
 from hicache.rpc.framing import HEADER, FrameDecoder, new_packer, pack_frame, unpack_body
 from hicache.rpc.protocol import Code, RpcError
+
+if TYPE_CHECKING:
+    from hicache.rpc.native_conn import NativeListener
 
 log = logging.getLogger(__name__)
 
@@ -367,9 +370,9 @@ class Connection(asyncio.Protocol):
         socket while the transport has nothing queued (so order holds), without ever
         blocking. The dup shares the open file, so setblocking(True) on it would make the
         transport's socket blocking too and freeze the loop on a client that does not read."""
-        if self.closed or self.transport is None:
+        if self.closed:
             return
-        if self.transport.get_write_buffer_size() != 0 or _unread_bytes(self._fd):
+        if self.output_bytes or _unread_bytes(self._fd):
             # Also while the peer has not read what the kernel holds for it: so at most one
             # message of descriptors is ever in flight per connection, and a client that asks
             # again and again without reading cannot pile up descriptors in flight (which
@@ -392,6 +395,11 @@ class Connection(asyncio.Protocol):
         if sent < len(frame):  # the descriptors went with the first byte; the transport sends the rest
             self.write_frame(frame[sent:])
 
+    def close(self) -> None:
+        """Stop reading, send what is queued, then close."""
+        if self.transport is not None:
+            self.transport.close()
+
     def _abort(self) -> None:
         self.closed = True
         self._forget_input()
@@ -407,7 +415,8 @@ class RpcServer:
                  on_disconnect: Callable[[Connection], None], admin_uids: Collection[int] = (),
                  admin_gids: Collection[int] = (), admin_methods: Collection[str] = (),
                  max_total_buffer_bytes: int | None = None, max_output_bytes: int | None = None,
-                 max_event_backlog_bytes: int | None = None, hello_method: str = "hello") -> None:
+                 max_event_backlog_bytes: int | None = None, hello_method: str = "hello",
+                 native: bool | None = None) -> None:
         self.handlers = handlers
         self.max_frame_bytes = max_frame_bytes
         self.max_buffer_bytes = max_buffer_bytes
@@ -430,7 +439,9 @@ class RpcServer:
         self.draining = False
         self.allowed_while_draining = {"release", "load_done", "backup_done", "stats", "sync"}
         self.observe: Callable[[str, float, str], None] | None = None  # (method, seconds, code), for metrics
-        self._server: asyncio.AbstractServer | None = None
+        self.native = native  # the C frame loop: None = where it builds (HICACHE_NATIVE_RPC=0: never)
+        self.frame_loop = ""  # which served the connections once started: "native" or "asyncio"
+        self._server: asyncio.AbstractServer | NativeListener | None = None
 
     def allowed(self, peer: PeerCred | None) -> bool:
         return _member(peer, self.allowed_uids, self.allowed_gids)
@@ -451,6 +462,17 @@ class RpcServer:
 
     async def start(self, path: str | None = None, sock: socket.socket | None = None) -> None:
         loop = asyncio.get_running_loop()
+        # Imported here: native_conn builds on this module's Connection.
+        from hicache.rpc import native_conn
+        mod = native_conn.load() if self.native is not False else None
+        if self.native and mod is None:
+            raise RuntimeError(f"native frame loop {native_conn.unavailable_reason()}")
+        if mod is not None:
+            self.frame_loop = "native"
+            sock = sock if sock is not None else native_conn.listen_unix(path)  # type: ignore[arg-type]
+            self._server = native_conn.NativeListener(self, loop, sock, mod)
+            return
+        self.frame_loop = "asyncio"
         if sock is not None:
             self._server = await loop.create_unix_server(lambda: Connection(self), sock=sock)
         else:
@@ -473,12 +495,11 @@ class RpcServer:
             for task in pending:
                 task.cancel()
         for conn in list(self.connections):
-            if conn.transport is not None:
-                conn.transport.close()
+            conn.close()
         await asyncio.sleep(0)
         for conn in list(self.connections):  # a peer that does not read must not hold the exit
-            if conn.transport is not None and conn.output_bytes:
-                conn.transport.abort()
+            if conn.output_bytes:
+                conn._abort()
 
     def broadcast_event(self, event: dict, namespace: str | None = None) -> None:
         """To subscribers that may see the namespace (admins: all); drops those behind."""

@@ -21,7 +21,7 @@ def busy(seconds: float) -> None:
         pass
 
 
-def test_a_burst_on_one_connection_lets_another_in(tmp_path):
+def test_a_burst_on_one_connection_lets_another_in(tmp_path, frame_loop):
     order: list[str] = []
     handlers = {"hello": lambda conn, p: {"version": 1},
                 "work": lambda conn, p: (busy(0.001), order.append("work"))[1],
@@ -29,7 +29,8 @@ def test_a_burst_on_one_connection_lets_another_in(tmp_path):
     path = str(tmp_path / "s.sock")
     loop = asyncio.new_event_loop()
     server = RpcServer(handlers, max_frame_bytes=1 << 20, max_buffer_bytes=8 << 20, max_inflight=16,
-                       allowed_uids={os.getuid(), 0}, allowed_gids=set(), on_disconnect=lambda conn: None)
+                       allowed_uids={os.getuid(), 0}, allowed_gids=set(), on_disconnect=lambda conn: None,
+                       native=frame_loop == "native")
     ready = threading.Event()
 
     def serve() -> None:
@@ -55,3 +56,12 @@ def test_a_burst_on_one_connection_lets_another_in(tmp_path):
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
         loop.close()
+
+
+def test_the_daemon_serves_on_the_frame_loop_asked_for(daemon, frame_loop):
+    """HICACHE_NATIVE_RPC picks the daemon's frame loop, and its stats say which serves: the
+    tests run on both only if a daemon asked for the C one is not quietly on asyncio."""
+    s = raw(daemon.socket)
+    greet(s)
+    assert request(s, 1, "stats")["result"]["rpc"]["frame_loop"] == frame_loop
+    s.close()
