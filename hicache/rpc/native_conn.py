@@ -37,7 +37,8 @@ from types import ModuleType
 
 from hicache.kernels import native_build
 from hicache.rpc.native_conn_source import SOURCE
-from hicache.rpc.server import FRAMES_PER_TURN, HIGH_WATER_BYTES, Connection, RpcServer, peer_credentials
+from hicache.rpc.peers import peer_credentials
+from hicache.rpc.server import FRAMES_PER_TURN, HIGH_WATER_BYTES, Connection, RpcServer
 
 log = logging.getLogger(__name__)
 

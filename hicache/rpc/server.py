@@ -1,4 +1,10 @@
-"""The daemon's side of the socket: one asyncio Protocol per connection.
+"""The daemon's side of the socket: dispatch, checks and limits per connection.
+
+Two frame loops serve the connections, one per server. Where the C extension builds
+(hicache/rpc/native_conn.py), each connection's reading, frame splitting and writing
+run in C as its event loop reader callback, which calls `Connection._handle` once per
+whole frame; otherwise, or with HICACHE_NATIVE_RPC=0 or `native=False`, `Connection`
+is an asyncio Protocol. Both keep every guarantee below; `frame_loop` says which serves.
 
 Handlers are plain callables `handler(conn, params) -> result`; an `async def`
 handler's coroutine runs as a tracked task. Synchronous handlers
@@ -10,8 +16,8 @@ oversized or undecodable length prefix) closes the connection.
 Nothing a client does can stall the loop or grow memory without bound:
 - every write is non-blocking (the descriptor-passing one too); a connection
   whose unsent output passes `max_output_bytes` is aborted, never waited on,
-  and one whose output passes the transport's high-water mark stops being read
-  and served until it reads;
+  and one whose output passes the high-water mark stops being read and served
+  until it reads;
 - a connection handles at most FRAMES_PER_TURN frames per loop turn, then the
   rest on a later turn, not reading meanwhile;
 - unparsed input is capped per connection (`max_buffer_bytes`) and over all of
@@ -28,12 +34,9 @@ from __future__ import annotations
 
 import array
 import asyncio
-import fcntl
 import logging
 import os
 import socket
-import struct
-import termios
 import time
 from types import CoroutineType
 from collections.abc import Awaitable, Callable, Collection
@@ -42,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from hicache.errors import ProtocolError
 from hicache.rpc.framing import HEADER, FrameDecoder, new_packer, pack_frame, unpack_body
+from hicache.rpc.peers import PeerCred, member, peer_credentials, unread_bytes
 from hicache.rpc.protocol import Code, RpcError
 
 if TYPE_CHECKING:
@@ -53,13 +57,6 @@ Handler = Callable[["Connection", dict], Any]
 
 FRAMES_PER_TURN = 64  # frames one connection handles per loop turn before others get theirs
 HIGH_WATER_BYTES = 64 << 10  # unsent output that pauses serving a connection (asyncio's default)
-
-
-@dataclass(frozen=True, slots=True)
-class PeerCred:
-    pid: int
-    uid: int
-    gid: int
 
 
 @dataclass(slots=True)
@@ -76,43 +73,6 @@ class WithFds:
 
     result: Any
     fds: list[int]
-
-
-def peer_credentials(fd: int) -> PeerCred:
-    with socket.socket(fileno=os.dup(fd)) as s:
-        raw = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return PeerCred(*struct.unpack("3i", raw))
-
-
-def supplementary_groups(pid: int) -> set[int]:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("Groups:"):
-                    return {int(g) for g in line.split()[1:]}
-    except (OSError, ValueError):
-        pass
-    return set()
-
-
-def _member(peer: PeerCred | None, uids: set[int], gids: set[int]) -> bool:
-    """Whether the peer's uid or one of its groups is listed. SO_PEERCRED carries the
-    primary group only; supplementary ones are found in /proc (where the daemon may look)."""
-    if peer is None:
-        return False
-    if peer.uid in uids or peer.gid in gids:
-        return True
-    return bool(gids) and not gids.isdisjoint(supplementary_groups(peer.pid))
-
-
-def _unread_bytes(fd: int) -> int:
-    """Bytes sent on this Unix socket that the peer has not read yet (SIOCOUTQ)."""
-    buf = array.array("i", [0])
-    try:
-        fcntl.ioctl(fd, termios.TIOCOUTQ, buf)
-    except OSError:
-        return 0
-    return buf[0]
 
 
 class Connection(asyncio.Protocol):
@@ -372,7 +332,7 @@ class Connection(asyncio.Protocol):
         transport's socket blocking too and freeze the loop on a client that does not read."""
         if self.closed:
             return
-        if self.output_bytes or _unread_bytes(self._fd):
+        if self.output_bytes or unread_bytes(self._fd):
             # Also while the peer has not read what the kernel holds for it: so at most one
             # message of descriptors is ever in flight per connection, and a client that asks
             # again and again without reading cannot pile up descriptors in flight (which
@@ -444,10 +404,10 @@ class RpcServer:
         self._server: asyncio.AbstractServer | NativeListener | None = None
 
     def allowed(self, peer: PeerCred | None) -> bool:
-        return _member(peer, self.allowed_uids, self.allowed_gids)
+        return member(peer, self.allowed_uids, self.allowed_gids)
 
     def is_admin(self, peer: PeerCred | None) -> bool:
-        return _member(peer, self.admin_uids, self.admin_gids)
+        return member(peer, self.admin_uids, self.admin_gids)
 
     def shed_input(self) -> None:
         """Over the global input cap, close the connections holding the most until under it:
