@@ -1,6 +1,7 @@
 """Small C libraries compiled on first use with the system C compiler and loaded
-with ctypes: no build step at install, and every caller keeps a pure-Python path
-for machines without a compiler.
+with ctypes, or imported as CPython extension modules (`load_extension`): no build
+step at install, and every caller keeps a pure-Python path for machines without a
+compiler.
 
 A library is built once per (source, compiler, flags, machine) into a per-user
 cache directory (`$HICACHE_NATIVE_DIR`, else `$XDG_CACHE_HOME/hicache` or
