@@ -25,13 +25,10 @@ Without a compiler, or with `HICACHE_NATIVE_ECHO=0`, `load()` returns None and
 from __future__ import annotations
 
 import asyncio
-import importlib.machinery
-import importlib.util
 import logging
 import os
 import socket
 import subprocess
-import sysconfig
 import threading
 from collections.abc import Callable
 from types import ModuleType
@@ -66,16 +63,7 @@ def _load() -> tuple[ModuleType | None, str | None]:
     if os.environ.get("HICACHE_NATIVE_ECHO", "1") == "0":
         return None, "disabled by HICACHE_NATIVE_ECHO=0"
     try:
-        include = sysconfig.get_paths()["include"]
-        if not os.path.exists(os.path.join(include, "Python.h")):
-            raise OSError(f"no Python.h in {include} (the Python development headers)")
-        path = native_build.build(_MODULE, SOURCE, [f"-I{include}"])
-        loader = importlib.machinery.ExtensionFileLoader(_MODULE, str(path))
-        spec = importlib.util.spec_from_file_location(_MODULE, path, loader=loader)
-        assert spec is not None
-        mod = importlib.util.module_from_spec(spec)
-        loader.exec_module(mod)
-        return mod, None
+        return native_build.load_extension(_MODULE, SOURCE), None
     except (OSError, subprocess.SubprocessError, ImportError) as e:
         log.warning("native echo servers unavailable: %s", e)
         return None, f"not built: {e}"

@@ -11,105 +11,17 @@ it): a CPython extension module `hicache_native_echo` with
   (`on_writable`) and reads again once it has drained. End of stream, an oversized frame
   or a handler that raises closes the connection (the exception goes to the loop).
 
-Frames are hicache's: a 4-byte big-endian length, then the body (hicache/rpc/framing.py).
+Frames are hicache's: a 4-byte big-endian length, then the body (hicache/rpc/framing.py);
+the buffers, recv, flush and frame splitting are the daemon's own (FRAMES_C in
+hicache/rpc/native_conn_source.py).
 """
 
 from __future__ import annotations
 
-SOURCE = r"""
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <errno.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+from hicache.rpc.native_conn_source import FRAMES_C
+
+SOURCE = FRAMES_C + r"""
 #include <sys/epoll.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
-#define RECV_CHUNK 65536
-enum { IO_OK = 0, IO_PENDING = 1, IO_CLOSED = -1, IO_RAISED = -2 };
-
-/* A byte buffer: [start, end) holds data, room after end. */
-typedef struct { char *p; size_t start, end, cap; } buf_t;
-
-static int buf_room(buf_t *b, size_t want) {
-    if (b->start == b->end) b->start = b->end = 0;
-    if (b->cap - b->end >= want) return 0;
-    if (b->start) {
-        memmove(b->p, b->p + b->start, b->end - b->start);
-        b->end -= b->start;
-        b->start = 0;
-        if (b->cap - b->end >= want) return 0;
-    }
-    size_t cap = b->cap ? b->cap : RECV_CHUNK;
-    while (cap - b->end < want) cap *= 2;
-    char *p = realloc(b->p, cap);
-    if (!p) return -1;
-    b->p = p;
-    b->cap = cap;
-    return 0;
-}
-
-static void buf_free(buf_t *b) { free(b->p); memset(b, 0, sizeof *b); }
-
-static int buf_put_frame(buf_t *b, const char *body, size_t n) {
-    if (n > UINT32_MAX || buf_room(b, n + 4)) return -1;
-    unsigned char *h = (unsigned char *)b->p + b->end;
-    h[0] = (unsigned char)(n >> 24); h[1] = (unsigned char)(n >> 16);
-    h[2] = (unsigned char)(n >> 8); h[3] = (unsigned char)n;
-    memcpy(b->p + b->end + 4, body, n);
-    b->end += n + 4;
-    return 0;
-}
-
-static uint32_t be32(const char *p) {
-    const unsigned char *h = (const unsigned char *)p;
-    return ((uint32_t)h[0] << 24) | ((uint32_t)h[1] << 16) | ((uint32_t)h[2] << 8) | h[3];
-}
-
-/* One recv (level-triggered: the loop calls again while bytes remain), with room for
-   the whole frame being assembled. IO_CLOSED on end of stream, error, or no memory. */
-static int conn_recv(int fd, buf_t *in) {
-    size_t want = RECV_CHUNK, have = in->end - in->start;
-    if (have >= 4) {
-        size_t need = (size_t)be32(in->p + in->start) + 4;
-        if (need > have && need - have > want) want = need - have;
-    }
-    if (buf_room(in, want)) return IO_CLOSED;
-    for (;;) {
-        ssize_t k = recv(fd, in->p + in->end, in->cap - in->end, 0);
-        if (k > 0) { in->end += (size_t)k; return IO_OK; }
-        if (k == 0) return IO_CLOSED;
-        if (errno == EINTR) continue;
-        return errno == EAGAIN || errno == EWOULDBLOCK ? IO_OK : IO_CLOSED;
-    }
-}
-
-static int conn_flush(int fd, buf_t *out) {
-    while (out->start < out->end) {
-        ssize_t k = send(fd, out->p + out->start, out->end - out->start, MSG_NOSIGNAL);
-        if (k >= 0) { out->start += (size_t)k; continue; }
-        if (errno == EINTR) continue;
-        return errno == EAGAIN || errno == EWOULDBLOCK ? IO_PENDING : IO_CLOSED;
-    }
-    out->start = out->end = 0;
-    return IO_OK;
-}
-
-/* The next whole frame's body, consumed from `in`: 1; 0 if none yet; -1 if its
-   length exceeds the cap (the stream is broken, as in the daemon). */
-static int next_frame(buf_t *in, uint32_t max, const char **body, uint32_t *n) {
-    size_t have = in->end - in->start;
-    if (have < 4) return 0;
-    uint32_t len = be32(in->p + in->start);
-    if (len > max) return -1;
-    if (have - 4 < len) return 0;
-    *body = in->p + in->start + 4;
-    *n = len;
-    in->start += 4 + (size_t)len;
-    return 1;
-}
 
 static int echo_frames(buf_t *in, buf_t *out, uint32_t max) {
     const char *body;
@@ -176,7 +88,8 @@ static PyObject *serve_epoll(PyObject *mod, PyObject *args) {
                 r = conn_flush(c->fd, &c->out);
                 if (r == IO_OK) econn_watch(ep, c, EPOLLIN);
             } else {
-                r = conn_recv(c->fd, &c->in);
+                int err;
+                r = conn_recv(c->fd, &c->in, max, &err);
                 if (r == IO_OK) r = echo_frames(&c->in, &c->out, max);
                 if (r == IO_OK) r = conn_flush(c->fd, &c->out);
                 if (r == IO_PENDING) econn_watch(ep, c, EPOLLOUT);  /* stop reading until it drains */
@@ -262,7 +175,7 @@ static PyObject *conn_after(FrameConn *c, int r) {
 static PyObject *conn_readable(PyObject *self, PyObject *args, PyObject *kw) {
     FrameConn *c = (FrameConn *)self;
     if (c->fd < 0 || c->writing) Py_RETURN_NONE;
-    int r = conn_recv(c->fd, &c->in);
+    int err, r = conn_recv(c->fd, &c->in, c->max, &err);
     if (r == IO_OK) r = c->handler == Py_None ? echo_frames(&c->in, &c->out, c->max) : call_frames(c);
     if (r == IO_OK) r = conn_flush(c->fd, &c->out);
     return conn_after(c, r);

@@ -1,6 +1,7 @@
 """Small C libraries compiled on first use with the system C compiler and loaded
-with ctypes: no build step at install, and every caller keeps a pure-Python path
-for machines without a compiler.
+with ctypes, or imported as CPython extension modules (`load_extension`): no build
+step at install, and every caller keeps a pure-Python path for machines without a
+compiler.
 
 A library is built once per (source, compiler, flags, machine) into a per-user
 cache directory (`$HICACHE_NATIVE_DIR`, else `$XDG_CACHE_HOME/hicache` or
@@ -12,14 +13,18 @@ those, so a changed source never loads a stale build.
 from __future__ import annotations
 
 import hashlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
 import platform
 import shutil
 import subprocess
+import sysconfig
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 
 log = logging.getLogger(__name__)
 
@@ -66,3 +71,19 @@ def check_private(path: Path) -> None:
     st = path.stat()
     if st.st_uid != os.getuid() or st.st_mode & 0o022:
         raise OSError(f"{path} is not private to this user (owner {st.st_uid}, mode {st.st_mode & 0o777:o})")
+
+
+def load_extension(name: str, source: str) -> ModuleType:
+    """Build (cached, as `build`) and import the CPython extension module `name` from C
+    `source`, against this Python's headers; raises OSError (no compiler or headers),
+    subprocess.SubprocessError (it did not compile) or ImportError."""
+    include = sysconfig.get_paths()["include"]
+    if not os.path.exists(os.path.join(include, "Python.h")):
+        raise OSError(f"no Python.h in {include} (the Python development headers)")
+    path = build(name, source, [f"-I{include}"])
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    assert spec is not None
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod

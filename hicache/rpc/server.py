@@ -1,4 +1,10 @@
-"""The daemon's side of the socket: one asyncio Protocol per connection.
+"""The daemon's side of the socket: dispatch, checks and limits per connection.
+
+Two frame loops serve the connections, one per server. Where the C extension builds
+(hicache/rpc/native_conn.py), each connection's reading, frame splitting and writing
+run in C as its event loop reader callback, which calls `Connection._handle` once per
+whole frame; otherwise, or with HICACHE_NATIVE_RPC=0 or `native=False`, `Connection`
+is an asyncio Protocol. Both keep every guarantee below; `frame_loop` says which serves.
 
 Handlers are plain callables `handler(conn, params) -> result`; an `async def`
 handler's coroutine runs as a tracked task. Synchronous handlers
@@ -10,8 +16,8 @@ oversized or undecodable length prefix) closes the connection.
 Nothing a client does can stall the loop or grow memory without bound:
 - every write is non-blocking (the descriptor-passing one too); a connection
   whose unsent output passes `max_output_bytes` is aborted, never waited on,
-  and one whose output passes the transport's high-water mark stops being read
-  and served until it reads;
+  and one whose output passes the high-water mark stops being read and served
+  until it reads;
 - a connection handles at most FRAMES_PER_TURN frames per loop turn, then the
   rest on a later turn, not reading meanwhile;
 - unparsed input is capped per connection (`max_buffer_bytes`) and over all of
@@ -28,21 +34,22 @@ from __future__ import annotations
 
 import array
 import asyncio
-import fcntl
 import logging
 import os
 import socket
-import struct
-import termios
 import time
 from types import CoroutineType
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hicache.errors import ProtocolError
 from hicache.rpc.framing import HEADER, FrameDecoder, new_packer, pack_frame, unpack_body
+from hicache.rpc.peers import PeerCred, member, peer_credentials, unread_bytes
 from hicache.rpc.protocol import Code, RpcError
+
+if TYPE_CHECKING:
+    from hicache.rpc.native_conn import NativeListener
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +57,6 @@ Handler = Callable[["Connection", dict], Any]
 
 FRAMES_PER_TURN = 64  # frames one connection handles per loop turn before others get theirs
 HIGH_WATER_BYTES = 64 << 10  # unsent output that pauses serving a connection (asyncio's default)
-
-
-@dataclass(frozen=True, slots=True)
-class PeerCred:
-    pid: int
-    uid: int
-    gid: int
 
 
 @dataclass(slots=True)
@@ -73,43 +73,6 @@ class WithFds:
 
     result: Any
     fds: list[int]
-
-
-def peer_credentials(fd: int) -> PeerCred:
-    with socket.socket(fileno=os.dup(fd)) as s:
-        raw = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return PeerCred(*struct.unpack("3i", raw))
-
-
-def supplementary_groups(pid: int) -> set[int]:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("Groups:"):
-                    return {int(g) for g in line.split()[1:]}
-    except (OSError, ValueError):
-        pass
-    return set()
-
-
-def _member(peer: PeerCred | None, uids: set[int], gids: set[int]) -> bool:
-    """Whether the peer's uid or one of its groups is listed. SO_PEERCRED carries the
-    primary group only; supplementary ones are found in /proc (where the daemon may look)."""
-    if peer is None:
-        return False
-    if peer.uid in uids or peer.gid in gids:
-        return True
-    return bool(gids) and not gids.isdisjoint(supplementary_groups(peer.pid))
-
-
-def _unread_bytes(fd: int) -> int:
-    """Bytes sent on this Unix socket that the peer has not read yet (SIOCOUTQ)."""
-    buf = array.array("i", [0])
-    try:
-        fcntl.ioctl(fd, termios.TIOCOUTQ, buf)
-    except OSError:
-        return 0
-    return buf[0]
 
 
 class Connection(asyncio.Protocol):
@@ -367,9 +330,9 @@ class Connection(asyncio.Protocol):
         socket while the transport has nothing queued (so order holds), without ever
         blocking. The dup shares the open file, so setblocking(True) on it would make the
         transport's socket blocking too and freeze the loop on a client that does not read."""
-        if self.closed or self.transport is None:
+        if self.closed:
             return
-        if self.transport.get_write_buffer_size() != 0 or _unread_bytes(self._fd):
+        if self.output_bytes or unread_bytes(self._fd):
             # Also while the peer has not read what the kernel holds for it: so at most one
             # message of descriptors is ever in flight per connection, and a client that asks
             # again and again without reading cannot pile up descriptors in flight (which
@@ -392,6 +355,11 @@ class Connection(asyncio.Protocol):
         if sent < len(frame):  # the descriptors went with the first byte; the transport sends the rest
             self.write_frame(frame[sent:])
 
+    def close(self) -> None:
+        """Stop reading, send what is queued, then close."""
+        if self.transport is not None:
+            self.transport.close()
+
     def _abort(self) -> None:
         self.closed = True
         self._forget_input()
@@ -407,7 +375,8 @@ class RpcServer:
                  on_disconnect: Callable[[Connection], None], admin_uids: Collection[int] = (),
                  admin_gids: Collection[int] = (), admin_methods: Collection[str] = (),
                  max_total_buffer_bytes: int | None = None, max_output_bytes: int | None = None,
-                 max_event_backlog_bytes: int | None = None, hello_method: str = "hello") -> None:
+                 max_event_backlog_bytes: int | None = None, hello_method: str = "hello",
+                 native: bool | None = None) -> None:
         self.handlers = handlers
         self.max_frame_bytes = max_frame_bytes
         self.max_buffer_bytes = max_buffer_bytes
@@ -430,13 +399,15 @@ class RpcServer:
         self.draining = False
         self.allowed_while_draining = {"release", "load_done", "backup_done", "stats", "sync"}
         self.observe: Callable[[str, float, str], None] | None = None  # (method, seconds, code), for metrics
-        self._server: asyncio.AbstractServer | None = None
+        self.native = native  # the C frame loop: None = where it builds (HICACHE_NATIVE_RPC=0: never)
+        self.frame_loop = ""  # which served the connections once started: "native" or "asyncio"
+        self._server: asyncio.AbstractServer | NativeListener | None = None
 
     def allowed(self, peer: PeerCred | None) -> bool:
-        return _member(peer, self.allowed_uids, self.allowed_gids)
+        return member(peer, self.allowed_uids, self.allowed_gids)
 
     def is_admin(self, peer: PeerCred | None) -> bool:
-        return _member(peer, self.admin_uids, self.admin_gids)
+        return member(peer, self.admin_uids, self.admin_gids)
 
     def shed_input(self) -> None:
         """Over the global input cap, close the connections holding the most until under it:
@@ -451,6 +422,17 @@ class RpcServer:
 
     async def start(self, path: str | None = None, sock: socket.socket | None = None) -> None:
         loop = asyncio.get_running_loop()
+        # Imported here: native_conn builds on this module's Connection.
+        from hicache.rpc import native_conn
+        mod = native_conn.load() if self.native is not False else None
+        if self.native and mod is None:
+            raise RuntimeError(f"native frame loop {native_conn.unavailable_reason()}")
+        if mod is not None:
+            self.frame_loop = "native"
+            sock = sock if sock is not None else native_conn.listen_unix(path)  # type: ignore[arg-type]
+            self._server = native_conn.NativeListener(self, loop, sock, mod)
+            return
+        self.frame_loop = "asyncio"
         if sock is not None:
             self._server = await loop.create_unix_server(lambda: Connection(self), sock=sock)
         else:
@@ -473,12 +455,11 @@ class RpcServer:
             for task in pending:
                 task.cancel()
         for conn in list(self.connections):
-            if conn.transport is not None:
-                conn.transport.close()
+            conn.close()
         await asyncio.sleep(0)
         for conn in list(self.connections):  # a peer that does not read must not hold the exit
-            if conn.transport is not None and conn.output_bytes:
-                conn.transport.abort()
+            if conn.output_bytes:
+                conn._abort()
 
     def broadcast_event(self, event: dict, namespace: str | None = None) -> None:
         """To subscribers that may see the namespace (admins: all); drops those behind."""

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from hicache.client.async_client import AsyncRpcConnection
 from hicache.index.keys import Namespace, page_keys
 
 from tests.daemon.engine_worker import LAYOUTS, tokens_for
 from tests.daemon.test_cycle import run_worker
 from tests.wait import events_until_quiet
+
+# Each test runs on both of the daemon's frame loops (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("frame_loop")
 
 
 def test_subscriber_sees_stored_and_removed_events(daemon):

@@ -9,7 +9,9 @@ import pytest
 
 from hicache.client.connection import RpcConnection
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run clients as other users")
+# On each of the daemon's frame loops (tests/conftest.py).
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run clients as other users"),
+              pytest.mark.usefixtures("frame_loop")]
 
 def as_user(socket: str, uid: int, gid: int, groups: list[int]) -> str:
     """Connect from a forked child running as uid/gid/groups (no exec: the

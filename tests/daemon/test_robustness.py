@@ -18,6 +18,9 @@ from hicache.rpc.framing import ids_to_bytes, pack_frame
 from hicache.rpc.protocol import PROTOCOL_VERSION
 from tests.rpc.wire import raw, recv_frame
 
+# Each test runs on both of the daemon's frame loops (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("frame_loop")
+
 LAYOUT = KVLayout("mha", num_layers=2, page_size=4, dtype="float16", num_kv_heads=2, head_dim=8)
 
 

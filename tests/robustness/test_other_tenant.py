@@ -28,7 +28,9 @@ from tests.robustness.contracts import FORBIDDEN, is_refusal
 from tests.robustness.engines import LAYOUT, conversation, engine, load_and_check, store
 from tests.robustness.wire import admin_call, served_stats
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a tenant as another user")
+# On each of the daemon's frame loops (tests/conftest.py).
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a tenant as another user"),
+              pytest.mark.usefixtures("frame_loop")]
 
 A_MODEL, A_EXTRA = "tenant-a", "a-secret"
 STEP_S = 120.0  # generous per step of the child on a loaded machine

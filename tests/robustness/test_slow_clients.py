@@ -14,6 +14,7 @@ import socket
 import time
 
 import numpy as np
+import pytest
 
 from hicache.layout import KVLayout
 from hicache.rpc.protocol import PROTOCOL_VERSION
@@ -21,6 +22,9 @@ from hicache.rpc.protocol import PROTOCOL_VERSION
 from tests.robustness.contracts import small_event_backlog_env
 from tests.robustness.proc import memory_kib, wait_exit
 from tests.robustness.wire import HEADER, RawConn, WireEngine, WireError, frame, served_stats
+
+# Each test runs on both of the daemon's frame loops (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("frame_loop")
 
 LAYOUT = KVLayout("mha", num_layers=2, page_size=4, dtype="float16", num_kv_heads=2, head_dim=8)
 SERVED_WITHIN_S = 10.0  # generous for a loaded CI machine; a frozen event loop never answers

@@ -14,12 +14,17 @@ import time
 from collections import Counter
 from typing import Any
 
+import pytest
+
 from hicache.daemon.serve.handlers import build_handlers
 
 from tests.robustness.contracts import HELLO_REQUIRED, INTERNAL, error_code
 from tests.robustness.fuzz_frames import METHODS, Context, Frame, FrameFuzzer
 from tests.robustness.proc import cap_address_space, memory_kib
 from tests.robustness.wire import RawConn, WireError, exchange, served_stats
+
+# Each test runs on both of the daemon's frame loops (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("frame_loop")
 
 SEED = 1405
 CI_FRAMES = 12_000

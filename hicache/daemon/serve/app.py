@@ -437,11 +437,13 @@ class Daemon:
         server = self.server
         if server is None:
             return {"events": {"subscribers": 0, "dropped_subscribers": 0},
-                    "rpc": {"buffered_input_bytes": 0, "output_overflows": 0, "input_overflows": 0}}
+                    "rpc": {"frame_loop": "", "buffered_input_bytes": 0, "output_overflows": 0,
+                            "input_overflows": 0}}
         c = server.counters
         return {"events": {"subscribers": sum(conn.subscribed for conn in server.connections),
                            "dropped_subscribers": c.dropped_subscribers},
-                "rpc": {"buffered_input_bytes": server.buffered_bytes, "output_overflows": c.output_overflows,
+                "rpc": {"frame_loop": server.frame_loop, "buffered_input_bytes": server.buffered_bytes,
+                        "output_overflows": c.output_overflows,
                         "input_overflows": c.input_overflows}}
 
 

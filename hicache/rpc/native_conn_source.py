@@ -1,0 +1,380 @@
+"""The C source of the daemon's native frame loop (hicache/rpc/native_conn.py builds and
+loads it): a CPython extension module `hicache_native_rpc`.
+
+`FRAMES_C` is the framing part (byte buffers, one non-blocking recv, a flush, splitting
+whole frames: a 4-byte big-endian length, then the body; hicache/rpc/framing.py); the
+bench's echo servers (hicache/bench/native_echo_source.py) build on it too.
+
+`NativeConn(fd, handle, turn_end, closed, max_frame_bytes, frames_per_turn, flush_at)`
+is one connection, installed as the event loop's reader callback (`loop.add_reader(fd,
+conn)`). A call receives once, then `run()`s a turn: each whole frame's body (bytes)
+goes to `handle(body)`, at most `frames_per_turn` of them and none while `paused`; the
+replies the handlers queued (`send_body`, `write`) go out with one send at the turn's
+end. Python hears of a turn only when there is something to do:
+`turn_end(more, pending, buffered)` when frames remain for another turn, output is left
+unsent, or the bytes of partial frames held changed; `closed(reason, value)` at end of
+stream (CLOSED_EOF, errno or 0) or on a length over the cap (CLOSED_OVERSIZED, the
+length). Python owns the policy (caps, pausing, watching the descriptor); C owns the
+descriptor, closed once by `close()` or at collection.
+"""
+
+from __future__ import annotations
+
+FRAMES_C = r"""
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#define RECV_CHUNK 65536
+enum { IO_OK = 0, IO_PENDING = 1, IO_CLOSED = -1, IO_RAISED = -2 };
+
+/* A byte buffer: [start, end) holds data, room after end. */
+typedef struct { char *p; size_t start, end, cap; } buf_t;
+
+static int buf_room(buf_t *b, size_t want) {
+    if (b->start == b->end) b->start = b->end = 0;
+    if (b->cap - b->end >= want) return 0;
+    if (b->start) {
+        memmove(b->p, b->p + b->start, b->end - b->start);
+        b->end -= b->start;
+        b->start = 0;
+        if (b->cap - b->end >= want) return 0;
+    }
+    size_t cap = b->cap ? b->cap : RECV_CHUNK;
+    while (cap - b->end < want) cap *= 2;
+    char *p = realloc(b->p, cap);
+    if (!p) return -1;
+    b->p = p;
+    b->cap = cap;
+    return 0;
+}
+
+static void buf_free(buf_t *b) { free(b->p); memset(b, 0, sizeof *b); }
+
+static int buf_put(buf_t *b, const char *data, size_t n) {
+    if (buf_room(b, n)) return -1;
+    memcpy(b->p + b->end, data, n);
+    b->end += n;
+    return 0;
+}
+
+static int buf_put_frame(buf_t *b, const char *body, size_t n) {
+    if (n > UINT32_MAX || buf_room(b, n + 4)) return -1;
+    unsigned char *h = (unsigned char *)b->p + b->end;
+    h[0] = (unsigned char)(n >> 24); h[1] = (unsigned char)(n >> 16);
+    h[2] = (unsigned char)(n >> 8); h[3] = (unsigned char)n;
+    memcpy(b->p + b->end + 4, body, n);
+    b->end += n + 4;
+    return 0;
+}
+
+static uint32_t be32(const char *p) {
+    const unsigned char *h = (const unsigned char *)p;
+    return ((uint32_t)h[0] << 24) | ((uint32_t)h[1] << 16) | ((uint32_t)h[2] << 8) | h[3];
+}
+
+/* One recv (level-triggered: the loop calls again while bytes remain), with room for
+   the whole frame being assembled when its length is within `max` (a length over it
+   reserves nothing: next_frame breaks the stream). IO_CLOSED on end of stream, error,
+   or no memory; *err is the errno (0 at end of stream). */
+static int conn_recv(int fd, buf_t *in, uint32_t max, int *err) {
+    size_t want = RECV_CHUNK, have = in->end - in->start;
+    *err = 0;
+    if (have >= 4) {
+        size_t need = (size_t)be32(in->p + in->start) + 4;
+        if (need <= (size_t)max + 4 && need > have && need - have > want) want = need - have;
+    }
+    if (buf_room(in, want)) { *err = ENOMEM; return IO_CLOSED; }
+    for (;;) {
+        ssize_t k = recv(fd, in->p + in->end, in->cap - in->end, 0);
+        if (k > 0) { in->end += (size_t)k; return IO_OK; }
+        if (k == 0) return IO_CLOSED;
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return IO_OK;
+        *err = errno;
+        return IO_CLOSED;
+    }
+}
+
+static int conn_flush(int fd, buf_t *out) {
+    while (out->start < out->end) {
+        ssize_t k = send(fd, out->p + out->start, out->end - out->start, MSG_NOSIGNAL);
+        if (k >= 0) { out->start += (size_t)k; continue; }
+        if (errno == EINTR) continue;
+        return errno == EAGAIN || errno == EWOULDBLOCK ? IO_PENDING : IO_CLOSED;
+    }
+    out->start = out->end = 0;
+    return IO_OK;
+}
+
+/* The next whole frame's body, consumed from `in`: 1; 0 if none yet; -1 if its
+   length exceeds the cap (the stream is broken, as in the daemon). */
+static int next_frame(buf_t *in, uint32_t max, const char **body, uint32_t *n) {
+    size_t have = in->end - in->start;
+    if (have < 4) return 0;
+    uint32_t len = be32(in->p + in->start);
+    if (len > max) return -1;
+    if (have - 4 < len) return 0;
+    *body = in->p + in->start + 4;
+    *n = len;
+    in->start += 4 + (size_t)len;
+    return 1;
+}
+"""
+
+CONN_C = r"""
+#include <structmember.h>
+
+#define KEEP_BYTES (1u << 20)  /* an empty buffer larger than this is given back */
+enum { CLOSED_EOF = 0, CLOSED_OVERSIZED = 1 };
+
+typedef struct {
+    PyObject_HEAD
+    int fd;
+    char in_turn;   /* handlers are running: replies wait for the turn's single send */
+    char paused;    /* set by Python while output is over the high-water mark */
+    char broken;    /* a send failed: the peer is gone */
+    uint32_t max;
+    int frames_per_turn;
+    Py_ssize_t flush_at;  /* queued output that is sent at once, even within a turn */
+    size_t accounted;     /* partial-frame bytes last reported to Python */
+    buf_t in, out;
+    PyObject *handle, *turn_end, *closed;
+} NativeConn;
+
+static void trim(buf_t *b) { if (b->start == b->end && b->cap > KEEP_BYTES) buf_free(b); }
+
+/* Unsent bytes after a send attempt, or -1 once the peer is gone. */
+static Py_ssize_t flush_out(NativeConn *c) {
+    if (c->broken) return -1;
+    if (c->fd >= 0 && conn_flush(c->fd, &c->out) == IO_CLOSED) { c->broken = 1; return -1; }
+    trim(&c->out);
+    return (Py_ssize_t)(c->out.end - c->out.start);
+}
+
+static PyObject *report_closed(NativeConn *c, int reason, long value) {
+    PyObject *cb = c->closed;
+    if (!cb) Py_RETURN_NONE;
+    Py_INCREF(cb);
+    PyObject *r = PyObject_CallFunction(cb, "il", reason, value);
+    Py_DECREF(cb);
+    return r;
+}
+
+static PyObject *run_turn(NativeConn *c) {
+    const char *body;
+    uint32_t n;
+    int r = 0, done = 0;
+    c->in_turn = 1;
+    while (c->fd >= 0 && !c->paused && done < c->frames_per_turn) {
+        if ((r = next_frame(&c->in, c->max, &body, &n)) != 1) break;
+        done++;
+        PyObject *arg = PyBytes_FromStringAndSize(body, n);
+        if (!arg) { c->in_turn = 0; return NULL; }
+        PyObject *handle = c->handle;  /* held: a handler may close the connection */
+        Py_INCREF(handle);
+        PyObject *res = PyObject_CallOneArg(handle, arg);
+        Py_DECREF(handle);
+        Py_DECREF(arg);
+        if (!res) { c->in_turn = 0; return NULL; }
+        Py_DECREF(res);
+    }
+    c->in_turn = 0;
+    if (c->fd < 0) Py_RETURN_NONE;  /* closed by a handler */
+    if (r < 0) return report_closed(c, CLOSED_OVERSIZED, (long)be32(c->in.p + c->in.start));
+    Py_ssize_t pending = flush_out(c);
+    size_t buffered = c->in.end - c->in.start;
+    int more = done == c->frames_per_turn && buffered >= 4;
+    if (!buffered) trim(&c->in);
+    if (!more && pending == 0 && buffered == c->accounted) Py_RETURN_NONE;
+    c->accounted = buffered;
+    PyObject *cb = c->turn_end;
+    if (!cb) Py_RETURN_NONE;
+    Py_INCREF(cb);
+    PyObject *res = PyObject_CallFunction(cb, "inn", more, pending, (Py_ssize_t)buffered);
+    Py_DECREF(cb);
+    return res;
+}
+
+/* The reader callback: the loop calls it with no arguments when fd is readable. */
+static PyObject *conn_readable(PyObject *self, PyObject *args, PyObject *kw) {
+    NativeConn *c = (NativeConn *)self;
+    if (c->fd < 0 || c->paused) Py_RETURN_NONE;
+    int err;
+    if (conn_recv(c->fd, &c->in, c->max, &err) == IO_CLOSED) return report_closed(c, CLOSED_EOF, err);
+    return run_turn(c);
+}
+
+static PyObject *conn_run(PyObject *self, PyObject *unused) {
+    NativeConn *c = (NativeConn *)self;
+    if (c->fd < 0) Py_RETURN_NONE;
+    return run_turn(c);
+}
+
+/* Queue bytes; sent now unless a turn is running (then at its end, or now once
+   flush_at bytes are queued). Returns the bytes the socket refused (0 while they only
+   wait for the turn's end), -1 once the peer is gone. */
+static PyObject *queue(NativeConn *c, PyObject *arg, int framed) {
+    if (c->fd < 0) return PyLong_FromLong(0);
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE)) return NULL;
+    int bad = framed ? buf_put_frame(&c->out, view.buf, (size_t)view.len)
+                     : buf_put(&c->out, view.buf, (size_t)view.len);
+    PyBuffer_Release(&view);
+    if (bad) return PyErr_NoMemory();
+    if (c->in_turn && (Py_ssize_t)(c->out.end - c->out.start) < c->flush_at) return PyLong_FromLong(0);
+    return PyLong_FromSsize_t(flush_out(c));
+}
+
+static PyObject *conn_send_body(PyObject *self, PyObject *body) { return queue((NativeConn *)self, body, 1); }
+static PyObject *conn_write(PyObject *self, PyObject *data) { return queue((NativeConn *)self, data, 0); }
+static PyObject *conn_flush_py(PyObject *self, PyObject *unused) {
+    return PyLong_FromSsize_t(flush_out((NativeConn *)self));
+}
+
+/* Close the descriptor (once) and drop buffers and callbacks; the caller has stopped
+   watching it. Safe from within a handler: the turn stops after that frame. */
+static PyObject *conn_close(PyObject *self, PyObject *unused) {
+    NativeConn *c = (NativeConn *)self;
+    if (c->fd >= 0) close(c->fd);
+    c->fd = -1;
+    buf_free(&c->in);
+    buf_free(&c->out);
+    Py_CLEAR(c->handle);
+    Py_CLEAR(c->turn_end);
+    Py_CLEAR(c->closed);
+    Py_RETURN_NONE;
+}
+
+static PyObject *conn_fd(PyObject *self, void *unused) { return PyLong_FromLong(((NativeConn *)self)->fd); }
+static PyObject *conn_pending(PyObject *self, void *unused) {
+    NativeConn *c = (NativeConn *)self;
+    return PyLong_FromSize_t(c->out.end - c->out.start);
+}
+static PyObject *conn_buffered(PyObject *self, void *unused) {
+    NativeConn *c = (NativeConn *)self;
+    return PyLong_FromSize_t(c->in.end - c->in.start);
+}
+
+static int conn_init(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"fd", "handle", "turn_end", "closed", "max_frame_bytes", "frames_per_turn",
+                            "flush_at", NULL};
+    NativeConn *c = (NativeConn *)self;
+    PyObject *handle, *turn_end, *closed;
+    int fd, fpt;
+    unsigned int max;
+    Py_ssize_t flush_at;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iOOOIin", names, &fd, &handle, &turn_end, &closed, &max,
+                                     &fpt, &flush_at)) return -1;
+    if (!PyCallable_Check(handle) || !PyCallable_Check(turn_end) || !PyCallable_Check(closed)) {
+        PyErr_SetString(PyExc_TypeError, "handle, turn_end and closed must be callable");
+        return -1;
+    }
+    if (fd < 0 || fpt < 1 || flush_at < 1 || c->fd >= 0) {
+        PyErr_SetString(PyExc_ValueError, "needs an open descriptor, frames_per_turn >= 1, flush_at >= 1");
+        return -1;
+    }
+    Py_INCREF(handle);
+    Py_INCREF(turn_end);
+    Py_INCREF(closed);
+    Py_XSETREF(c->handle, handle);
+    Py_XSETREF(c->turn_end, turn_end);
+    Py_XSETREF(c->closed, closed);
+    c->fd = fd;  /* owned from here: closed by close() or at collection */
+    c->max = max;
+    c->frames_per_turn = fpt;
+    c->flush_at = flush_at;
+    return 0;
+}
+
+static PyObject *conn_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    NativeConn *c = (NativeConn *)type->tp_alloc(type, 0);
+    if (c) c->fd = -1;
+    return (PyObject *)c;
+}
+
+static int conn_traverse(PyObject *self, visitproc visit, void *arg) {
+    NativeConn *c = (NativeConn *)self;
+    Py_VISIT(c->handle);
+    Py_VISIT(c->turn_end);
+    Py_VISIT(c->closed);
+    return 0;
+}
+
+static int conn_clear(PyObject *self) {
+    NativeConn *c = (NativeConn *)self;
+    Py_CLEAR(c->handle);
+    Py_CLEAR(c->turn_end);
+    Py_CLEAR(c->closed);
+    return 0;
+}
+
+static void conn_dealloc(PyObject *self) {
+    NativeConn *c = (NativeConn *)self;
+    PyObject_GC_UnTrack(self);
+    if (c->fd >= 0) close(c->fd);  /* the loop may be gone: no unwatching here */
+    buf_free(&c->in);
+    buf_free(&c->out);
+    conn_clear(self);
+    Py_TYPE(self)->tp_free(self);
+}
+
+static PyMethodDef conn_methods[] = {
+    {"run", conn_run, METH_NOARGS, "run one turn over the frames already buffered"},
+    {"send_body", conn_send_body, METH_O, "queue one frame (the length is added); returns refused bytes"},
+    {"write", conn_write, METH_O, "queue bytes that are already frames; returns refused bytes"},
+    {"flush", conn_flush_py, METH_NOARGS, "send what is queued; returns the bytes left, -1 if the peer is gone"},
+    {"close", conn_close, METH_NOARGS, "close the descriptor (stop watching it first)"},
+    {NULL}
+};
+static PyMemberDef conn_members[] = {
+    {"paused", T_BOOL, offsetof(NativeConn, paused), 0, "no frames are handled (nor read) while set"},
+    {NULL}
+};
+static PyGetSetDef conn_getset[] = {
+    {"fd", conn_fd, NULL, "the descriptor, -1 once closed", NULL},
+    {"pending", conn_pending, NULL, "bytes of output not sent yet", NULL},
+    {"buffered", conn_buffered, NULL, "bytes of input not handled yet (partial frames)", NULL},
+    {NULL}
+};
+
+static PyTypeObject NativeConnType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "hicache_native_rpc.NativeConn",
+    .tp_basicsize = sizeof(NativeConn),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "NativeConn(fd, handle, turn_end, closed, max_frame_bytes, frames_per_turn, flush_at)",
+    .tp_new = conn_new,
+    .tp_init = conn_init,
+    .tp_call = conn_readable,
+    .tp_dealloc = conn_dealloc,
+    .tp_traverse = conn_traverse,
+    .tp_clear = conn_clear,
+    .tp_methods = conn_methods,
+    .tp_members = conn_members,
+    .tp_getset = conn_getset,
+};
+
+static struct PyModuleDef mod_def = {PyModuleDef_HEAD_INIT, "hicache_native_rpc", NULL, -1, NULL};
+
+PyMODINIT_FUNC PyInit_hicache_native_rpc(void) {
+    if (PyType_Ready(&NativeConnType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&mod_def);
+    if (!m) return NULL;
+    Py_INCREF(&NativeConnType);
+    if (PyModule_AddObject(m, "NativeConn", (PyObject *)&NativeConnType) < 0
+            || PyModule_AddIntConstant(m, "CLOSED_EOF", CLOSED_EOF)
+            || PyModule_AddIntConstant(m, "CLOSED_OVERSIZED", CLOSED_OVERSIZED)) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
+"""
+
+SOURCE = FRAMES_C + CONN_C
