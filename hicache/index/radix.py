@@ -61,8 +61,9 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 
 from hicache.index.eviction import EvictionOps
+from hicache.index import native_walk
 from hicache.index.key_map import KeyMap
-from hicache.index.keys import KEY_BYTES
+from hicache.index.keys import KEY_BYTES, PackedKeys
 from hicache.index.node import (
     DISK_LANE, EMPTY_PAGES, EMPTY_TOKENS, HOST_LANE, DiskRecord, Freed, FreedCollector, IndexInputError,
     IndexStateError, InsertResult, MatchResult, Tier, TreeNode, check_count, check_engine, check_keys,
@@ -103,6 +104,8 @@ class RadixIndex(EvictionOps):
         self._ledger = ResidencyLedger(self.root, self.policy, self.hint_priority)
         self._outbox: list[Freed] = []
         self.key_map: KeyMap | None = None  # keyed namespaces only (enable_key_map)
+        mod = native_walk.load()  # built once per process; None: match walks in Python
+        self._native_walk = mod.walk if mod is not None else None
 
     # ------------------------------------------------------------------ match / insert
 
@@ -110,14 +113,51 @@ class RadixIndex(EvictionOps):
         keys = check_keys(keys)
         lane = _NO_LANE if engine is None else check_engine(engine)
         now = self.clock()
+        seg = 0 if engine is not None else 1   # 0 device, 1 host, 2 disk
+        walk = self._native_walk
+        if walk is not None and type(keys) is PackedKeys:  # keys off the wire: the walk in C
+            path, n_dev, n_host, j = walk(self.root, keys.blob, lane, seg, now)
+            if j >= 0:  # diverged or ended inside the last node: split it there, as below
+                upper = path[-1] = self._split(path[-1], j)
+                upper.last_access = now
+                upper.hit_count += 1
+        else:
+            path, n_dev, n_host = self._walk(keys, lane, seg, now)
+        n_front = n_dev + n_host
+        n_path = len(path)
+        # Built positionally, one page array taken as is where a segment is one node:
+        # this runs on every match, and on a short path costs more than the walk.
+        dev_nodes = path if n_dev == n_path else path[:n_dev]
+        host_nodes = path[n_dev:n_front] if n_host else []
+        if n_front == n_path:
+            disk_nodes, disk_keys = [], []
+        else:
+            disk_nodes = path[n_front:]
+            disk_keys = list(itertools.chain.from_iterable(x.keys for x in disk_nodes))
+        if n_dev == 1:
+            device_pages = path[0].device[lane]
+        else:
+            device_pages = concat_pages([x.device[lane] for x in dev_nodes]) if n_dev else EMPTY_PAGES
+        if n_host == 1:
+            host_pages = host_nodes[0].host
+        else:
+            host_pages = concat_pages([x.host for x in host_nodes]) if n_host else EMPTY_PAGES
+        return MatchResult(path, dev_nodes, host_nodes, disk_nodes, device_pages, host_pages, disk_keys,
+                           path[-1] if path else self.root)
+
+    def _walk(self, keys: list[bytes], lane: int, seg: int, now: float) -> tuple[list[TreeNode], int, int]:
+        """match's walk in Python (native_walk.py is the same in C): the path, and how
+        many of its nodes are on `lane`'s device, then in host; splits where it ends."""
         node = self.root
         n = len(keys)
         i = 0
-        seg = 0 if engine is not None else 1   # 0 device, 1 host, 2 disk
         n_dev = n_host = 0
         path: list[TreeNode] = []
+        # Keys off the wire: sliced from the blob here, not through PackedKeys.__getitem__
+        # (a Python call per key looked at; the walk looks at two per node).
+        blob = keys.blob if type(keys) is PackedKeys else None
         while i < n:
-            child = node.children.get(keys[i])
+            child = node.children.get(keys[i] if blob is None else blob[i * KEY_BYTES:(i + 1) * KEY_BYTES])
             if child is None:
                 break
             if seg == 0 and lane in child.device:
@@ -131,7 +171,9 @@ class RadixIndex(EvictionOps):
                 break
             ck = child.keys
             m = len(ck)
-            if m <= n - i and ck[m - 1] == keys[i + m - 1]:
+            end = i + m
+            if end <= n and ck[m - 1] == (keys[end - 1] if blob is None else
+                                          blob[(end - 1) * KEY_BYTES:end * KEY_BYTES]):
                 j = m
             else:
                 j = common_pages(ck, keys, i)
@@ -144,21 +186,7 @@ class RadixIndex(EvictionOps):
             if j < m:
                 break  # diverged or ended inside the node
             node = child
-        n_front = n_dev + n_host
-        dev_nodes = path[:n_dev]
-        host_nodes = path[n_dev:n_front]
-        disk_nodes = path[n_front:] if n_front < len(path) else []
-        if not disk_nodes:
-            disk_keys = []
-        elif len(disk_nodes) == 1:
-            disk_keys = list(disk_nodes[0].keys)
-        else:
-            disk_keys = list(itertools.chain.from_iterable(x.keys for x in disk_nodes))
-        return MatchResult(
-            nodes=path, device_nodes=dev_nodes, host_nodes=host_nodes, disk_nodes=disk_nodes,
-            device_pages=concat_pages([x.device[lane] for x in dev_nodes]) if n_dev else EMPTY_PAGES,
-            host_pages=concat_pages([x.host for x in host_nodes]) if n_host else EMPTY_PAGES,
-            disk_keys=disk_keys, last_node=path[-1] if path else self.root)
+        return path, n_dev, n_host
 
     def insert(self, keys: list[bytes], tokens: np.ndarray, *, engine: int | None = None,
                device_pages: np.ndarray | None = None, host_pages: np.ndarray | None = None,
@@ -472,6 +500,33 @@ class RadixIndex(EvictionOps):
         if path[0].parent is not self.root or path[-1].removed:
             raise IndexStateError("the match result is not of this index's current tree")
         self._ledger.lock_path(path, t, key)
+
+    def lock_match(self, result: MatchResult, engine: int) -> list[tuple[TreeNode, Tier, int | None]]:
+        """The locks a request takes on what match(keys, engine) just returned (nothing
+        changed since): `engine`'s device segment on its device, the device and host
+        segments in HOST (the host copies the engine loads from). Returns them as
+        (node, tier, engine) for unlock_held; one check and no walk back up per lock."""
+        nodes = result.nodes
+        n_dev, n_host = len(result.device_nodes), len(result.host_nodes)
+        if not (n_dev or n_host):
+            return []
+        if nodes[0].parent is not self.root or nodes[n_dev + n_host - 1].removed:
+            raise IndexStateError("the match result is not of this index's current tree")
+        lock_path = self._ledger.lock_path
+        locks: list[tuple[TreeNode, Tier, int | None]] = []
+        if n_dev:
+            lock_path(nodes[:n_dev] if n_dev < len(nodes) else nodes, Tier.DEVICE, check_engine(engine))
+            locks.append((nodes[n_dev - 1], Tier.DEVICE, engine))
+        if n_host:
+            n = n_dev + n_host
+            lock_path(nodes[:n] if n < len(nodes) else nodes, Tier.HOST, None)
+            locks.append((nodes[n - 1], Tier.HOST, None))
+        return locks
+
+    def unlock_held(self, locks: list[tuple[TreeNode, Tier, int | None]]) -> None:
+        """unlock() each (node, tier, engine) of `locks`, as lock_match returns them."""
+        for node, tier, engine in locks:
+            self.unlock(node, tier, engine)
 
     def unlock(self, node: TreeNode, tier: Tier, engine: int | None = None) -> None:
         """Drop a ref taken by lock(); below zero raises IndexStateError. A node in no
