@@ -390,30 +390,35 @@ class ResidencyLedger:
         prot = self.protected
         lane = HOST_LANE if tier is Tier.HOST else DISK_LANE
         doomed: TreeNode | None = None
-        for x in path:
-            n = len(x.keys)
+        maybe_queue = self.maybe_queue
+        for x in path:  # every release runs this: membership in `queued` tested before calls
+            r = x.lock_ref
             if tier is Tier.DEVICE:
-                x.lock_ref[Tier.DEVICE] -= 1
+                r[Tier.DEVICE] -= 1
                 dl = x.device_locks
                 c = dl[engine] - 1
                 if c:
                     dl[engine] = c
+                elif x.device:
+                    del dl[engine]
+                    n = len(x.keys)
+                    for e in _engines_flipped(x, engine):
+                        prot[e] -= n
+                        if e not in x.queued:
+                            maybe_queue(x, e)
                 else:
                     del dl[engine]
-                    if x.device:
-                        for e in _engines_flipped(x, engine):
-                            prot[e] -= n
-                            self.maybe_queue(x, e)
             else:
-                r = x.lock_ref
                 r[tier] -= 1
                 if r[tier] == 0 and x.resident_in(lane):
-                    prot[lane] -= n
-                    self.maybe_queue(x, lane)
-            if not any(x.lock_ref):
-                if x.in_any_tier:
+                    prot[lane] -= len(x.keys)
+                    maybe_queue(x, lane)
+            if not (r[0] or r[1] or r[2]):
+                queued = x.queued
+                if x.device or x.host is not None or x.on_disk:
                     for other in x.lanes():  # emptying it is allowed now: it is removable
-                        self.maybe_queue(x, other)
+                        if other not in queued:
+                            maybe_queue(x, other)
                 else:
                     doomed = x  # walking up: the last one found is the highest
         return doomed

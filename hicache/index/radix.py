@@ -489,18 +489,6 @@ class RadixIndex(EvictionOps):
         key = None if engine is None or t is not Tier.DEVICE else check_engine(engine)
         self._ledger.lock_path(self._path(node), t, key)
 
-    def lock_matched(self, result: MatchResult, num_nodes: int, tier: Tier, engine: int | None = None) -> None:
-        """lock(result.nodes[num_nodes - 1], ...) for the match() just returned (nothing
-        changed since): its nodes are the walk's path, so no walk back up to check it."""
-        if not 0 < num_nodes <= len(result.nodes):
-            raise IndexInputError(f"num_nodes {num_nodes} outside the match's 1..{len(result.nodes)} nodes")
-        t = check_tier(tier)
-        key = None if engine is None or t is not Tier.DEVICE else check_engine(engine)
-        path = result.nodes[:num_nodes]
-        if path[0].parent is not self.root or path[-1].removed:
-            raise IndexStateError("the match result is not of this index's current tree")
-        self._ledger.lock_path(path, t, key)
-
     def lock_match(self, result: MatchResult, engine: int) -> list[tuple[TreeNode, Tier, int | None]]:
         """The locks a request takes on what match(keys, engine) just returned (nothing
         changed since): `engine`'s device segment on its device, the device and host
@@ -524,15 +512,19 @@ class RadixIndex(EvictionOps):
         return locks
 
     def unlock_held(self, locks: list[tuple[TreeNode, Tier, int | None]]) -> None:
-        """unlock() each (node, tier, engine) of `locks`, as lock_match returns them."""
+        """unlock() each (node, tier, engine) of `locks`, as lock_match returns them (the
+        tier a Tier, the engine an engine id or None: not checked again)."""
         for node, tier, engine in locks:
-            self.unlock(node, tier, engine)
+            self._unlock(node, tier, engine if tier is Tier.DEVICE else None)
 
     def unlock(self, node: TreeNode, tier: Tier, engine: int | None = None) -> None:
         """Drop a ref taken by lock(); below zero raises IndexStateError. A node in no
         tier whose last ref goes is removed with its subtree (see take_freed)."""
         t = check_tier(tier)
         key = None if engine is None or t is not Tier.DEVICE else check_engine(engine)
+        self._unlock(node, t, key)
+
+    def _unlock(self, node: TreeNode, t: Tier, key: int | None) -> None:
         path = self._path(node)
         held = node.device_locks.get(key, 0) if t is Tier.DEVICE else node.lock_ref[t]
         if held < 1:  # ancestors hold at least as many refs as the node

@@ -56,14 +56,15 @@ def check_live(node: object) -> None:
 
 def path_to_root(node: object, root: TreeNode) -> list[TreeNode]:
     """`node` and its ancestors, root excluded; checks the node is live and under `root`."""
-    check_live(node)
-    path = []
-    x = node
-    while x.parent is not None:
+    if type(node) is not TreeNode or node.removed or not node.keys:
+        check_live(node)  # raises, or passes a subclass
+    path = [node]
+    x = node.parent
+    while x is not root:  # every unlock walks this: kept to one test per node
+        if x is None:
+            raise IndexStateError(f"{node!r} belongs to another index")
         path.append(x)
         x = x.parent
-    if x is not root:
-        raise IndexStateError(f"{node!r} belongs to another index")
     return path
 
 
