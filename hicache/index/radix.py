@@ -61,7 +61,7 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 
 from hicache.index.eviction import EvictionOps
-from hicache.index import native_walk
+from hicache.index import native_index
 from hicache.index.key_map import KeyMap
 from hicache.index.keys import KEY_BYTES, PackedKeys
 from hicache.index.node import (
@@ -104,8 +104,14 @@ class RadixIndex(EvictionOps):
         self._ledger = ResidencyLedger(self.root, self.policy, self.hint_priority)
         self._outbox: list[Freed] = []
         self.key_map: KeyMap | None = None  # keyed namespaces only (enable_key_map)
-        mod = native_walk.load()  # built once per process; None: match walks in Python
-        self._native_walk = mod.walk if mod is not None else None
+        self._native_walk = None
+        self.use_native(native_index.load())  # built once per process; None: all in Python
+
+    def use_native(self, mod: object) -> None:
+        """Walk, lock and unlock with the C loops of native_index.py (None: in Python; the
+        tests run both on the same operations and compare)."""
+        self._native_walk = None if mod is None else mod.walk
+        self._ledger.use_native(mod)
 
     # ------------------------------------------------------------------ match / insert
 
@@ -146,7 +152,7 @@ class RadixIndex(EvictionOps):
                            path[-1] if path else self.root)
 
     def _walk(self, keys: list[bytes], lane: int, seg: int, now: float) -> tuple[list[TreeNode], int, int]:
-        """match's walk in Python (native_walk.py is the same in C): the path, and how
+        """match's walk in Python (native_index.py is the same in C): the path, and how
         many of its nodes are on `lane`'s device, then in host; splits where it ends."""
         node = self.root
         n = len(keys)

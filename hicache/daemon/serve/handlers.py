@@ -31,7 +31,7 @@ from hicache.daemon.serve.quota_rpc import QUOTA_METHODS, quota_handlers
 from hicache.daemon.movers.state_dir import allocated_bytes
 from hicache.daemon.serve.tree_view import MAX_DEPTH, tree_summary
 from hicache.errors import LayoutError
-from hicache.index.keys import KEY_BYTES, Namespace
+from hicache.index.keys import KEY_BYTES, Namespace, PackedKeys
 from hicache.index.radix import Tier
 from hicache.layout import KVLayout
 from hicache.rpc.framing import bytes_to_ids, ids_to_bytes
@@ -171,9 +171,17 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
     slab_versions = host.slab_versions  # read per reply: an engine remaps when its slabs grew
     hybrid, remote = daemon.hybrid, daemon.remote
 
+    max_key_bytes = KEY_BYTES * max_pages
+
     def match(conn: Connection, p: dict) -> Any:
-        keys = keys_of(p)
-        rec = svc.engine(conn, _get(p, "engine", int))
+        # The checks of keys_of and _get, spelled out for the well-formed request: every
+        # engine request waits on this handler (a malformed one takes the general path).
+        blob, eid = p.get("keys"), p.get("engine")
+        if type(blob) is bytes and len(blob) <= max_key_bytes and not len(blob) % KEY_BYTES:
+            keys = PackedKeys(blob)
+        else:
+            keys = keys_of(p)
+        rec = svc.engine(conn, eid if type(eid) is int else _get(p, "engine", int))
         if hybrid is not None and rec.ns.namespace.state is not None:
             # a hybrid namespace's match is cut at its usable prefix
             pin, state = hybrid.match(conn, rec.engine_id, keys)

@@ -1,8 +1,8 @@
-"""The radix walk in C (hicache/index/native_walk.py) against the Python walk: two
-indexes built alike, one walking natively and one in Python, take the same random
+"""The radix walk and lock loops in C (hicache/index/native_index.py) against Python: two
+indexes built alike, one with the C loops and one in Python, take the same random
 matches (with the locks the daemon takes on them), releases, evictions, inserts and
 disk marks, interleaved; every result and the whole tree must stay identical.
-Under CI=true the native walk must have been built."""
+Under CI=true the C loops must have been built."""
 
 from __future__ import annotations
 
@@ -12,20 +12,20 @@ import random
 import numpy as np
 import pytest
 
-from hicache.index import native_walk
+from hicache.index import native_index
 from hicache.index.keys import PackedKeys
 from hicache.index.node import Tier
 from radix_util import check_invariants, make_index, seq, snapshot
 
 ENGINES = (0, 1)
 
-needs_native = pytest.mark.skipif(native_walk.load() is None and os.environ.get("CI") != "true",
-                                  reason=f"native walk: {native_walk.unavailable_reason()}")
+needs_native = pytest.mark.skipif(native_index.load() is None and os.environ.get("CI") != "true",
+                                  reason=f"native walk: {native_index.unavailable_reason()}")
 
 
-def test_native_walk_is_built_under_ci():
+def test_native_loops_are_built_under_ci():
     if os.environ.get("CI") == "true":
-        assert native_walk.load() is not None, native_walk.unavailable_reason()
+        assert native_index.load() is not None, native_index.unavailable_reason()
 
 
 def packed(pages: list[int]) -> PackedKeys:
@@ -43,12 +43,12 @@ def same_result(a, b) -> None:
 
 
 class Pair:
-    """The same index twice: `native` walks in C, `python` in Python."""
+    """The same index twice: `native` walks and locks in C, `python` in Python."""
 
     def __init__(self) -> None:
         self.native, self.python = make_index(), make_index()
         assert self.native._native_walk is not None
-        self.python._native_walk = None
+        self.python.use_native(None)
         self.held: dict[int, tuple[list, list]] = {}  # request -> (native locks, python locks)
         self.next_page = {e: 1 for e in ENGINES}
         self.next_slot = 1
@@ -102,7 +102,7 @@ class Pair:
 
 @needs_native
 @pytest.mark.parametrize("seed", range(60))
-def test_native_walk_equals_python_walk_on_random_trees(seed):
+def test_native_loops_equal_python_on_random_trees(seed):
     rng = random.Random(seed)
     pair = Pair()
     for _ in range(rng.randint(2, 6)):
