@@ -384,10 +384,15 @@ static PyObject *unlock_path(PyObject *self, PyObject *args) {
         Py_DECREF(r);
         if (PyErr_Occurred()) return NULL;
         if (r0 || r1 || r2) continue;
-        /* no lock left here: the node is removable, or a candidate in each of its lanes */
-        PyObject *lanes = PyObject_CallMethod(x, "lanes", NULL);
+        /* no lock left here: the node is removable, or a candidate in each of its lanes
+           (TreeNode.lanes(): its engines' devices in dict order, then host, then disk) */
+        PyObject *dev = get_dict(x, s_device);
+        PyObject *lanes = dev ? PyDict_Keys(dev) : NULL;
+        Py_XDECREF(dev);
         if (!lanes) return NULL;
-        if (!PyList_CheckExact(lanes)) { Py_DECREF(lanes); PyErr_SetString(PyExc_TypeError, "lanes()"); return NULL; }
+        int on_host = resident_in(x, 1), on_disk = on_host < 0 ? -1 : resident_in(x, 2);
+        if (on_disk < 0 || (on_host && PyList_Append(lanes, host_lane) < 0)
+                || (on_disk && PyList_Append(lanes, disk_lane) < 0)) { Py_DECREF(lanes); return NULL; }
         if (PyList_GET_SIZE(lanes) == 0) doomed = x;  /* walking up: the last one found is the highest */
         for (Py_ssize_t q = 0; q < PyList_GET_SIZE(lanes); q++) {
             if (queue_if_new(maybe_queue, x, PyList_GET_ITEM(lanes, q)) < 0) { Py_DECREF(lanes); return NULL; }

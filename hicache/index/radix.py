@@ -531,7 +531,7 @@ class RadixIndex(EvictionOps):
         self._unlock(node, t, key)
 
     def _unlock(self, node: TreeNode, t: Tier, key: int | None) -> None:
-        path = self._path(node)
+        path = path_to_root(node, self.root)
         held = node.device_locks.get(key, 0) if t is Tier.DEVICE else node.lock_ref[t]
         if held < 1:  # ancestors hold at least as many refs as the node
             raise IndexStateError(f"unlock below zero: {node!r} {t.name} engine={key}")

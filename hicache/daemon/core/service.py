@@ -269,13 +269,11 @@ class CacheService:
 
     def reap(self, ns: NamespaceState) -> None:
         """Unlocks and clears can remove nodes left in no tier; return what they held."""
-        freed = ns.index.take_freed()
-        if freed:
-            self._apply_freed(ns, freed, None)
+        if ns.index.has_freed:  # after every release: most remove nothing
+            self._apply_freed(ns, ns.index.take_freed(), None)
 
     def release(self, owner: object, pin_id: Any) -> None:
-        pin = self.pin(owner, pin_id)
-        self._drop_pin(pin)
+        self._drop_pin(self.pin(owner, pin_id))
 
     def _drop_pin(self, pin: Pin) -> None:
         ns = pin.engine.ns
