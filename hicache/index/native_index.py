@@ -177,7 +177,7 @@ fail:
 
 /* ---------------------------------------------------------------- locks */
 
-static PyObject *s_lock_ref, *s_device_locks, *s_queued, *host_lane, *disk_lane;
+static PyObject *s_lock_ref, *s_device_locks, *s_queued, *s_removed, *s_parent, *host_lane, *disk_lane;
 
 /* list[i] += delta; the new value, or LONG_MIN on error. */
 static long list_add(PyObject *list, Py_ssize_t i, long delta) {
@@ -277,33 +277,30 @@ static Py_ssize_t n_keys(PyObject *x) {
     return n;
 }
 
-/* ResidencyLedger.lock_path: a ref in `tier` on every node of `path`. */
-static PyObject *lock_path(PyObject *self, PyObject *args) {
-    PyObject *path, *engine, *prot;
-    long tier;
-    if (!PyArg_ParseTuple(args, "O!lOO!", &PyList_Type, &path, &tier, &engine, &PyDict_Type, &prot)) return NULL;
-    if (tier < 0 || tier > 2) { PyErr_SetString(PyExc_ValueError, "tier must be 0..2"); return NULL; }
+/* ResidencyLedger.lock_path over the first `count` nodes of `path`: a ref in `tier`
+   on each; -1 on error. */
+static int lock_nodes(PyObject *path, Py_ssize_t count, long tier, PyObject *engine, PyObject *prot) {
     PyObject *lane = tier == 1 ? host_lane : disk_lane;
-    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(path); k++) {
+    for (Py_ssize_t k = 0; k < count; k++) {
         PyObject *x = PyList_GET_ITEM(path, k);
         PyObject *r = PyObject_GetAttr(x, s_lock_ref);
-        if (!r) return NULL;
+        if (!r) return -1;
         long v = list_add(r, tier, 1);
         Py_DECREF(r);
-        if (v == LONG_MIN) return NULL;
+        if (v == LONG_MIN) return -1;
         if (tier == 0) {
             PyObject *dl = get_dict(x, s_device_locks);
-            if (!dl) return NULL;
+            if (!dl) return -1;
             long c = dict_add(dl, engine, 1, 1);
             PyObject *dev = c == 1 ? get_dict(x, s_device) : NULL;
-            if (c == LONG_MIN || (c == 1 && !dev)) { Py_DECREF(dl); return NULL; }
+            if (c == LONG_MIN || (c == 1 && !dev)) { Py_DECREF(dl); return -1; }
             if (dev && PyDict_GET_SIZE(dev)) {
                 Py_ssize_t n = n_keys(x);
                 PyObject *flipped = n < 0 ? NULL : engines_flipped(dev, dl, engine);
-                if (!flipped) { Py_DECREF(dev); Py_DECREF(dl); return NULL; }
+                if (!flipped) { Py_DECREF(dev); Py_DECREF(dl); return -1; }
                 for (Py_ssize_t q = 0; q < PyList_GET_SIZE(flipped); q++) {
                     if (dict_add(prot, PyList_GET_ITEM(flipped, q), n, 1) == LONG_MIN) {
-                        Py_DECREF(flipped); Py_DECREF(dev); Py_DECREF(dl); return NULL;
+                        Py_DECREF(flipped); Py_DECREF(dev); Py_DECREF(dl); return -1;
                     }
                 }
                 Py_DECREF(flipped);
@@ -312,15 +309,48 @@ static PyObject *lock_path(PyObject *self, PyObject *args) {
             Py_DECREF(dl);
         } else if (v == 1) {
             int res = resident_in(x, tier);
-            if (res < 0) return NULL;
+            if (res < 0) return -1;
             if (res) {
                 Py_ssize_t n = n_keys(x);
-                if (n < 0 || dict_add(prot, lane, n, 0) == LONG_MIN) return NULL;
+                if (n < 0 || dict_add(prot, lane, n, 0) == LONG_MIN) return -1;
             }
         }
     }
+    return 0;
+}
+
+static int check_tier(long tier) {
+    if (tier >= 0 && tier <= 2) return 0;
+    PyErr_SetString(PyExc_ValueError, "tier must be 0..2");
+    return -1;
+}
+
+/* lock_path(path, tier, engine, protected): ResidencyLedger.lock_path. */
+static PyObject *lock_path(PyObject *self, PyObject *args) {
+    PyObject *path, *engine, *prot;
+    long tier;
+    if (!PyArg_ParseTuple(args, "O!lOO!", &PyList_Type, &path, &tier, &engine, &PyDict_Type, &prot)) return NULL;
+    if (check_tier(tier) < 0 || lock_nodes(path, PyList_GET_SIZE(path), tier, engine, prot) < 0) return NULL;
     Py_RETURN_NONE;
 }
+
+/* lock_segments(nodes, n_dev, n_host, engine, protected): RadixIndex.lock_match's locks,
+   the first n_dev nodes on `engine`'s device, the first n_dev + n_host in HOST. */
+static PyObject *lock_segments(PyObject *self, PyObject *args) {
+    PyObject *nodes, *engine, *prot;
+    Py_ssize_t n_dev, n_host;
+    if (!PyArg_ParseTuple(args, "O!nnOO!", &PyList_Type, &nodes, &n_dev, &n_host, &engine, &PyDict_Type, &prot))
+        return NULL;
+    if (n_dev < 0 || n_host < 0 || n_dev + n_host > PyList_GET_SIZE(nodes)) {
+        PyErr_SetString(PyExc_ValueError, "segments longer than the path");
+        return NULL;
+    }
+    if (n_dev && lock_nodes(nodes, n_dev, 0, engine, prot) < 0) return NULL;
+    if (n_host && lock_nodes(nodes, n_dev + n_host, 1, Py_None, prot) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+
 
 /* maybe_queue(x, lane) unless the lane already has an entry in x.queued; -1 on error. */
 static int queue_if_new(PyObject *maybe_queue, PyObject *x, PyObject *lane) {
@@ -337,12 +367,8 @@ static int queue_if_new(PyObject *maybe_queue, PyObject *x, PyObject *lane) {
 /* ResidencyLedger.unlock_path: drop a ref in `tier` on every node of `path` (a node
    and its ancestors, bottom up; the caller checked none goes below zero). Returns the
    highest node left in no tier and without locks (the caller removes it), or None. */
-static PyObject *unlock_path(PyObject *self, PyObject *args) {
-    PyObject *path, *engine, *prot, *maybe_queue, *doomed = Py_None;
-    long tier;
-    if (!PyArg_ParseTuple(args, "O!lOO!O", &PyList_Type, &path, &tier, &engine, &PyDict_Type, &prot,
-                          &maybe_queue)) return NULL;
-    if (tier < 0 || tier > 2) { PyErr_SetString(PyExc_ValueError, "tier must be 0..2"); return NULL; }
+static PyObject *unlock_nodes(PyObject *path, long tier, PyObject *engine, PyObject *prot, PyObject *maybe_queue) {
+    PyObject *doomed = Py_None;
     for (Py_ssize_t k = 0; k < PyList_GET_SIZE(path); k++) {
         PyObject *x = PyList_GET_ITEM(path, k);
         PyObject *r = PyObject_GetAttr(x, s_lock_ref);
@@ -403,10 +429,67 @@ static PyObject *unlock_path(PyObject *self, PyObject *args) {
     return doomed;
 }
 
+/* unlock_path(path, tier, engine, protected, maybe_queue) -> doomed: ResidencyLedger.unlock_path. */
+static PyObject *unlock_path(PyObject *self, PyObject *args) {
+    PyObject *path, *engine, *prot, *maybe_queue;
+    long tier;
+    if (!PyArg_ParseTuple(args, "O!lOO!O", &PyList_Type, &path, &tier, &engine, &PyDict_Type, &prot,
+                          &maybe_queue)) return NULL;
+    if (check_tier(tier) < 0) return NULL;
+    return unlock_nodes(path, tier, engine, prot, maybe_queue);
+}
+
+/* unlock_node(node, tier, key, root, protected, maybe_queue): RadixIndex.unlock after its
+   argument checks, the path back to `root` walked here. Returns the doomed node or None;
+   without changing anything, 1 when `node` is no live node, 2 when it is not under
+   `root`, 3 when the unlock would go below zero (the caller raises the error). */
+static PyObject *unlock_node(PyObject *self, PyObject *args) {
+    PyObject *node, *key, *root, *prot, *maybe_queue;
+    long tier;
+    if (!PyArg_ParseTuple(args, "OlOOO!O", &node, &tier, &key, &root, &PyDict_Type, &prot, &maybe_queue)) return NULL;
+    if (check_tier(tier) < 0) return NULL;
+    int removed = attr_true(node, s_removed);
+    Py_ssize_t n = removed ? 0 : n_keys(node);
+    if (removed < 0 || n < 0) { PyErr_Clear(); return PyLong_FromLong(1); }  /* no TreeNode */
+    if (removed || n == 0) return PyLong_FromLong(1);  /* removed, or a root */
+    PyObject *path = PyList_New(0);
+    if (!path) return NULL;
+    PyObject *x = node;
+    Py_INCREF(x);
+    while (x != root) {
+        if (x == Py_None) { Py_DECREF(x); Py_DECREF(path); return PyLong_FromLong(2); }
+        PyObject *parent = PyList_Append(path, x) < 0 ? NULL : PyObject_GetAttr(x, s_parent);
+        Py_DECREF(x);
+        if (!parent) { Py_DECREF(path); return NULL; }
+        x = parent;
+    }
+    Py_DECREF(x);
+    long held;
+    if (tier == 0) {
+        PyObject *dl = get_dict(node, s_device_locks);
+        held = dl ? dict_get(dl, key) : LONG_MIN;
+        Py_XDECREF(dl);
+    } else {
+        PyObject *r = PyObject_GetAttr(node, s_lock_ref);
+        held = r && PyList_CheckExact(r) && PyList_GET_SIZE(r) == 3 ? PyLong_AsLong(PyList_GET_ITEM(r, tier)) : LONG_MIN;
+        if (r && held == LONG_MIN && !PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "TreeNode.lock_ref");
+        Py_XDECREF(r);
+        if (held == -1 && PyErr_Occurred()) held = LONG_MIN;
+    }
+    if (held == LONG_MIN) { Py_DECREF(path); return NULL; }
+    if (held < 1) { Py_DECREF(path); return PyLong_FromLong(3); }  /* ancestors hold at least as many */
+    PyObject *doomed = unlock_nodes(path, tier, key, prot, maybe_queue);
+    Py_DECREF(path);
+    return doomed;
+}
+
 static PyMethodDef mod_methods[] = {
     {"walk", walk, METH_VARARGS, "walk(root, blob, lane, seg, now) -> (path, n_dev, n_host, j)"},
     {"lock_path", lock_path, METH_VARARGS, "lock_path(path, tier, engine, protected)"},
     {"unlock_path", unlock_path, METH_VARARGS, "unlock_path(path, tier, engine, protected, maybe_queue) -> doomed"},
+    {"lock_segments", lock_segments, METH_VARARGS, "lock_segments(nodes, n_dev, n_host, engine, protected)"},
+    {"unlock_node", unlock_node, METH_VARARGS,
+     "unlock_node(node, tier, key, root, protected, maybe_queue) -> doomed | None | error code"},
     {NULL}
 };
 static struct PyModuleDef mod_def = {PyModuleDef_HEAD_INIT, "hicache_native_index", NULL, -1, mod_methods};
@@ -422,6 +505,8 @@ PyMODINIT_FUNC PyInit_hicache_native_index(void) {
     if (!(s_lock_ref = PyUnicode_InternFromString("lock_ref"))) return NULL;
     if (!(s_device_locks = PyUnicode_InternFromString("device_locks"))) return NULL;
     if (!(s_queued = PyUnicode_InternFromString("queued"))) return NULL;
+    if (!(s_removed = PyUnicode_InternFromString("removed"))) return NULL;
+    if (!(s_parent = PyUnicode_InternFromString("parent"))) return NULL;
     if (!(host_lane = PyLong_FromLong(-1))) return NULL;  /* node.HOST_LANE */
     if (!(disk_lane = PyLong_FromLong(-2))) return NULL;  /* node.DISK_LANE */
     return PyModule_Create(&mod_def);

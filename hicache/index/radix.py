@@ -104,13 +104,15 @@ class RadixIndex(EvictionOps):
         self._ledger = ResidencyLedger(self.root, self.policy, self.hint_priority)
         self._outbox: list[Freed] = []
         self.key_map: KeyMap | None = None  # keyed namespaces only (enable_key_map)
-        self._native_walk = None
+        self._native_walk = self._native_lock = self._native_unlock = None
         self.use_native(native_index.load())  # built once per process; None: all in Python
 
     def use_native(self, mod: object) -> None:
         """Walk, lock and unlock with the C loops of native_index.py (None: in Python; the
         tests run both on the same operations and compare)."""
         self._native_walk = None if mod is None else mod.walk
+        self._native_lock = None if mod is None else mod.lock_segments
+        self._native_unlock = None if mod is None else mod.unlock_node
         self._ledger.use_native(mod)
 
     # ------------------------------------------------------------------ match / insert
@@ -506,15 +508,20 @@ class RadixIndex(EvictionOps):
             return []
         if nodes[0].parent is not self.root or nodes[n_dev + n_host - 1].removed:
             raise IndexStateError("the match result is not of this index's current tree")
-        lock_path = self._ledger.lock_path
+        if n_dev:
+            check_engine(engine)
+        if self._native_lock is not None:
+            self._native_lock(nodes, n_dev, n_host, engine, self._ledger.protected)
+        else:
+            if n_dev:
+                self._ledger.lock_path(nodes[:n_dev], Tier.DEVICE, engine)
+            if n_host:
+                self._ledger.lock_path(nodes[:n_dev + n_host], Tier.HOST, None)
         locks: list[tuple[TreeNode, Tier, int | None]] = []
         if n_dev:
-            lock_path(nodes[:n_dev] if n_dev < len(nodes) else nodes, Tier.DEVICE, check_engine(engine))
             locks.append((nodes[n_dev - 1], Tier.DEVICE, engine))
         if n_host:
-            n = n_dev + n_host
-            lock_path(nodes[:n] if n < len(nodes) else nodes, Tier.HOST, None)
-            locks.append((nodes[n - 1], Tier.HOST, None))
+            locks.append((nodes[n_dev + n_host - 1], Tier.HOST, None))
         return locks
 
     def unlock_held(self, locks: list[tuple[TreeNode, Tier, int | None]]) -> None:
@@ -531,15 +538,30 @@ class RadixIndex(EvictionOps):
         self._unlock(node, t, key)
 
     def _unlock(self, node: TreeNode, t: Tier, key: int | None) -> None:
-        path = path_to_root(node, self.root)
-        held = node.device_locks.get(key, 0) if t is Tier.DEVICE else node.lock_ref[t]
-        if held < 1:  # ancestors hold at least as many refs as the node
-            raise IndexStateError(f"unlock below zero: {node!r} {t.name} engine={key}")
-        doomed = self._ledger.unlock_path(path, t, key)
+        if self._native_unlock is not None:  # the checks, the path up and the unlock in C
+            doomed = self._native_unlock(node, t, key, self.root, self._ledger.protected, self._ledger.maybe_queue)
+            if type(doomed) is int:
+                self._refuse_unlock(node, t, key, doomed)
+        else:
+            path = path_to_root(node, self.root)
+            held = node.device_locks.get(key, 0) if t is Tier.DEVICE else node.lock_ref[t]
+            if held < 1:  # ancestors hold at least as many refs as the node
+                raise IndexStateError(f"unlock below zero: {node!r} {t.name} engine={key}")
+            doomed = self._ledger.unlock_path(path, t, key)
         if doomed is not None:
             acc = FreedCollector()
             self._ledger.remove_subtree(doomed, acc)
             self._outbox.extend(acc.build())
+
+    @staticmethod
+    def _refuse_unlock(node: object, t: Tier, key: int | None, code: int) -> None:
+        """The error of native_index.unlock_node's refusal `code` (nothing changed)."""
+        if code == 1:
+            check_live(node)
+            raise IndexInputError("expected a non-root TreeNode")
+        if code == 2:
+            raise IndexStateError(f"{node!r} belongs to another index")
+        raise IndexStateError(f"unlock below zero: {node!r} {t.name} engine={key}")
 
     # ------------------------------------------------------------------ restore
 

@@ -14,7 +14,7 @@ import pytest
 
 from hicache.index import native_index
 from hicache.index.keys import PackedKeys
-from hicache.index.node import Tier
+from hicache.index.node import IndexInputError, IndexStateError, Tier
 from radix_util import check_invariants, make_index, seq, snapshot
 
 ENGINES = (0, 1)
@@ -145,3 +145,35 @@ def test_native_walk_refuses_a_malformed_tree_node():
     node.keys = tuple(node.keys)  # the walk reads keys as the list the index keeps
     with pytest.raises(TypeError):
         idx.match(packed([1, 2]), 0)
+
+
+@needs_native
+@pytest.mark.parametrize("native", [True, False])
+def test_unlock_refusals_are_the_same_in_c_and_python_and_change_nothing(native):
+    idx, other = make_index(), make_index()
+    if not native:
+        idx.use_native(None)
+    keys, toks = seq(1, 2, 3)
+    for x in (idx, other):
+        x.insert(keys, toks, engine=0, device_pages=np.arange(1, 4), host_pages=np.arange(1, 4))
+    node = idx.match(keys, 0).last_node
+    foreign = other.match(keys, 0).last_node
+    idx.lock(node, Tier.HOST)
+    before = snapshot(idx)
+    cases = [((node, Tier.DEVICE, 0), IndexStateError),  # below zero: no device lock held
+             ((foreign, Tier.HOST), IndexStateError),  # another index's node
+             ((idx.root, Tier.HOST), IndexInputError),
+             (("node", Tier.HOST), IndexInputError)]
+    for args, err in cases:
+        with pytest.raises(err):
+            idx.unlock(*args)
+        with pytest.raises(err):
+            idx.unlock_held([args if len(args) == 3 else (*args, None)])
+        assert snapshot(idx) == before
+    idx.unlock_held([(node, Tier.HOST, None)])
+    idx.evict(Tier.DEVICE, 3, 0)
+    idx.evict(Tier.HOST, 3)  # the node goes with its last copy
+    assert node.removed
+    with pytest.raises(IndexStateError):
+        idx.unlock(node, Tier.HOST)
+    check_invariants(idx)
