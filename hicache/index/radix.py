@@ -71,7 +71,7 @@ from hicache.index.node import (
 )
 from hicache.index.policy import EvictionPolicy, LruPolicy, ResidencyLedger
 from hicache.index.tree_walk import (
-    check_live, common_pages, path_to_root, preorder, split_node, suffix_chain,
+    check_live, common_pages, path_to_root, preorder, split_node, suffix_chain, walk_path,
 )
 
 __all__ = [
@@ -130,7 +130,7 @@ class RadixIndex(EvictionOps):
                 upper.last_access = now
                 upper.hit_count += 1
         else:
-            path, n_dev, n_host = self._walk(keys, lane, seg, now)
+            path, n_dev, n_host = walk_path(self.root, keys, lane, seg, now, self.page_size)
         n_front = n_dev + n_host
         n_path = len(path)
         # Built positionally, one page array taken as is where a segment is one node:
@@ -152,49 +152,6 @@ class RadixIndex(EvictionOps):
             host_pages = concat_pages([x.host for x in host_nodes]) if n_host else EMPTY_PAGES
         return MatchResult(path, dev_nodes, host_nodes, disk_nodes, device_pages, host_pages, disk_keys,
                            path[-1] if path else self.root)
-
-    def _walk(self, keys: list[bytes], lane: int, seg: int, now: float) -> tuple[list[TreeNode], int, int]:
-        """match's walk in Python (native_index.py is the same in C): the path, and how
-        many of its nodes are on `lane`'s device, then in host; splits where it ends."""
-        node = self.root
-        n = len(keys)
-        i = 0
-        n_dev = n_host = 0
-        path: list[TreeNode] = []
-        # Keys off the wire: sliced from the blob here, not through PackedKeys.__getitem__
-        # (a Python call per key looked at; the walk looks at two per node).
-        blob = keys.blob if type(keys) is PackedKeys else None
-        while i < n:
-            child = node.children.get(keys[i] if blob is None else blob[i * KEY_BYTES:(i + 1) * KEY_BYTES])
-            if child is None:
-                break
-            if seg == 0 and lane in child.device:
-                n_dev += 1
-            elif seg <= 1 and child.host is not None:
-                seg = 1
-                n_host += 1
-            elif child.on_disk or child.host is not None:
-                seg = 2
-            else:
-                break
-            ck = child.keys
-            m = len(ck)
-            end = i + m
-            if end <= n and ck[m - 1] == (keys[end - 1] if blob is None else
-                                          blob[(end - 1) * KEY_BYTES:end * KEY_BYTES]):
-                j = m
-            else:
-                j = common_pages(ck, keys, i)
-                if j < m:
-                    child = self._split(child, j)
-            child.last_access = now
-            child.hit_count += 1
-            path.append(child)
-            i += j
-            if j < m:
-                break  # diverged or ended inside the node
-            node = child
-        return path, n_dev, n_host
 
     def insert(self, keys: list[bytes], tokens: np.ndarray, *, engine: int | None = None,
                device_pages: np.ndarray | None = None, host_pages: np.ndarray | None = None,
