@@ -14,8 +14,9 @@ bash scripts/setup_core.sh
 # real Redis Cluster; libibverbs1: Mooncake's store module links it even for TCP).
 # Best effort: tests skip what is missing, except under CI=true, where the remote
 # tier's tests fail without redis-server or a loadable Mooncake. A C compiler and this
-# Python's headers: the native copy and the native echo servers of `bench rpc --servers`
-# are built on first use (their tests run under CI=true, skip elsewhere without them).
+# Python's headers: the native copy, the radix index's C loops (hicache/index/native_index.py)
+# and the native echo servers of `bench rpc --servers` are built on first use (their tests
+# run under CI=true, skip elsewhere without them).
 if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     need=()
     command -v cc >/dev/null 2>&1 || need+=(gcc libc6-dev)

@@ -126,6 +126,11 @@ class EvictionOps:
         logger.info("flush %s: %d pages dropped, %d locked pages kept", t.name, dropped, kept)
         return self._drain(acc)
 
+    @property
+    def has_freed(self) -> bool:
+        """Whether take_freed() has anything to hand over."""
+        return bool(self._outbox)
+
     def take_freed(self) -> list[Freed]:
         """Residency released by removals outside evict/flush/remove_engine (an unlock,
         clear_*, set_disk): the caller frees it like any Freed."""

@@ -132,7 +132,8 @@ class MatchResult:
     """The usable prefix of a request, by segment: this engine's device pages,
     then pages with a host copy, then pages available on disk (or host).
     Each segment ends at a node boundary, so a caller locks a segment by
-    locking its last node."""
+    locking its last node. The lists may share (device_nodes can be `nodes`
+    itself) and the page arrays may be a node's own: read them, never change them."""
 
     nodes: list[TreeNode]
     device_nodes: list[TreeNode]

@@ -46,7 +46,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from heapq import heapify, heappop, heappush, heapreplace
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import numpy as np
 
@@ -241,7 +241,7 @@ class ResidencyLedger:
     subtree). The ledger re-queues a node whenever one of these may have turned true.
     """
 
-    __slots__ = ("root", "resident", "protected", "candidates", "removed_states")
+    __slots__ = ("root", "resident", "protected", "candidates", "removed_states", "_lock_native", "_unlock_native")
 
     def __init__(self, root: TreeNode, policy: EvictionPolicy, hints: dict[bytes, int] | None = None) -> None:
         self.root = root
@@ -249,6 +249,13 @@ class ResidencyLedger:
         self.protected: dict[int, int] = {HOST_LANE: 0, DISK_LANE: 0}
         self.candidates = CandidateHeaps(policy, self.is_candidate, hints)
         self.removed_states: list[object] = []  # checkpoints of removed nodes, for their owner to free
+        self.use_native(None)
+
+    def use_native(self, mod: Any) -> None:
+        """Take and drop locks with the C loops of hicache/index/native_index.py (None: in
+        Python); both do the same, step for step."""
+        self._lock_native = None if mod is None else mod.lock_path
+        self._unlock_native = None if mod is None else mod.unlock_path
 
     def is_candidate(self, node: TreeNode, lane: int) -> bool:
         if node.removed or not node.resident_in(lane):
@@ -365,6 +372,9 @@ class ResidencyLedger:
 
     def lock_path(self, path: list[TreeNode], tier: Tier, engine: int | None) -> None:
         """Add a ref on every node of `path` (a node and its ancestors)."""
+        if self._lock_native is not None:
+            self._lock_native(path, tier, engine, self.protected)
+            return
         prot = self.protected
         if tier is Tier.DEVICE:
             for x in path:
@@ -387,33 +397,40 @@ class ResidencyLedger:
     def unlock_path(self, path: list[TreeNode], tier: Tier, engine: int | None) -> TreeNode | None:
         """Drop a ref on every node of `path` (the caller checked none goes below zero).
         Returns the highest node left in no tier and without locks: the caller removes it."""
+        if self._unlock_native is not None:
+            return self._unlock_native(path, tier, engine, self.protected, self.maybe_queue)
         prot = self.protected
         lane = HOST_LANE if tier is Tier.HOST else DISK_LANE
         doomed: TreeNode | None = None
-        for x in path:
-            n = len(x.keys)
+        maybe_queue = self.maybe_queue
+        for x in path:  # every release runs this: membership in `queued` tested before calls
+            r = x.lock_ref
             if tier is Tier.DEVICE:
-                x.lock_ref[Tier.DEVICE] -= 1
+                r[Tier.DEVICE] -= 1
                 dl = x.device_locks
                 c = dl[engine] - 1
                 if c:
                     dl[engine] = c
+                elif x.device:
+                    del dl[engine]
+                    n = len(x.keys)
+                    for e in _engines_flipped(x, engine):
+                        prot[e] -= n
+                        if e not in x.queued:
+                            maybe_queue(x, e)
                 else:
                     del dl[engine]
-                    if x.device:
-                        for e in _engines_flipped(x, engine):
-                            prot[e] -= n
-                            self.maybe_queue(x, e)
             else:
-                r = x.lock_ref
                 r[tier] -= 1
                 if r[tier] == 0 and x.resident_in(lane):
-                    prot[lane] -= n
-                    self.maybe_queue(x, lane)
-            if not any(x.lock_ref):
-                if x.in_any_tier:
+                    prot[lane] -= len(x.keys)
+                    maybe_queue(x, lane)
+            if not (r[0] or r[1] or r[2]):
+                queued = x.queued
+                if x.device or x.host is not None or x.on_disk:
                     for other in x.lanes():  # emptying it is allowed now: it is removable
-                        self.maybe_queue(x, other)
+                        if other not in queued:
+                            maybe_queue(x, other)
                 else:
                     doomed = x  # walking up: the last one found is the highest
         return doomed

@@ -61,8 +61,9 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 
 from hicache.index.eviction import EvictionOps
+from hicache.index import native_index
 from hicache.index.key_map import KeyMap
-from hicache.index.keys import KEY_BYTES
+from hicache.index.keys import KEY_BYTES, PackedKeys
 from hicache.index.node import (
     DISK_LANE, EMPTY_PAGES, EMPTY_TOKENS, HOST_LANE, DiskRecord, Freed, FreedCollector, IndexInputError,
     IndexStateError, InsertResult, MatchResult, Tier, TreeNode, check_count, check_engine, check_keys,
@@ -70,7 +71,7 @@ from hicache.index.node import (
 )
 from hicache.index.policy import EvictionPolicy, LruPolicy, ResidencyLedger
 from hicache.index.tree_walk import (
-    check_live, common_pages, path_to_root, preorder, split_node, suffix_chain,
+    check_live, common_pages, path_to_root, preorder, split_node, suffix_chain, walk_path,
 )
 
 __all__ = [
@@ -103,6 +104,16 @@ class RadixIndex(EvictionOps):
         self._ledger = ResidencyLedger(self.root, self.policy, self.hint_priority)
         self._outbox: list[Freed] = []
         self.key_map: KeyMap | None = None  # keyed namespaces only (enable_key_map)
+        self._native_walk = self._native_lock = self._native_unlock = None
+        self.use_native(native_index.load())  # built once per process; None: all in Python
+
+    def use_native(self, mod: object) -> None:
+        """Walk, lock and unlock with the C loops of native_index.py (None: in Python; the
+        tests run both on the same operations and compare)."""
+        self._native_walk = None if mod is None else mod.walk
+        self._native_lock = None if mod is None else mod.lock_segments
+        self._native_unlock = None if mod is None else mod.unlock_node
+        self._ledger.use_native(mod)
 
     # ------------------------------------------------------------------ match / insert
 
@@ -110,55 +121,37 @@ class RadixIndex(EvictionOps):
         keys = check_keys(keys)
         lane = _NO_LANE if engine is None else check_engine(engine)
         now = self.clock()
-        node = self.root
-        n = len(keys)
-        i = 0
         seg = 0 if engine is not None else 1   # 0 device, 1 host, 2 disk
-        n_dev = n_host = 0
-        path: list[TreeNode] = []
-        while i < n:
-            child = node.children.get(keys[i])
-            if child is None:
-                break
-            if seg == 0 and lane in child.device:
-                n_dev += 1
-            elif seg <= 1 and child.host is not None:
-                seg = 1
-                n_host += 1
-            elif child.on_disk or child.host is not None:
-                seg = 2
-            else:
-                break
-            ck = child.keys
-            m = len(ck)
-            if m <= n - i and ck[m - 1] == keys[i + m - 1]:
-                j = m
-            else:
-                j = common_pages(ck, keys, i)
-                if j < m:
-                    child = self._split(child, j)
-            child.last_access = now
-            child.hit_count += 1
-            path.append(child)
-            i += j
-            if j < m:
-                break  # diverged or ended inside the node
-            node = child
-        n_front = n_dev + n_host
-        dev_nodes = path[:n_dev]
-        host_nodes = path[n_dev:n_front]
-        disk_nodes = path[n_front:] if n_front < len(path) else []
-        if not disk_nodes:
-            disk_keys = []
-        elif len(disk_nodes) == 1:
-            disk_keys = list(disk_nodes[0].keys)
+        walk = self._native_walk
+        if walk is not None and type(keys) is PackedKeys:  # keys off the wire: the walk in C
+            path, n_dev, n_host, j = walk(self.root, keys.blob, lane, seg, now)
+            if j >= 0:  # diverged or ended inside the last node: split it there, as below
+                upper = path[-1] = self._split(path[-1], j)
+                upper.last_access = now
+                upper.hit_count += 1
         else:
+            path, n_dev, n_host = walk_path(self.root, keys, lane, seg, now, self.page_size)
+        n_front = n_dev + n_host
+        n_path = len(path)
+        # Built positionally, one page array taken as is where a segment is one node:
+        # this runs on every match, and on a short path costs more than the walk.
+        dev_nodes = path if n_dev == n_path else path[:n_dev]
+        host_nodes = path[n_dev:n_front] if n_host else []
+        if n_front == n_path:
+            disk_nodes, disk_keys = [], []
+        else:
+            disk_nodes = path[n_front:]
             disk_keys = list(itertools.chain.from_iterable(x.keys for x in disk_nodes))
-        return MatchResult(
-            nodes=path, device_nodes=dev_nodes, host_nodes=host_nodes, disk_nodes=disk_nodes,
-            device_pages=concat_pages([x.device[lane] for x in dev_nodes]) if n_dev else EMPTY_PAGES,
-            host_pages=concat_pages([x.host for x in host_nodes]) if n_host else EMPTY_PAGES,
-            disk_keys=disk_keys, last_node=path[-1] if path else self.root)
+        if n_dev == 1:
+            device_pages = path[0].device[lane]
+        else:
+            device_pages = concat_pages([x.device[lane] for x in dev_nodes]) if n_dev else EMPTY_PAGES
+        if n_host == 1:
+            host_pages = host_nodes[0].host
+        else:
+            host_pages = concat_pages([x.host for x in host_nodes]) if n_host else EMPTY_PAGES
+        return MatchResult(path, dev_nodes, host_nodes, disk_nodes, device_pages, host_pages, disk_keys,
+                           path[-1] if path else self.root)
 
     def insert(self, keys: list[bytes], tokens: np.ndarray, *, engine: int | None = None,
                device_pages: np.ndarray | None = None, host_pages: np.ndarray | None = None,
@@ -461,32 +454,71 @@ class RadixIndex(EvictionOps):
         key = None if engine is None or t is not Tier.DEVICE else check_engine(engine)
         self._ledger.lock_path(self._path(node), t, key)
 
-    def lock_matched(self, result: MatchResult, num_nodes: int, tier: Tier, engine: int | None = None) -> None:
-        """lock(result.nodes[num_nodes - 1], ...) for the match() just returned (nothing
-        changed since): its nodes are the walk's path, so no walk back up to check it."""
-        if not 0 < num_nodes <= len(result.nodes):
-            raise IndexInputError(f"num_nodes {num_nodes} outside the match's 1..{len(result.nodes)} nodes")
-        t = check_tier(tier)
-        key = None if engine is None or t is not Tier.DEVICE else check_engine(engine)
-        path = result.nodes[:num_nodes]
-        if path[0].parent is not self.root or path[-1].removed:
+    def lock_match(self, result: MatchResult, engine: int) -> list[tuple[TreeNode, Tier, int | None]]:
+        """The locks a request takes on what match(keys, engine) just returned (nothing
+        changed since): `engine`'s device segment on its device, the device and host
+        segments in HOST (the host copies the engine loads from). Returns them as
+        (node, tier, engine) for unlock_held; one check and no walk back up per lock."""
+        nodes = result.nodes
+        n_dev, n_host = len(result.device_nodes), len(result.host_nodes)
+        if not (n_dev or n_host):
+            return []
+        if nodes[0].parent is not self.root or nodes[n_dev + n_host - 1].removed:
             raise IndexStateError("the match result is not of this index's current tree")
-        self._ledger.lock_path(path, t, key)
+        if n_dev:
+            check_engine(engine)
+        if self._native_lock is not None:
+            self._native_lock(nodes, n_dev, n_host, engine, self._ledger.protected)
+        else:
+            if n_dev:
+                self._ledger.lock_path(nodes[:n_dev], Tier.DEVICE, engine)
+            if n_host:
+                self._ledger.lock_path(nodes[:n_dev + n_host], Tier.HOST, None)
+        locks: list[tuple[TreeNode, Tier, int | None]] = []
+        if n_dev:
+            locks.append((nodes[n_dev - 1], Tier.DEVICE, engine))
+        if n_host:
+            locks.append((nodes[n_dev + n_host - 1], Tier.HOST, None))
+        return locks
+
+    def unlock_held(self, locks: list[tuple[TreeNode, Tier, int | None]]) -> None:
+        """unlock() each (node, tier, engine) of `locks`, as lock_match returns them (the
+        tier a Tier, the engine an engine id or None: not checked again)."""
+        for node, tier, engine in locks:
+            self._unlock(node, tier, engine if tier is Tier.DEVICE else None)
 
     def unlock(self, node: TreeNode, tier: Tier, engine: int | None = None) -> None:
         """Drop a ref taken by lock(); below zero raises IndexStateError. A node in no
         tier whose last ref goes is removed with its subtree (see take_freed)."""
         t = check_tier(tier)
         key = None if engine is None or t is not Tier.DEVICE else check_engine(engine)
-        path = self._path(node)
-        held = node.device_locks.get(key, 0) if t is Tier.DEVICE else node.lock_ref[t]
-        if held < 1:  # ancestors hold at least as many refs as the node
-            raise IndexStateError(f"unlock below zero: {node!r} {t.name} engine={key}")
-        doomed = self._ledger.unlock_path(path, t, key)
+        self._unlock(node, t, key)
+
+    def _unlock(self, node: TreeNode, t: Tier, key: int | None) -> None:
+        if self._native_unlock is not None:  # the checks, the path up and the unlock in C
+            doomed = self._native_unlock(node, t, key, self.root, self._ledger.protected, self._ledger.maybe_queue)
+            if type(doomed) is int:
+                self._refuse_unlock(node, t, key, doomed)
+        else:
+            path = path_to_root(node, self.root)
+            held = node.device_locks.get(key, 0) if t is Tier.DEVICE else node.lock_ref[t]
+            if held < 1:  # ancestors hold at least as many refs as the node
+                raise IndexStateError(f"unlock below zero: {node!r} {t.name} engine={key}")
+            doomed = self._ledger.unlock_path(path, t, key)
         if doomed is not None:
             acc = FreedCollector()
             self._ledger.remove_subtree(doomed, acc)
             self._outbox.extend(acc.build())
+
+    @staticmethod
+    def _refuse_unlock(node: object, t: Tier, key: int | None, code: int) -> None:
+        """The error of native_index.unlock_node's refusal `code` (nothing changed)."""
+        if code == 1:
+            check_live(node)
+            raise IndexInputError("expected a non-root TreeNode")
+        if code == 2:
+            raise IndexStateError(f"{node!r} belongs to another index")
+        raise IndexStateError(f"unlock below zero: {node!r} {t.name} engine={key}")
 
     # ------------------------------------------------------------------ restore
 

@@ -1,10 +1,14 @@
 """The tree-shape steps RadixIndex (hicache/index/radix.py) and its neighbours walk with:
-the key search inside a node, a node's split, the path to the root, a preorder and
-the chain of nodes ending a path. They change no residency and no counts: a split
+the key search inside a node, a node's split, match's walk, the path to the root, a
+preorder and the chain of nodes ending a path. They change no residency and no lock
+counts (match's walk sets the access time and hit count of what it passes): a split
 keeps both halves' residency and locks, so the ledger (policy.py) has nothing to do."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from hicache.index.keys import KEY_BYTES, PackedKeys
 from hicache.index.node import IndexInputError, IndexStateError, TreeNode
 
 
@@ -56,14 +60,15 @@ def check_live(node: object) -> None:
 
 def path_to_root(node: object, root: TreeNode) -> list[TreeNode]:
     """`node` and its ancestors, root excluded; checks the node is live and under `root`."""
-    check_live(node)
-    path = []
-    x = node
-    while x.parent is not None:
+    if type(node) is not TreeNode or node.removed or not node.keys:
+        check_live(node)  # raises, or passes a subclass
+    path = [node]
+    x = node.parent
+    while x is not root:  # every unlock walks this: kept to one test per node
+        if x is None:
+            raise IndexStateError(f"{node!r} belongs to another index")
         path.append(x)
         x = x.parent
-    if x is not root:
-        raise IndexStateError(f"{node!r} belongs to another index")
     return path
 
 
@@ -92,3 +97,49 @@ def suffix_chain(path: list[TreeNode], num_pages: int, node: TreeNode) -> list[T
     if need > 0:
         raise IndexInputError(f"{num_pages} pages exceed the path ending at {node!r}")
     return chain
+
+
+def walk_path(root: TreeNode, keys: Sequence[bytes], lane: int, seg: int, now: float,
+              page_size: int) -> tuple[list[TreeNode], int, int]:
+    """RadixIndex.match's walk in Python (native_index.py is the same in C): the path from
+    `root`, and how many of its nodes are on `lane`'s device, then in host (`seg`: the
+    segment it starts in); splits the node where it ends inside one."""
+    node = root
+    n = len(keys)
+    i = 0
+    n_dev = n_host = 0
+    path: list[TreeNode] = []
+    # Keys off the wire: sliced from the blob here, not through PackedKeys.__getitem__
+    # (a Python call per key looked at; the walk looks at two per node).
+    blob = keys.blob if type(keys) is PackedKeys else None
+    while i < n:
+        child = node.children.get(keys[i] if blob is None else blob[i * KEY_BYTES:(i + 1) * KEY_BYTES])
+        if child is None:
+            break
+        if seg == 0 and lane in child.device:
+            n_dev += 1
+        elif seg <= 1 and child.host is not None:
+            seg = 1
+            n_host += 1
+        elif child.on_disk or child.host is not None:
+            seg = 2
+        else:
+            break
+        ck = child.keys
+        m = len(ck)
+        end = i + m
+        if end <= n and ck[m - 1] == (keys[end - 1] if blob is None else
+                                      blob[(end - 1) * KEY_BYTES:end * KEY_BYTES]):
+            j = m
+        else:
+            j = common_pages(ck, keys, i)
+            if j < m:
+                child = split_node(child, j, page_size)
+        child.last_access = now
+        child.hit_count += 1
+        path.append(child)
+        i += j
+        if j < m:
+            break  # diverged or ended inside the node
+        node = child
+    return path, n_dev, n_host

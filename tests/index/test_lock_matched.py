@@ -1,6 +1,7 @@
-"""RadixIndex.lock_matched (the daemon's match locks through the path the walk took)
-leaves the same tree, refs and counts as lock() on the segment's last node, on random
-trees; and it refuses, changing nothing, a result it cannot trust."""
+"""RadixIndex.lock_match (the daemon's match locks through the path the walk took)
+leaves the same tree, refs and counts as lock() on each segment's last node, on random
+trees, and unlock_held gives them back; it refuses, changing nothing, a result it
+cannot trust."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from hicache.index.node import Tier
-from hicache.index.radix import IndexInputError, IndexStateError
+from hicache.index.radix import IndexStateError
 from radix_util import check_invariants, ids, make_index, seq, snapshot
 
 ENGINES = (0, 1)
@@ -45,7 +46,7 @@ def build(ops: list[tuple]):
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_lock_matched_equals_lock_on_random_trees(seed):
+def test_lock_match_equals_lock_on_random_trees(seed):
     rng = random.Random(seed)
     ops = random_ops(rng)
     by_walk, by_lock = build(ops), build(ops)
@@ -57,44 +58,45 @@ def test_lock_matched_equals_lock_on_random_trees(seed):
         rw, rl = by_walk.match(keys, engine), by_lock.match(keys, engine)
         n_dev, n_host = len(rw.device_nodes), len(rw.host_nodes)
         assert (n_dev, n_host) == (len(rl.device_nodes), len(rl.host_nodes))
+        held_walk += by_walk.lock_match(rw, engine)
         if n_dev:
-            by_walk.lock_matched(rw, n_dev, Tier.DEVICE, engine)
             by_lock.lock(rl.device_nodes[-1], Tier.DEVICE, engine)
-            held_walk.append((rw.device_nodes[-1], Tier.DEVICE, engine))
             held_lock.append((rl.device_nodes[-1], Tier.DEVICE, engine))
         if n_host:
-            by_walk.lock_matched(rw, n_dev + n_host, Tier.HOST)
             by_lock.lock(rl.host_nodes[-1], Tier.HOST)
-            held_walk.append((rw.host_nodes[-1], Tier.HOST, None))
             held_lock.append((rl.host_nodes[-1], Tier.HOST, None))
         assert snapshot(by_walk) == snapshot(by_lock)
     check_invariants(by_walk, held_walk)
-    for node, tier, engine in held_walk:  # what lock_matched took, unlock gives back
-        by_walk.unlock(node, tier, engine)
+    by_walk.unlock_held(held_walk)  # what lock_match took, unlock_held gives back
     for node, tier, engine in held_lock:
         by_lock.unlock(node, tier, engine)
     assert snapshot(by_walk) == snapshot(by_lock)
     check_invariants(by_walk)
 
 
-def test_lock_matched_refuses_bad_counts_foreign_and_stale_results_changing_nothing():
+def test_lock_match_refuses_foreign_and_stale_results_changing_nothing():
     idx, other = make_index(), make_index()
     keys, toks = seq(1, 2, 3)
     for x in (idx, other):
         x.insert(keys, toks, engine=0, device_pages=ids(1, 2, 3))
     r = idx.match(keys, 0)
     before = snapshot(idx)
-    for bad in (0, -1, len(r.nodes) + 1):
-        with pytest.raises(IndexInputError):
-            idx.lock_matched(r, bad, Tier.DEVICE, 0)
-    with pytest.raises(IndexInputError):
-        idx.lock_matched(r, 1, "device", 0)
     with pytest.raises(IndexStateError):  # a result of another index
-        other.lock_matched(r, 1, Tier.DEVICE, 0)
+        other.lock_match(r, 0)
     assert snapshot(idx) == before
     idx.evict(Tier.DEVICE, 3, 0)  # the matched node goes with its only copy
     gone = snapshot(idx)
     with pytest.raises(IndexStateError):
-        idx.lock_matched(r, 1, Tier.DEVICE, 0)
+        idx.lock_match(r, 0)
     assert snapshot(idx) == gone
+    check_invariants(idx)
+
+
+def test_lock_match_of_a_miss_takes_no_lock():
+    idx = make_index()
+    keys, toks = seq(1, 2)
+    idx.insert(keys, toks, engine=0, device_pages=ids(1, 2))
+    before = snapshot(idx)
+    assert idx.lock_match(idx.match(seq(5)[0], 0), 0) == []
+    assert snapshot(idx)[1:] == before[1:]  # counts unchanged (the walk touched nothing)
     check_invariants(idx)

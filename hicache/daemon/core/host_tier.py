@@ -176,7 +176,7 @@ class HostTier:
         self.owner_of: list[bytes | None] = [None] * self.num_slabs
         self._last_owner: list[bytes | None] = [None] * self.num_slabs  # whose bytes a free slab may hold
         self.classes: dict[tuple[bytes, int, str], PageClass] = {}
-        self._versions: dict[bytes, int] = {}
+        self.slab_versions: dict[bytes, int] = {}  # owner -> slab_version(owner); read-only outside
         self._starved = 0  # classes that asked for a slab and found none
         self.slabs_reassigned = 0  # slabs punched out and backed anew for another owner
 
@@ -222,7 +222,7 @@ class HostTier:
             self.arena.back_slab(slab)
             self.slabs_reassigned += 1
         self.owner_of[slab] = last[slab] = cls.owner
-        self._versions[cls.owner] = self._versions.get(cls.owner, 0) + 1
+        self.slab_versions[cls.owner] = self.slab_versions.get(cls.owner, 0) + 1
         if not self.arena.locked:  # an mlocked slab is resident and mapped already
             self.arena.prefault_async(slab, allocate=True)  # its memory, off the request path
         return slab
@@ -252,7 +252,7 @@ class HostTier:
     # -- what an owner's engines may map ----------------------------------------------
     def slab_version(self, owner: bytes) -> int:
         """Bumped whenever `owner` gains a slab (engines remap when theirs is older)."""
-        return self._versions.get(owner, 0)
+        return self.slab_versions.get(owner, 0)
 
     def slabs_of(self, owner: bytes) -> list[tuple[int, int]]:
         """(slab, generation) of every slab `owner` holds now."""

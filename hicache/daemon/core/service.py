@@ -136,26 +136,22 @@ class CacheService:
 
     # -- match / load / release -------------------------------------------
     def match(self, owner: object, engine_id: Any, keys: list[bytes]) -> Pin:
-        rec = self.engine(owner, engine_id)
+        return self.match_engine(self.engine(owner, engine_id), keys)
+
+    def match_engine(self, rec: EngineRecord, keys: list[bytes]) -> Pin:
+        """match() for an engine the caller looked up with engine() (the RPC handler does)."""
         index = rec.ns.index
-        eid = rec.engine_id
-        r = index.match(keys, eid)
+        r = index.match(keys, rec.engine_id)
         device_len, host_len, n_disk = len(r.device_pages), len(r.host_pages), len(r.disk_keys)
-        # Locked through the path the walk just took (lock_matched): no second walk up to the root.
-        locks: list[tuple[TreeNode, Tier, int | None]] = []
-        n_dev = len(r.device_nodes)
-        if n_dev:
-            index.lock_matched(r, n_dev, Tier.DEVICE, eid)
-            locks.append((r.device_nodes[-1], Tier.DEVICE, eid))
-        host_node = r.host_nodes[-1] if r.host_nodes else None
-        if host_node is not None:
-            index.lock_matched(r, n_dev + len(r.host_nodes), Tier.HOST)
-            locks.append((host_node, Tier.HOST, None))
+        # Locked through the path the walk just took (lock_match): no second walk up to the root.
+        locks = index.lock_match(r, rec.engine_id)
         local = device_len + host_len
-        disk_nodes = r.disk_nodes if self.worth_loading("disk", rec, local, n_disk) else []
-        disk_len = n_disk if disk_nodes else 0
-        pin = Pin(next(self._ids), rec, locks, device_len, host_len, disk_len, host_node,
-                  r.device_pages, r.host_pages)
+        disk_nodes = r.disk_nodes
+        disk_len = n_disk
+        if n_disk and not self.worth_loading("disk", rec, local, n_disk):
+            disk_nodes, disk_len = [], 0
+        pin = Pin(next(self._ids), rec, locks, device_len, host_len, disk_len,
+                  r.host_nodes[-1] if host_len else None, r.device_pages, r.host_pages)
         if disk_len < n_disk:
             pin.recompute_from = local
         self.pins[pin.pin_id] = pin
@@ -166,10 +162,11 @@ class CacheService:
         c = self.counters
         c.matches += 1
         c.requested_pages += len(keys)
-        matched = c.matched_pages
-        matched["device"] += device_len
-        matched["host"] += host_len
-        matched["disk"] += disk_len  # a part left to be recomputed is no hit
+        if local or disk_len:
+            matched = c.matched_pages
+            matched["device"] += device_len
+            matched["host"] += host_len
+            matched["disk"] += disk_len  # a part left to be recomputed is no hit
         return pin
 
     def worth_loading(self, tier: str, rec: EngineRecord, start_pages: int, n_pages: int) -> bool:
@@ -272,23 +269,22 @@ class CacheService:
 
     def reap(self, ns: NamespaceState) -> None:
         """Unlocks and clears can remove nodes left in no tier; return what they held."""
-        freed = ns.index.take_freed()
-        if freed:
-            self._apply_freed(ns, freed, None)
+        if ns.index.has_freed:  # after every release: most remove nothing
+            self._apply_freed(ns, ns.index.take_freed(), None)
 
     def release(self, owner: object, pin_id: Any) -> None:
-        pin = self.pin(owner, pin_id)
-        self._drop_pin(pin)
+        self._drop_pin(self.pin(owner, pin_id))
 
     def _drop_pin(self, pin: Pin) -> None:
-        for node, tier, engine in pin.locks:
-            pin.engine.ns.index.unlock(node, tier, engine)
+        ns = pin.engine.ns
+        ns.index.unlock_held(pin.locks)
         pin.locks.clear()
         self.pins.pop(pin.pin_id, None)
         if self.on_pin_dropped is not None:
             self.on_pin_dropped(pin)
-        self.reap(pin.engine.ns)
-        self._retry_stale_disk()
+        self.reap(ns)
+        if self._stale_disk:
+            self._retry_stale_disk()
 
     # -- insert / backup ----------------------------------------------------
     def insert(self, owner: object, engine_id: Any, keys: list[bytes], tokens: np.ndarray,

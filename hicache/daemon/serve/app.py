@@ -38,6 +38,7 @@ from hicache.daemon.ingest.puts import HostPuts
 from hicache.daemon.core.quotas import TenantQuotas
 from hicache.daemon.core.service import CacheService
 from hicache.errors import HiCacheError
+from hicache.index import native_index
 from hicache.index.admission import AdmissionConfig, DiskAdmission, admission_capacity_pages
 from hicache.index.policy import make_policy
 from hicache.index.radix import Tier
@@ -164,6 +165,7 @@ class Daemon:
                                       timeout_s=cfg.remote_timeout_s)
             remote_auth = RecordAuth.from_file(cfg.remote_secret_file) if cfg.remote_secret_file else None
         self.host = HostTier(cfg.host_capacity, mlock=cfg.mlock)
+        native_index.load()  # the index's C loops: built (once per machine) now, not in a first request
         log.info("host tier: %s arena (%s slabs of %s), mlock=%s", format_size(self.host.capacity_bytes),
                  self.host.num_slabs, format_size(self.host.slab_bytes), self.host.arena.locked)
         self.service = CacheService(self.host, write_policy=WritePolicy(cfg.write_policy),

@@ -31,7 +31,7 @@ from hicache.daemon.serve.quota_rpc import QUOTA_METHODS, quota_handlers
 from hicache.daemon.movers.state_dir import allocated_bytes
 from hicache.daemon.serve.tree_view import MAX_DEPTH, tree_summary
 from hicache.errors import LayoutError
-from hicache.index.keys import KEY_BYTES, Namespace
+from hicache.index.keys import KEY_BYTES, Namespace, PackedKeys
 from hicache.index.radix import Tier
 from hicache.layout import KVLayout
 from hicache.rpc.framing import bytes_to_ids, ids_to_bytes
@@ -168,16 +168,35 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
         svc.engine(conn, _get(p, "engine", int)).prefill_tokens_per_s = rate
         return True
 
+    slab_versions = host.slab_versions  # read per reply: an engine remaps when its slabs grew
+    hybrid, remote = daemon.hybrid, daemon.remote
+
+    max_key_bytes = KEY_BYTES * max_pages
+
     def match(conn: Connection, p: dict) -> Any:
-        keys = keys_of(p)
-        if daemon.hybrid is not None:  # a hybrid namespace's match is cut at its usable prefix
-            pin, state = daemon.hybrid.match(conn, _get(p, "engine", int), keys)
+        # The checks of keys_of and _get, spelled out for the well-formed request: every
+        # engine request waits on this handler (a malformed one takes the general path).
+        blob, eid = p.get("keys"), p.get("engine")
+        if type(blob) is bytes and len(blob) <= max_key_bytes and not len(blob) % KEY_BYTES:
+            keys = PackedKeys(blob)
         else:
-            pin, state = svc.match(conn, _get(p, "engine", int), keys), None
-        if (daemon.remote is not None and state is None and pin.recompute_from is None
+            keys = keys_of(p)
+        rec = svc.engine(conn, eid if type(eid) is int else _get(p, "engine", int))
+        if hybrid is not None and rec.ns.namespace.state is not None:
+            # a hybrid namespace's match is cut at its usable prefix
+            pin, state = hybrid.match(conn, rec.engine_id, keys)
+        else:
+            pin, state = svc.match_engine(rec, keys), None
+        if (remote is not None and state is None and pin.recompute_from is None
                 and pin.device_len + pin.host_len + pin.disk_len < len(keys)):
             return remote_match(pin, keys)  # the local prefix stops short: ask the remote store
-        return match_reply(pin, state)
+        # match_reply, inlined: this is the one reply every engine request waits on
+        reply = {"pin": pin.pin_id, "device_pages": ids_to_bytes(pin.device_pages),
+                 "host_pages": ids_to_bytes(pin.host_pages),
+                 "disk_len": pin.disk_len, "slabs": slab_versions.get(rec.ns.salt, 0)}
+        if state is not None:
+            reply["state"] = state
+        return reply
 
     async def remote_match(pin: Any, keys: Any) -> Any:
         await daemon.remote.extend_match(pin, keys)  # bounded by remote_lookup_timeout_s
@@ -221,7 +240,8 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
         return {"free_pages": ids_to_bytes(dups)}
 
     def release(conn: Connection, p: dict) -> Any:
-        svc.release(conn, _get(p, "pin", int))
+        pin_id = p.get("pin")
+        svc.release(conn, pin_id if type(pin_id) is int else _get(p, "pin", int))
         return True
 
     def insert(conn: Connection, p: dict) -> Any:
