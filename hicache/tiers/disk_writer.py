@@ -325,14 +325,15 @@ class DiskWriter:
                       "retrying in %.0fs", self.path, type(e).__name__, e, self.config.write_retry_s)
         self._fault = f"{type(e).__name__}: {e}"
 
-    def _headroom(self) -> int:
+    def _headroom(self, with_fragments: bool = True) -> int:
         """Copies of the B-tree pages a transaction touches (each put or deleted key up to
         three levels in two databases; this transaction's and the copies the last two
         replaced, not reusable yet), LMDB's meta pages and free list, the free pages in runs
         too short for the largest value, and 1/16 of the map for the runs a transaction cuts:
         a value of several pages needs that many contiguous free pages."""
         cow = min(self._tree_bytes, 6 * self.batch_ops * self._psize)
-        return 3 * cow + 8 * self._psize + self._fragment_bytes + self.map_size // self._frag_divisor
+        fragments = self._fragment_bytes if with_fragments else 0
+        return 3 * cow + 8 * self._psize + fragments + self.map_size // self._frag_divisor
 
     @property
     def map_budget(self) -> int:
@@ -356,6 +357,9 @@ class DiskWriter:
         run_pages = self._max_footprint // self._psize
         if self._free_list is None or run_pages < 2:
             return 0  # no free list to read, or every value fits a page: any free page serves
+        tail = self.map_size - (self._env.info()["last_pgno"] + 1) * self._psize
+        if tail >= self._headroom(with_fragments=False) + self.batch_limit + self._max_footprint:
+            return 0  # a whole transaction fits the map's untouched end, one run: skip the read
         try:
             with self._env.begin() as txn:
                 return self._free_list.fragment_pages(txn, run_pages) * self._psize
