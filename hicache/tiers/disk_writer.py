@@ -82,9 +82,9 @@ import lmdb
 from hicache.errors import DiskTierError
 from hicache.tiers import disk_format as fmt
 from hicache.tiers import disk_native
-from hicache.tiers.disk_freelist import open_free_list
 from hicache.tiers.disk_batch import BatchPart, expand_all, put_bytes
 from hicache.tiers.disk_config import DiskTierConfig
+from hicache.tiers.disk_freelist import open_free_list
 from hicache.tiers.disk_ops import (HASH_OFFLOAD_BYTES, BarrierOp, DeleteOp, DropOp, HashJob, PutOp,
                                     native_ok)
 from hicache.tiers.disk_queue import WriteQueue
