@@ -16,7 +16,7 @@ How the C code reaches LMDB without linking it: py-lmdb (3.x) exports its
 bundled LMDB's functions (``mdb09_put``, ``mdb10_get``, ...) and one table per
 engine (``lmdb_api_v09``, ``lmdb_api_v10``) from its extension module, and a
 ``Transaction`` object keeps its engine's table pointer right before its
-``MDB_txn *``. ``_locate`` finds that table pointer among the object's words
+``MDB_txn *``. ``locate_txn`` finds that table pointer among the object's words
 (by comparing with the exported tables' addresses, reading only inside the
 object) and accepts the layout only if LMDB's own ``txn_id`` of the pointer
 after it equals ``Transaction.id()``. Anything else (another py-lmdb build, the
@@ -514,7 +514,7 @@ def _load(env: lmdb.Environment) -> NativePutLoop | None:
         # the dispatcher picks the CPU's widest path (AVX2: ~3.5x the plain XXH3_64bits here)
         hash_fn = ctypes.cast(getattr(xxh, "XXH3_64bits_dispatch", None) or xxh.XXH3_64bits, ctypes.c_void_p).value
         with env.begin() as txn:
-            engine, offset = _locate(lmdb_lib, txn, lmdb_ext)
+            engine, offset = locate_txn(lmdb_lib, txn, lmdb_ext)
         include = sysconfig.get_paths()["include"]
         lib = ctypes.PyDLL(str(native_build.build("disk_put", _SOURCE, ["-I" + include])))
         return NativePutLoop(lib, engine, offset, lmdb_lib, hash_fn)
@@ -523,7 +523,7 @@ def _load(env: lmdb.Environment) -> NativePutLoop | None:
         return None
 
 
-def _locate(lmdb_lib: ctypes.CDLL, txn: lmdb.Transaction, binding: object) -> tuple[str, int]:
+def locate_txn(lmdb_lib: ctypes.CDLL, txn: lmdb.Transaction, binding: object) -> tuple[str, int]:
     """(engine, offset of the ``MDB_txn *`` in a Transaction object); LookupError
     when the object does not have the layout described in the module docstring."""
     tables = {}

@@ -34,9 +34,11 @@ transaction of hicache/tiers/disk.py, and the budget.
   transaction deletes included), the pages the last two transactions freed
   (LMDB reuses a page freed by T only from T+2 on, later if a reader is still
   on an older snapshot), this transaction's new pages, copies of the B-tree
-  pages it and the last two touched, and a reserve of 1/16 of the map (a value
-  of several pages needs as many contiguous free pages; after an MDB_MAP_FULL
-  all the same, the reserve doubles, up to 1/4). A transaction puts or
+  pages it and the last two touched, the free pages in runs too short for the
+  largest value (a value of several pages needs as many contiguous free pages;
+  measured from LMDB's free list after each commit, disk_freelist.py), and a
+  reserve of 1/16 of the map (for the runs this transaction cuts; after an
+  MDB_MAP_FULL all the same, the reserve doubles, up to 1/4). A transaction puts or
   deletes at most ``batch_ops`` keys (a long deletion is split), so its copies
   are bounded: a deletion needs new pages too, and must never be what fills the
   map. A put that would fit once the
@@ -82,6 +84,7 @@ from hicache.tiers import disk_format as fmt
 from hicache.tiers import disk_native
 from hicache.tiers.disk_batch import BatchPart, expand_all, put_bytes
 from hicache.tiers.disk_config import DiskTierConfig
+from hicache.tiers.disk_freelist import open_free_list
 from hicache.tiers.disk_ops import (HASH_OFFLOAD_BYTES, BarrierOp, DeleteOp, DropOp, HashJob, PutOp,
                                     native_ok)
 from hicache.tiers.disk_queue import WriteQueue
@@ -130,6 +133,8 @@ class DiskWriter:
         self._deferred: list = []  # ops left for after the freed pages are reusable
         self._may_defer = True
         self._frag_divisor = 16  # the map's share kept for fragmentation: 1/16, more after an MDB_MAP_FULL
+        self._free_list = open_free_list(env)
+        self._fragment_bytes = 0  # free pages in runs too short for the largest value, at the last commit
         self._max_footprint = 0  # the largest page charged yet: a batch may end one page past its limit
         # Batches scaled to the map: a small map cannot hold a 64 MiB batch and its frees.
         self.batch_ops = max(1, min(config.batch_pages, map_size // (64 * self._psize)))
@@ -320,13 +325,15 @@ class DiskWriter:
                       "retrying in %.0fs", self.path, type(e).__name__, e, self.config.write_retry_s)
         self._fault = f"{type(e).__name__}: {e}"
 
-    def _headroom(self) -> int:
+    def _headroom(self, with_fragments: bool = True) -> int:
         """Copies of the B-tree pages a transaction touches (each put or deleted key up to
         three levels in two databases; this transaction's and the copies the last two
-        replaced, not reusable yet), LMDB's meta pages and free list, and 1/16 of the map:
+        replaced, not reusable yet), LMDB's meta pages and free list, the free pages in runs
+        too short for the largest value, and 1/16 of the map for the runs a transaction cuts:
         a value of several pages needs that many contiguous free pages."""
         cow = min(self._tree_bytes, 6 * self.batch_ops * self._psize)
-        return 3 * cow + 8 * self._psize + self.map_size // self._frag_divisor
+        fragments = self._fragment_bytes if with_fragments else 0
+        return 3 * cow + 8 * self._psize + fragments + self.map_size // self._frag_divisor
 
     @property
     def map_budget(self) -> int:
@@ -343,6 +350,22 @@ class DiskWriter:
             tree += (st["branch_pages"] + st["leaf_pages"]) * self._psize
             total += (st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]) * self._psize
         return total, tree
+
+    def _fragments(self) -> int:
+        """Bytes of the reusable free pages in runs too short for the largest value
+        stored yet (a footprint's pages bound its run), from the committed free list."""
+        run_pages = self._max_footprint // self._psize
+        if self._free_list is None or run_pages < 2:
+            return 0  # no free list to read, or every value fits a page: any free page serves
+        tail = self.map_size - (self._env.info()["last_pgno"] + 1) * self._psize
+        if tail >= self._headroom(with_fragments=False) + self.batch_limit + self._max_footprint:
+            return 0  # a whole transaction fits the map's untouched end, one run: skip the read
+        try:
+            with self._env.begin() as txn:
+                return self._free_list.fragment_pages(txn, run_pages) * self._psize
+        except lmdb.Error as e:
+            self.warn("could not read the free list: %s", e)
+            return self._fragment_bytes
 
     def _commit(self, ops: list, force_touch: bool) -> list[tuple[PutOp, bool]]:
         """Apply leftover deletions, then `ops` in order, then due touches, in
@@ -405,6 +428,7 @@ class DiskWriter:
         freed = max(0, self._map_bytes_tx - measured[0])  # deleted pages and replaced B-tree pages
         self._freed = (freed, self._freed[0])
         self.map_bytes, self._tree_bytes = measured
+        self._fragment_bytes = self._fragments()
         if self._fault:
             log.warning("disk tier %s: writes resumed after %s", self.path, self._fault)
             self._fault = ""
@@ -466,11 +490,16 @@ class DiskWriter:
             return False, hook_dry
         if self._map_bytes_tx + sum(self._freed) + charge + headroom > self.map_size and self._may_defer:
             return None, hook_dry  # the pages deleted here or just before are not reusable yet
-        txn.put(p.key, p.page, db=self._pages)  # the hasher works on this or later pages meanwhile
+        if p.job is not None:
+            txn.put(p.key, p.page, db=self._pages)  # the hasher works on this or later pages meanwhile
         if p.digest is None:
             p.digest = p.job.digest(p) if p.job is not None else fmt.checksum(p.page)
+        # Meta record first, as the C loop writes: the same allocations, so the same free
+        # list (the map budget reads it) whichever loop wrote a page.
         txn.put(p.key, fmt.pack_meta(p.parent, p.salt, size, p.digest, self._now_tx, fmt.CHECKSUM_XXH3,
                                      p.tokens), db=self._meta)
+        if p.job is None:
+            txn.put(p.key, p.page, db=self._pages)
         self._used_bytes_tx += size
         self._map_bytes_tx += charge
         self._num_pages_tx += 1

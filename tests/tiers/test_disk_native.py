@@ -243,12 +243,12 @@ def test_an_unknown_binding_is_refused(native_ok, tmp_path):
     env = lmdb.open(str(tmp_path), max_dbs=2, map_size=1 << 20)
     try:
         with env.begin() as txn:
-            engine, offset = disk_native._locate(lib, txn, binding)
+            engine, offset = disk_native.locate_txn(lib, txn, binding)
             assert engine in ("09", "10") and offset > 0
         with pytest.raises(LookupError):
-            disk_native._locate(lib, env, binding)  # not a Transaction
+            disk_native.locate_txn(lib, env, binding)  # not a Transaction
         with pytest.raises(LookupError):
-            disk_native._locate(lib, object(), binding)
+            disk_native.locate_txn(lib, object(), binding)
     finally:
         env.close()
 
