@@ -124,7 +124,6 @@ import numpy as np
 from hicache.errors import ConfigError, DiskTierError
 from hicache.tiers import disk_env
 from hicache.tiers import disk_format as fmt
-from hicache.tiers import disk_readahead
 from hicache.tiers.disk_batch import BatchDone, make_batch
 from hicache.tiers.disk_config import DiskTierConfig
 from hicache.tiers.disk_format import DiskRecord
@@ -190,8 +189,6 @@ class DiskTier:
         self._rlock = threading.Lock()
         self._r = dict(hits=0, misses=0, corrupt_pages=0, bytes_read=0)  # gets = hits + misses
         self._readers = ThreadPoolExecutor(config.readers, thread_name_prefix="hicache-disk-read")
-        ra = config.readahead_run_bytes
-        self._readahead_min = 2 * disk_readahead.device_window(self.path) if ra is None else ra  # 0: off
         self._writer = DiskWriter(env, self.path, pages=self._pages, meta=self._meta, info=info,
                                   capacity_bytes=capacity_bytes, map_size=opened.map_size, config=config,
                                   evict_hook=evict_hook,
@@ -424,29 +421,9 @@ class DiskTier:
             elif last and not result.done():
                 result.set_result(hits)
 
-        parts = list(zip(bounds, bounds[1:]))
-        ra = self._readahead_min
-        if ra and len(keys) > 1 and len(keys) * memoryview(outs[0]).nbytes >= ra:  # type: ignore[arg-type]
-            def hint_then_read() -> None:  # the hint first, so that every part finds its run queued
-                self._readahead(keys, ra)
-                for lo, hi in parts[1:]:
-                    self._readers.submit(read, lo, hi).add_done_callback(part_done)
-                read(*parts[0])
-
-            self._readers.submit(hint_then_read).add_done_callback(part_done)
-            return result
-        for lo, hi in parts:
+        for lo, hi in zip(bounds, bounds[1:]):
             self._readers.submit(read, lo, hi).add_done_callback(part_done)
         return result
-
-    def _readahead(self, keys: Sequence[bytes], min_bytes: int) -> None:
-        """Queue the I/O of each long run of the pages of `keys` (disk_readahead.py).
-        A hint: an error here is left to the reads that follow, which report it."""
-        try:
-            with self._env.begin(buffers=True) as txn:
-                disk_readahead.hint_runs(disk_readahead.page_runs(txn, self._pages, keys), min_bytes)
-        except lmdb.Error:
-            pass
 
     def iter_meta(self, chunk: int = 65536) -> Iterator[DiskRecord]:
         """Every page's metadata, in key order, for the index rebuild at startup.

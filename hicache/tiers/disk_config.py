@@ -41,20 +41,12 @@ class DiskTierConfig:
     # Runs of puts are written by a C loop with the GIL released (disk_native.py)
     # where it can be built; False keeps the Python loop (the same writes, slower).
     native_writer: bool = True
-    # get_many_async asks the kernel for each run of consecutive pages of a batch at
-    # least this long in one madvise(WILLNEED) before copying (disk_readahead.py).
-    # None: twice the device's read-around window (read_ahead_kb); 0: never.
-    readahead_run_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("readers", "max_queue_pages", "max_queue_bytes", "batch_pages", "batch_bytes",
                      "max_pending_touches"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"DiskTierConfig.{name} must be >= 1")
-        if self.readahead_run_bytes is not None and (not isinstance(self.readahead_run_bytes, int)
-                                                     or self.readahead_run_bytes < 0):
-            raise ConfigError(f"DiskTierConfig.readahead_run_bytes must be None or an int >= 0, "
-                              f"got {self.readahead_run_bytes!r}")
         for name in ("touch_interval_s", "write_retry_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"DiskTierConfig.{name} must be > 0")
