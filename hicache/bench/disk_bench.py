@@ -52,7 +52,11 @@ were put one after another (LMDB gives such a run consecutive pages of the
 file), the chains in shuffled order, after the same eviction. The seq_pread
 row reads the bytes dd reads, in order, with ``preadv`` from this process into
 the same destination pages: what an in-process sequential read gets against
-dd (docs/benchmarks.md, "Disk tier", has what these measured).
+dd. The chain_pread row reads the prefetch's pattern without the tier: one
+``preadv`` per run of ``PREFETCH_CHAIN_PAGES`` consecutive pages, the runs at
+shuffled places in the same bytes, after the same eviction; prefetch_vs_chain_pread
+is what the tier's read path loses, chain_pread_vs_dd_read what the device gives
+such runs against a sweep (docs/benchmarks.md, "Disk tier", has what these measured).
 
 The rebuild case writes `rebuild_records` tiny-page records and times
 ``iter_meta`` after a reopen.
@@ -310,22 +314,25 @@ def _dd_read(path: str, size: int, count: int) -> float:
     return size * count / float(m.group(1)) / GB
 
 
-def _random_pread(path: str, size: int, count: int) -> float:
+def _random_pread(path: str, size: int, count: int, run: int = 1) -> float:
     """GB/s of `count` reads of `size` bytes at shuffled `size`-aligned offsets of the
     first `count * size` bytes of `path`, one at a time, right after the same eviction:
     the device's rate for the tier's access pattern (dd reads the same bytes in order,
-    so the kernel's readahead streams them)."""
+    so the kernel's readahead streams them). With `run` > 1, one ``preadv`` reads `run`
+    consecutive pages at a time (the runs in shuffled order): the device's rate for the
+    prefetch's pattern, chains of consecutive pages from shuffled places in the file."""
     _drop_cache(os.path.dirname(path))
-    order = np.random.default_rng(2).permutation(count)
+    runs = max(1, count // run)
+    order = np.random.default_rng(2).permutation(runs)
     ring = _ring(size)
     fd = os.open(path, os.O_RDONLY)
     try:
         with _Clock() as clock:
             for i, j in enumerate(order.tolist()):
-                os.preadv(fd, [ring[i % len(ring)]], j * size)
+                os.preadv(fd, [ring[(i * run + k) % len(ring)] for k in range(run)], j * run * size)
     finally:
         os.close(fd)
-    return clock.rates(count * size)[0]
+    return clock.rates(runs * run * size)[0]
 
 
 def _seq_pread(path: str, size: int, count: int) -> float:
@@ -425,6 +432,8 @@ def run(sizes: tuple[int, ...] = SIZES, total_bytes: int = 512 << 20,
                     add("tier_prefetch_cold", _tier_prefetch(tier, salt, size, chains))
                 add("dd_read", _dd_read(os.path.join(tier_dir, "data.mdb"), size, n))
                 add("random_pread", _random_pread(os.path.join(tier_dir, "data.mdb"), size, n))
+                add("chain_pread", _random_pread(os.path.join(tier_dir, "data.mdb"), size, n,
+                                                 PREFETCH_CHAIN_PAGES))
                 add("seq_pread", _seq_pread(os.path.join(tier_dir, "data.mdb"), size, n))
                 shutil.rmtree(tier_dir)
             med = {k: statistics.median(v) for k, v in m.items()}
@@ -450,6 +459,10 @@ def run(sizes: tuple[int, ...] = SIZES, total_bytes: int = 512 << 20,
             rows.append(_row(f"get_cold_{label}_prefetch_vs_seq_pread", med["tier_prefetch_cold"], "GB/s",
                              med["seq_pread"]))
             rows.append(_row(f"get_cold_{label}_seq_pread_vs_dd_read", med["seq_pread"], "GB/s", med["dd_read"]))
+            rows.append(_row(f"get_cold_{label}_prefetch_vs_chain_pread", med["tier_prefetch_cold"], "GB/s",
+                             med["chain_pread"]))
+            rows.append(_row(f"get_cold_{label}_chain_pread_vs_dd_read", med["chain_pread"], "GB/s",
+                             med["dd_read"]))
             dd_path = os.path.join(workdir, "dd.bin")
             dd = _median(lambda: _dd(dd_path, size, n), lambda: None, repeats)
             rows.append(_row(f"put_{label}_{durability}_tier_vs_dd_fdatasync", med["tier_put"], "GB/s", dd))

@@ -101,7 +101,9 @@ random-read rate (disk_bench's ``random_pread`` row): reads outside the map and
 chain lies in consecutive pages of the file, but looking a batch up first and reading
 it in file order (through the map or with ``preadv``) measured no faster than this
 path either: on this disk a range read from mid-file runs at a third to a half of a
-sequential sweep (docs/benchmarks.md, "Cold reads against dd").
+sequential sweep (docs/benchmarks.md, "Cold reads against dd"), and one
+``madvise(WILLNEED)`` per run of a batch before copying was no robust win ("Cold
+reads, second pass": the map's read-around already reads 8 MiB windows here).
 
 The environment is meant for one owner process: ``open`` takes an exclusive
 ``flock`` on ``hicache-disk.lock`` and a second opener gets ``DiskTierError``.

@@ -17,7 +17,8 @@ def test_disk_bench_rows_on_a_tiny_workload(tmp_path):
         for name in (f"put_{label}_none_tier_vs_raw_lmdb", f"get_warm_{label}_tier_vs_raw_lmdb",
                      f"get_cold_{label}_tier_vs_raw_lmdb", f"get_cold_{label}_tier_vs_dd_read",
                      f"get_cold_{label}_tier_vs_random_pread", f"get_cold_{label}_prefetch_vs_dd_read",
-                     f"get_cold_{label}_prefetch_vs_seq_pread", f"get_cold_{label}_seq_pread_vs_dd_read"):
+                     f"get_cold_{label}_prefetch_vs_seq_pread", f"get_cold_{label}_seq_pread_vs_dd_read",
+                     f"get_cold_{label}_prefetch_vs_chain_pread", f"get_cold_{label}_chain_pread_vs_dd_read"):
             assert name in names
     assert "put_1024KiB_durability_batch_vs_none" in names
     for r in rows:
