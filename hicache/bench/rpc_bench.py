@@ -52,7 +52,7 @@ from hicache.client.connection import RpcConnection
 from hicache.daemon.serve.launcher import LocalDaemon
 from hicache.index.keys import page_keys
 from hicache.layout import KVLayout
-from hicache.rpc.framing import ids_to_bytes, pack_frame
+from hicache.rpc.framing import BlobRequest, ids_to_bytes, pack_frame
 
 NATIVE_SERVERS = tuple(f"native-{v}" for v in native_echo.VARIANTS)  # `servers` choices
 LAYOUT = KVLayout("mha", num_layers=32, page_size=16, dtype="bfloat16", num_kv_heads=8, head_dim=128)
@@ -120,11 +120,12 @@ def _hicache_client(path: str, kind: str, n: int, tokens: np.ndarray, q: mp.Queu
     r = conn.call("insert", insert)
     if r["backup"]:
         conn.call("backup_done", {"backup": r["backup"]["id"]})
+    match = BlobRequest("match", {"engine": engine}, "keys")  # as HiCacheClient.match sends it
     lat = np.empty(n)
     for i in range(n + 20):
         t0 = time.perf_counter()
         if kind == "match":
-            m = conn.call("match", {"engine": engine, "keys": keys})
+            m = conn.call_blob(match, keys)
             dt = time.perf_counter() - t0
             conn.call("release", {"pin": m["pin"]})  # waited (untimed): the next match finds the daemon idle
         else:
@@ -164,12 +165,19 @@ def _puts_client(path: str, n: int, tokens: np.ndarray, q: mp.Queue) -> None:
     conn.close()
 
 
-def _echo_client(path: str, payload: dict, n: int, q: mp.Queue) -> None:
+def _echo_client(path: str, kind: str, payload: dict, n: int, q: mp.Queue) -> None:
+    """The hicache client's round trips of `kind`'s payload (a match's built as the daemon's
+    rows build it)."""
     conn = RpcConnection.connect(path, timeout_s=30)
+    blob = payload["keys"] if kind == "match" else None
+    req = BlobRequest("echo", {k: v for k, v in payload.items() if k != "keys"}, "keys")
     lat = np.empty(n)
     for i in range(n + 20):
         t0 = time.perf_counter()
-        conn.call("echo", payload)
+        if blob is None:
+            conn.call("echo", payload)
+        else:
+            conn.call_blob(req, blob)
         if i >= 20:
             lat[i - 20] = time.perf_counter() - t0
     q.put(lat)
@@ -380,7 +388,7 @@ def run(socket_path: str | None = None, prompt_tokens: int = 8192, requests: int
                     hc.append(lat)
                     cpu_hc.append(cpu)
                     lat, cpu = _timed_cpu(procs[0].pid, lambda: _run_clients(
-                        _echo_client, lambda i: (echo_path, payloads[kind], per), clients, cpus))
+                        _echo_client, lambda i: (echo_path, kind, payloads[kind], per), clients, cpus))
                     echo.append(lat)
                     cpu_echo.append(cpu)
                     if redis_path:
@@ -390,7 +398,7 @@ def run(socket_path: str | None = None, prompt_tokens: int = 8192, requests: int
                         cpu_red.append(cpu)
                     for name, (path, proc) in native.items():
                         lat, cpu = _timed_cpu(proc.pid, lambda: _run_clients(
-                            _echo_client, lambda i: (path, payloads[kind], per), clients, cpus))
+                            _echo_client, lambda i: (path, kind, payloads[kind], per), clients, cpus))
                         nat[name][0].append(lat)
                         nat[name][1].append(cpu)
                     if native:  # each echo server again with a client as light as redis's
