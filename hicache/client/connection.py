@@ -14,7 +14,10 @@ trip of ~15 µs those syscalls were a third of it. The kernel timeout is only
 lowered when an exchange has less time left than it (by TIMEOUT_SLACK_S), and
 raised only when it ran out before the deadline, so calls alternating between
 deadlines (match 0.25 s, release 0.5 s) cost no setsockopt. Replies are read
-in chunks into one reusable buffer, so a frame usually takes one recv.
+in chunks into one reusable buffer, so a frame usually takes one recv; an answer
+that came whole and alone is decoded from there without further checks
+(`_quick_read`). A match's frame is spliced from a template (`call_blob`,
+hicache/rpc/framing.py's BlobRequest) rather than packed from a dict.
 """
 
 from __future__ import annotations
@@ -170,9 +173,9 @@ class RpcConnection:
     def _exchange(self, frame: bytes, req_id: int, method: str, timeout_s: float | None,
                   fds: list[int] | None) -> Any:
         """Send a request's frame, read up to its answer: the result, or its refusal raised.
-        Every call's round trip, so the common case (the whole answer alone in one recv,
-        nothing else buffered) is written out here: each layer of calls it skips is a
-        fraction of a µs on a ~25 µs round trip."""
+        Every call's round trip, so the common case (one send; the whole answer alone in
+        one recv, nothing else buffered) takes few calls and no copies: the client's
+        Python was a third of a round trip to a C server (docs/benchmarks.md)."""
         deadline = _monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         self._send_frame(frame, deadline)
         msg = None
@@ -200,7 +203,8 @@ class RpcConnection:
             self._start = self._end = 0
             try:
                 k = self._end = self.sock.recv_into(self._view)
-            except BlockingIOError:  # the socket's timeout ran out first: `_reply` re-arms it
+            except BlockingIOError:  # the socket's timeout ran out before the deadline
+                self._rearm(deadline)
                 return None
             if k < 4:
                 if k == 0:
