@@ -9,7 +9,9 @@ sent one by one):
 - with `servers`, native echo servers with the same framing (hicache/bench/native_echo.py:
   a C epoll loop; a C reader callback on uvloop answering in C, or calling a Python
   handler per frame), reported against redis GET and the Python echo server; with them,
-  every echo server is also timed with a raw frame client as light as the redis one.
+  every echo server is also timed with a raw frame client as light as the redis one,
+  and each client process's own CPU per call (the hicache client's against the raw
+  client's) is reported: the client's part of a round trip.
 
 Each client is its own process with a blocking socket, as engine schedulers are.
 The three servers take turns, `repeats` rounds of each, and every percentile
@@ -52,7 +54,7 @@ from hicache.client.connection import RpcConnection
 from hicache.daemon.serve.launcher import LocalDaemon
 from hicache.index.keys import page_keys
 from hicache.layout import KVLayout
-from hicache.rpc.framing import ids_to_bytes, pack_frame
+from hicache.rpc.framing import BlobRequest, ids_to_bytes, pack_frame
 
 NATIVE_SERVERS = tuple(f"native-{v}" for v in native_echo.VARIANTS)  # `servers` choices
 LAYOUT = KVLayout("mha", num_layers=32, page_size=16, dtype="bfloat16", num_kv_heads=8, head_dim=128)
@@ -120,11 +122,12 @@ def _hicache_client(path: str, kind: str, n: int, tokens: np.ndarray, q: mp.Queu
     r = conn.call("insert", insert)
     if r["backup"]:
         conn.call("backup_done", {"backup": r["backup"]["id"]})
+    match = BlobRequest("match", {"engine": engine}, "keys")  # as HiCacheClient.match sends it
     lat = np.empty(n)
     for i in range(n + 20):
         t0 = time.perf_counter()
         if kind == "match":
-            m = conn.call("match", {"engine": engine, "keys": keys})
+            m = conn.call_blob(match, keys)
             dt = time.perf_counter() - t0
             conn.call("release", {"pin": m["pin"]})  # waited (untimed): the next match finds the daemon idle
         else:
@@ -164,15 +167,23 @@ def _puts_client(path: str, n: int, tokens: np.ndarray, q: mp.Queue) -> None:
     conn.close()
 
 
-def _echo_client(path: str, payload: dict, n: int, q: mp.Queue) -> None:
+def _echo_client(path: str, kind: str, payload: dict, n: int, q: mp.Queue) -> None:
+    """The hicache client's round trips of `kind`'s payload (a match's built as the daemon's
+    rows build it)."""
     conn = RpcConnection.connect(path, timeout_s=30)
+    blob = payload["keys"] if kind == "match" else None
+    req = BlobRequest("echo", {k: v for k, v in payload.items() if k != "keys"}, "keys")
     lat = np.empty(n)
+    cpu0 = time.thread_time()
     for i in range(n + 20):
         t0 = time.perf_counter()
-        conn.call("echo", payload)
+        if blob is None:
+            conn.call("echo", payload)
+        else:
+            conn.call_blob(req, blob)
         if i >= 20:
             lat[i - 20] = time.perf_counter() - t0
-    q.put(lat)
+    q.put((lat, (time.thread_time() - cpu0) / (n + 20)))
     conn.close()
 
 
@@ -184,6 +195,7 @@ def _frame_client(path: str, frame: bytes, n: int, q: mp.Queue) -> None:
     buf = bytearray(2 * len(frame) + 4096)
     view = memoryview(buf)
     lat = np.empty(n)
+    cpu0 = time.thread_time()
     for i in range(n + 20):
         t0 = time.perf_counter()
         s.sendall(frame)
@@ -197,7 +209,7 @@ def _frame_client(path: str, frame: bytes, n: int, q: mp.Queue) -> None:
                 want += int.from_bytes(buf[:4], "big")
         if i >= 20:
             lat[i - 20] = time.perf_counter() - t0
-    q.put(lat)
+    q.put((lat, (time.thread_time() - cpu0) / (n + 20)))
     s.close()
 
 
@@ -257,16 +269,22 @@ def _pinned(target, cpus: set[int] | None):  # type: ignore[no-untyped-def]
     return run
 
 
-def _run_clients(target, args_for, clients: int, cpus: set[int] | None = None) -> np.ndarray:
+def _run_clients(target, args_for, clients: int, cpus: set[int] | None = None,
+                 client_cpu: list[float] | None = None) -> np.ndarray:
+    """The clients' latencies, all together. Clients that time their own CPU per call put
+    `(latencies, seconds)`; with `client_cpu`, the mean of those seconds is appended there."""
     ctx = mp.get_context("fork")
     q: mp.Queue = ctx.Queue()
     procs = [ctx.Process(target=_pinned(target, cpus), args=(*args_for(i), q)) for i in range(clients)]
     for p in procs:
         p.start()
-    lats = [q.get(timeout=600) for _ in procs]
+    got = [q.get(timeout=600) for _ in procs]
     for p in procs:
         p.join(60)
-    return np.concatenate(lats)
+    own = [g[1] for g in got if isinstance(g, tuple)]
+    if client_cpu is not None and own:
+        client_cpu.append(float(np.mean(own)))
+    return np.concatenate([g[0] if isinstance(g, tuple) else g for g in got])
 
 
 def _echo_server_rows(label: str, servers: dict[str, tuple[list, list, list]], red: list, cpu_red: list,
@@ -372,6 +390,8 @@ def run(socket_path: str | None = None, prompt_tokens: int = 8192, requests: int
                 cpu_hc, cpu_echo, cpu_red = [], [], []  # servers' CPU seconds per round
                 # echo servers with `servers`: latencies, CPU, latencies with the raw frame client
                 nat: dict[str, tuple[list, list, list]] = {name: ([], [], []) for name in ["echo", *native]}
+                # each echo server's clients' own CPU per call: [hicache client, raw client]
+                own_cpu: dict[str, tuple[list, list]] = {name: ([], []) for name in ["echo", *native]}
                 frame = pack_frame({"id": 1, "method": "echo", "params": payloads[kind]})
                 for _ in range(repeats):  # the servers take turns: load swings hit all three alike
                     toks = [rng.integers(0, 1 << 30, prompt_tokens, dtype=np.int32) for _ in range(clients)]
@@ -380,7 +400,8 @@ def run(socket_path: str | None = None, prompt_tokens: int = 8192, requests: int
                     hc.append(lat)
                     cpu_hc.append(cpu)
                     lat, cpu = _timed_cpu(procs[0].pid, lambda: _run_clients(
-                        _echo_client, lambda i: (echo_path, payloads[kind], per), clients, cpus))
+                        _echo_client, lambda i: (echo_path, kind, payloads[kind], per), clients, cpus,
+                        own_cpu["echo"][0]))
                     echo.append(lat)
                     cpu_echo.append(cpu)
                     if redis_path:
@@ -390,13 +411,14 @@ def run(socket_path: str | None = None, prompt_tokens: int = 8192, requests: int
                         cpu_red.append(cpu)
                     for name, (path, proc) in native.items():
                         lat, cpu = _timed_cpu(proc.pid, lambda: _run_clients(
-                            _echo_client, lambda i: (path, payloads[kind], per), clients, cpus))
+                            _echo_client, lambda i: (path, kind, payloads[kind], per), clients, cpus,
+                            own_cpu[name][0]))
                         nat[name][0].append(lat)
                         nat[name][1].append(cpu)
                     if native:  # each echo server again with a client as light as redis's
                         for name, path in [("echo", echo_path), *((n, p) for n, (p, _) in native.items())]:
                             nat[name][2].append(_run_clients(_frame_client, lambda i: (path, frame, per),
-                                                             clients, cpus))
+                                                             clients, cpus, own_cpu[name][1]))
                 label = f"{kind} {prompt_tokens} tokens, {clients} client{'s' if clients > 1 else ''}"
                 for q in (50, 99):
                     rows.append(row(f"{label} p{q}", _median_pcts(hc, q), "us", baseline=_median_pcts(echo, q),
@@ -423,6 +445,10 @@ def run(socket_path: str | None = None, prompt_tokens: int = 8192, requests: int
                     nat["echo"] = (echo, cpu_echo, nat["echo"][2])
                     rows += _echo_server_rows(label, nat, red, cpu_red,
                                               clients * (per + 20), repeats)
+                    rows += [row(f"{label} {name} server, hicache client CPU per call", float(np.median(hc_cpu)) * 1e6,
+                                 "us", baseline=float(np.median(raw_cpu)) * 1e6, baseline_name="raw client",
+                                 repeats=repeats)
+                             for name, (hc_cpu, raw_cpu) in own_cpu.items() if hc_cpu and raw_cpu]
         return rows
     finally:
         if daemon is not None:

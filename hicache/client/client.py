@@ -24,7 +24,7 @@ import os
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -33,7 +33,7 @@ from hicache.errors import ClientError, DaemonUnavailable, HiCacheError
 from hicache.index.keys import Namespace, as_tokens, page_keys
 from hicache.layout import KVLayout
 from hicache.state_layout import StateLayout
-from hicache.rpc.framing import bytes_to_ids, ids_to_bytes
+from hicache.rpc.framing import BlobRequest, bytes_to_ids, ids_to_bytes
 from hicache.client.connection import RpcConnection, _close_fd
 from hicache.client.deadlines import CallDeadlines
 from hicache.client.peer import trusted_daemon_uids
@@ -114,6 +114,7 @@ class HiCacheClient(ReportCalls, RetentionCalls):
         self._reconnector: Reconnector[_Handshake] | None = None
         self.prefill_rate = PrefillRate(prefill_tokens_per_s)  # before connecting: register sends it
         self.store_pages = store_pages
+        self._match_req: BlobRequest | None = None  # `match`'s frame template (`_match_request`)
 
     # -- connection management -------------------------------------------------
     @property
@@ -303,16 +304,40 @@ class HiCacheClient(ReportCalls, RetentionCalls):
         self.calls[method] += 1
         try:
             reply = self.conn.call(method, params, timeout_s)
-        except DaemonUnavailable as e:
-            self._open(e.message)
-            raise
-        except ClientError as e:
-            self.refusals += 1
-            log.error("hicache daemon refused %s: %s", method, e)
-            raise DaemonUnavailable(f"{method} refused: {e}") from e
+        except (DaemonUnavailable, ClientError) as e:
+            self._failed(method, e)
         if map_slabs:
             self._check_slabs(reply)
         return reply
+
+    def _call_blob(self, request: BlobRequest, blob: bytes, timeout_s: float) -> Any:
+        """`_call` of a request built from a template (RpcConnection.call_blob)."""
+        self._require_connection()
+        assert self.conn is not None
+        self.round_trips += 1
+        self.calls[request.method] += 1
+        try:
+            reply = self.conn.call_blob(request, blob, timeout_s)
+        except (DaemonUnavailable, ClientError) as e:
+            self._failed(request.method, e)
+        self._check_slabs(reply)
+        return reply
+
+    def _failed(self, method: str, e: HiCacheError) -> NoReturn:
+        """A call that failed: the breaker opens (see `_call`); DaemonUnavailable raised."""
+        if isinstance(e, DaemonUnavailable):
+            self._open(e.message)
+            raise e
+        self.refusals += 1
+        log.error("hicache daemon refused %s: %s", method, e)
+        raise DaemonUnavailable(f"{method} refused: {e}") from e
+
+    def _match_request(self) -> BlobRequest:
+        """The `match` frame's template for this engine id (one per registration)."""
+        req = self._match_req
+        if req is None or req.fixed["engine"] != self.engine_id:
+            req = self._match_req = BlobRequest("match", {"engine": self.engine_id}, "keys")
+        return req
 
     def _call_many(self, method: str, params: list[dict], timeout_s: float) -> list[Any]:
         """Several calls of `method`, pipelined (RpcConnection.call_many): one round trip,
@@ -404,8 +429,7 @@ class HiCacheClient(ReportCalls, RetentionCalls):
         if keys is None:
             keys = self.page_keys(tokens)
         try:
-            r = self._call("match", {"engine": self.engine_id, "keys": b"".join(keys)},
-                           self.deadlines.match_s) if keys else None
+            r = self._call_blob(self._match_request(), b"".join(keys), self.deadlines.match_s) if keys else None
         except DaemonUnavailable:
             self.misses_while_away += 1
             r = None

@@ -14,7 +14,10 @@ trip of ~15 µs those syscalls were a third of it. The kernel timeout is only
 lowered when an exchange has less time left than it (by TIMEOUT_SLACK_S), and
 raised only when it ran out before the deadline, so calls alternating between
 deadlines (match 0.25 s, release 0.5 s) cost no setsockopt. Replies are read
-in chunks into one reusable buffer, so a frame usually takes one recv.
+in chunks into one reusable buffer, so a frame usually takes one recv; an answer
+that came whole and alone is decoded from there without further checks
+(`_quick_read`). A match's frame is spliced from a template (`call_blob`,
+hicache/rpc/framing.py's BlobRequest) rather than packed from a dict.
 """
 
 from __future__ import annotations
@@ -27,11 +30,11 @@ import struct
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from hicache.client.peer import check_daemon
 from hicache.errors import ClientError, DaemonRefused, DaemonUnavailable, ProtocolError
-from hicache.rpc.framing import HEADER, new_packer, pack_frame, unpack_body
+from hicache.rpc.framing import HEADER, BlobRequest, new_packer, pack_frame, unpack_body
 from hicache.rpc.protocol import PROTOCOL_VERSION
 
 MAX_FRAME_BYTES = 256 << 20
@@ -46,6 +49,7 @@ MAX_POSTED = 64  # posted requests not yet known handled; beyond, a post first w
 MAX_PIPELINED = 64
 PIPELINE_BYTES = 128 << 10
 _TIMEVAL = struct.Struct("@ll")
+_monotonic = time.monotonic
 
 log = logging.getLogger(__name__)
 
@@ -154,13 +158,65 @@ class RpcConnection:
         come with the answer (SCM_RIGHTS) are appended there; the caller owns them."""
         if self.closed:
             raise DaemonUnavailable("connection closed")
-        deadline = self._deadline(timeout_s)
         req_id = next(self._ids)
-        self._send({"id": req_id, "method": method, "params": params or {}}, deadline)
-        out = _outcome(self._reply(req_id, method, deadline, fds))
-        if isinstance(out, ClientError):
-            raise out
-        return out
+        body = self._packer.pack({"id": req_id, "method": method, "params": params or {}})
+        return self._exchange(HEADER.pack(len(body)) + body, req_id, method, timeout_s, fds)
+
+    def call_blob(self, request: BlobRequest, blob: bytes, timeout_s: float | None = None) -> Any:
+        """`call(request.method, {**request.fixed, <its blob key>: blob})` with the frame
+        spliced from a prebuilt template (rpc/framing.py): the engine's `match`."""
+        if self.closed:
+            raise DaemonUnavailable("connection closed")
+        req_id = next(self._ids)
+        return self._exchange(request.frame(req_id, blob), req_id, request.method, timeout_s, None)
+
+    def _exchange(self, frame: bytes, req_id: int, method: str, timeout_s: float | None,
+                  fds: list[int] | None) -> Any:
+        """Send a request's frame, read up to its answer: the result, or its refusal raised.
+        Every call's round trip, so the common case (one send; the whole answer alone in
+        one recv, nothing else buffered) takes few calls and no copies: the client's
+        Python was a third of a round trip to a C server (docs/benchmarks.md)."""
+        deadline = _monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        self._send_frame(frame, deadline)
+        msg = None
+        if fds is None and self._start == self._end:
+            msg = self._quick_read(deadline, method)
+        if msg is None or msg.get("id") != req_id or "event" in msg:
+            if msg is not None:  # an event or another request's answer came first: the general path
+                self._start = 0
+            msg = self._reply(req_id, method, deadline, fds)
+        elif self._posted:  # the daemon handled every request sent before this one
+            self._posted.clear()
+        if "error" in msg:
+            err = msg["error"]
+            raise ClientError(str(err.get("code")), str(err.get("message")))
+        return msg.get("result")
+
+    def _quick_read(self, deadline: float, method: str) -> dict | None:
+        """One recv into the empty buffer; the message when it holds exactly one whole
+        frame, else None with the bytes left buffered for `_reply` (which then re-reads
+        from `_start`, so an event decoded here is not lost)."""
+        try:
+            left = deadline - _monotonic()
+            if left <= 0 or left < self._so_timeout - TIMEOUT_SLACK_S:
+                self._wait(deadline)
+            self._start = self._end = 0
+            try:
+                k = self._end = self.sock.recv_into(self._view)
+            except BlockingIOError:  # the socket's timeout ran out before the deadline
+                self._rearm(deadline)
+                return None
+            if k < 4:
+                if k == 0:
+                    raise ConnectionResetError("the daemon closed the connection")
+                return None
+            if HEADER.unpack_from(self._buf)[0] != k - 4:  # split, several frames: the general path
+                return None
+            msg = unpack_body(self._view[4:k])
+        except (OSError, ProtocolError) as e:
+            self._read_failed(e, method)
+        self._start = k
+        return msg
 
     def call_many(self, calls: Sequence[tuple[str, dict[str, Any] | None]], timeout_s: float | None = None
                   ) -> list[Any]:
@@ -202,7 +258,8 @@ class RpcConnection:
 
     def _reply(self, req_id: int, method: str, deadline: float, fds: list[int] | None) -> dict:
         """Read up to the answer to `req_id`: events met on the way are kept, posted
-        requests' refusals logged."""
+        requests' refusals logged. Reads from `_start`: a message `_quick_read`
+        decoded but did not return is read again."""
         while True:
             msg = self._read_message(deadline, method, fds)
             if "event" in msg:
@@ -283,20 +340,25 @@ class RpcConnection:
 
     def _send_frame(self, data: bytes, deadline: float | None) -> None:
         try:
-            self._send_bytes(data, deadline)
+            left = -1.0 if deadline is None else deadline - _monotonic()
+            if left > 0 and left >= self._so_timeout - TIMEOUT_SLACK_S:  # `_wait` has nothing to do
+                try:
+                    sent = self.sock.send(data)  # almost always all of it: the socket buffer has room
+                except BlockingIOError:
+                    self._rearm(deadline)  # type: ignore[arg-type]
+                    sent = 0
+                if sent < len(data):
+                    self._send_bytes(data, deadline, sent)
+            else:
+                self._send_bytes(data, deadline)
         except OSError as e:
             self.close()
             raise DaemonUnavailable(f"send failed: {e}") from e
 
-    def _send_bytes(self, data: bytes, deadline: float | None) -> None:
+    def _send_bytes(self, data: bytes, deadline: float | None, sent: int = 0) -> None:
+        """`data[sent:]`, within the deadline."""
         if deadline is None:
             deadline = self._deadline(None)
-        self._wait(deadline)
-        try:
-            sent = self.sock.send(data)  # almost always all of it: the socket buffer has room
-        except BlockingIOError:
-            self._rearm(deadline)
-            sent = 0
         view = memoryview(data)
         while sent < len(data):
             self._wait(deadline)
@@ -325,13 +387,15 @@ class RpcConnection:
             start = self._start + 4
             self._start = start + n
             return self._decode(self._view[start:start + n])
-        except TimeoutError as e:
-            self.close()
+        except (OSError, ProtocolError) as e:
+            self._read_failed(e, method)
+
+    def _read_failed(self, e: Exception, method: str) -> NoReturn:
+        self.close()
+        if isinstance(e, TimeoutError):
             raise DaemonUnavailable(f"no answer to {method or 'a read'} in time (the daemon is hung or "
                                     "overloaded)") from e
-        except (OSError, ProtocolError) as e:
-            self.close()
-            raise DaemonUnavailable(f"receive failed: {e}") from e
+        raise DaemonUnavailable(f"receive failed: {e}") from e
 
     def _fill(self, deadline: float, fds: list[int] | None) -> None:
         """Receive more bytes after _end, first moving unparsed ones to the buffer's front

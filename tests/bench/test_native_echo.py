@@ -223,6 +223,9 @@ def test_the_bench_times_each_native_server_against_redis_and_the_python_echo():
             assert r["baseline_name"] == ("redis" if any("redis" in n for n in by_name) else "echo")
             raw = by_name[f"match 64 tokens, 1 client {server} server, raw client p{q}"]
             assert raw["value"] > 0 and raw["baseline"] == r["baseline"]
+        # the clients' own CPU per round trip: the hicache client's against the raw one's
+        own = by_name[f"match 64 tokens, 1 client {server} server, hicache client CPU per call"]
+        assert own["value"] > 0 and own["baseline"] > 0 and own["baseline_name"] == "raw client"
 
 
 def test_an_unknown_server_is_refused_before_anything_starts():

@@ -8,16 +8,19 @@ shape the bytes exactly.
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 import time
 from collections.abc import Callable
 
+import msgpack
 import pytest
 
-from hicache.client.connection import RECV_CHUNK, RpcConnection
-from hicache.errors import DaemonUnavailable
-from hicache.rpc.framing import FrameDecoder, pack_frame, unpack_body
+from hicache.client.connection import MAX_FRAME_BYTES, RECV_CHUNK, RpcConnection
+from hicache.errors import ClientError, DaemonUnavailable
+from hicache.rpc.framing import HEADER, BlobRequest, FrameDecoder, pack_frame, unpack_body
+from tests.wait import wait_until
 
 
 class Peer:
@@ -168,3 +171,67 @@ def test_alternating_deadlines_set_no_socket_option(peer_factory, monkeypatch):
         assert conn.call("match", timeout_s=0.25) == 1
         assert conn.call("release", timeout_s=0.5) == 1
     assert len(sets) == 1, sets  # lowered once to the shortest deadline, then left alone
+
+
+# -- one whole answer per recv (`_quick_read`) and what it hands to the general path ------
+def test_a_spliced_request_carries_its_params_and_gets_its_answer(peer_factory):
+    seen: list[dict] = []
+
+    def answer(req: dict, s: socket.socket) -> None:
+        seen.append(req)
+        s.sendall(reply(req, {"n": len(req["params"]["keys"])}))
+    conn = RpcConnection(peer_factory(answer).client_sock, timeout_s=10)
+    match = BlobRequest("match", {"engine": 3}, "keys")
+    for blob in (b"", b"k" * 16, bytes(8192)):
+        assert conn.call_blob(match, blob) == {"n": len(blob)}
+    assert [r["params"] for r in seen] == [{"engine": 3, "keys": b""}, {"engine": 3, "keys": b"k" * 16},
+                                           {"engine": 3, "keys": bytes(8192)}]
+    assert [r["id"] for r in seen] == [1, 2, 3] and {r["method"] for r in seen} == {"match"}
+
+
+def test_a_whole_frame_not_ours_read_first_is_settled_then_ours_read(peer_factory):
+    """A stale answer and an event, each alone in the socket before the call: the first
+    recv holds one whole frame that is not the answer (the answer is sent only once the
+    client has read it)."""
+    def readable() -> bool:
+        return bool(select.select([peer.client_sock], [], [], 0)[0])
+
+    def answer(req: dict, s: socket.socket) -> None:
+        if req["method"] == "push":  # what the next call finds waiting
+            s.sendall(pack_frame({"id": 10**6, "result": "stale"}) if req["params"]["stale"]
+                      else pack_frame({"event": {"e": 1}}))
+        else:
+            wait_until(lambda: not readable(), what="the client's read of the pushed frame")
+            s.sendall(reply(req, "mine"))
+    peer = peer_factory(answer)
+    conn = RpcConnection(peer.client_sock, timeout_s=10)
+    for stale in (True, False):
+        conn._send({"id": 0, "method": "push", "params": {"stale": stale}})
+        wait_until(readable, what="the pushed frame")
+        assert conn.call("m") == "mine"
+    assert list(conn.events) == [{"e": 1}]
+
+
+def test_a_refusal_read_whole_raises_and_keeps_the_connection(peer_factory):
+    def answer(req: dict, s: socket.socket) -> None:
+        s.sendall(pack_frame({"id": req["id"], "error": {"code": "BAD", "message": "no"}})
+                  if req["method"] == "bad" else reply(req, "ok"))
+    conn = RpcConnection(peer_factory(answer).client_sock, timeout_s=10)
+    with pytest.raises(ClientError, match="no") as e:
+        conn.call_blob(BlobRequest("bad", {}, "keys"), b"x")
+    assert e.value.code == "BAD" and not conn.closed
+    assert conn.call("ok") == "ok"
+
+
+@pytest.mark.parametrize("frame", [
+    HEADER.pack(5) + b"\xc1\xc1\xc1\xc1\xc1",  # whole, but not msgpack
+    HEADER.pack(3) + msgpack.packb([1, 2]),    # whole, but not a map
+    HEADER.pack(MAX_FRAME_BYTES + 1) + b"x",   # a length over the cap
+], ids=["garbled", "not-a-map", "oversized"])
+def test_a_broken_answer_drops_the_connection(peer_factory, frame):
+    conn = RpcConnection(peer_factory(lambda req, s: s.sendall(frame)).client_sock, timeout_s=10)
+    with pytest.raises(DaemonUnavailable, match="receive failed"):
+        conn.call_blob(BlobRequest("match", {"engine": 1}, "keys"), b"k" * 16)
+    assert conn.closed
+    with pytest.raises(DaemonUnavailable, match="connection closed"):
+        conn.call("m")
