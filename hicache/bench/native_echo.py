@@ -25,48 +25,19 @@ Without a compiler, or with `HICACHE_NATIVE_ECHO=0`, `load()` returns None and
 from __future__ import annotations
 
 import asyncio
-import logging
-import os
 import socket
-import subprocess
-import threading
 from collections.abc import Callable
-from types import ModuleType
 
 from hicache.bench.native_echo_source import SOURCE
 from hicache.kernels import native_build
 
-log = logging.getLogger(__name__)
-
 MAX_FRAME_BYTES = 64 << 20  # as the Python echo server's decoder
 VARIANTS = ("epoll", "uvloop", "uvloop-py", "uvloop-msgpack")
 
-_MODULE = "hicache_native_echo"
-_lock = threading.Lock()
-_loaded: list[tuple[ModuleType | None, str | None]] = []  # [] = not tried yet
-
-
-def load() -> ModuleType | None:
-    """The compiled extension, or None where it cannot be built here (logged once)."""
-    with _lock:
-        if not _loaded:
-            _loaded.append(_load())
-        return _loaded[0][0]
-
-
-def unavailable_reason() -> str | None:
-    load()
-    return _loaded[0][1]
-
-
-def _load() -> tuple[ModuleType | None, str | None]:
-    if os.environ.get("HICACHE_NATIVE_ECHO", "1") == "0":
-        return None, "disabled by HICACHE_NATIVE_ECHO=0"
-    try:
-        return native_build.load_extension(_MODULE, SOURCE), None
-    except (OSError, subprocess.SubprocessError, ImportError) as e:
-        log.warning("native echo servers unavailable: %s", e)
-        return None, f"not built: {e}"
+EXTENSION = native_build.Extension("hicache_native_echo", SOURCE, "HICACHE_NATIVE_ECHO",
+                                     "no native echo servers")
+load = EXTENSION.load  # the compiled extension, or None where it cannot be built here
+unavailable_reason = EXTENSION.unavailable_reason
 
 
 def _listen(path: str) -> socket.socket:

@@ -99,8 +99,15 @@ def _start_native(path: str, server: str) -> subprocess.Popen:
 
 
 def _wait_socket(path: str, proc: subprocess.Popen, timeout_s: float = 30) -> None:
+    """Until the server accepts: its socket file appears at bind(), before listen()."""
     deadline = time.monotonic() + timeout_s
-    while not os.path.exists(path):
+    while True:
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.connect(path)
+            return
+        except (FileNotFoundError, ConnectionRefusedError):
+            pass
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"server for {path} did not start")
         time.sleep(0.02)

@@ -24,52 +24,10 @@ the same loops in Python (tests/index/test_native_index.py runs both on random t
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
-import logging
-import os
-import subprocess
-import sysconfig
-import threading
-from types import ModuleType
-
 from hicache.index.native_index_source import SOURCE
 from hicache.kernels import native_build
 
-log = logging.getLogger(__name__)
-
-_MODULE = "hicache_native_index"
-_lock = threading.Lock()
-_loaded: list[tuple[ModuleType | None, str | None]] = []  # [] = not tried yet
-
-
-def load() -> ModuleType | None:
-    """The compiled walk, or None where it cannot be built here (logged once)."""
-    with _lock:
-        if not _loaded:
-            _loaded.append(_load())
-        return _loaded[0][0]
-
-
-def unavailable_reason() -> str | None:
-    load()
-    return _loaded[0][1]
-
-
-def _load() -> tuple[ModuleType | None, str | None]:
-    if os.environ.get("HICACHE_NATIVE_INDEX", "1") == "0":
-        return None, "disabled by HICACHE_NATIVE_INDEX=0"
-    try:
-        include = sysconfig.get_paths()["include"]
-        if not os.path.exists(os.path.join(include, "Python.h")):
-            raise OSError(f"no Python.h in {include} (the Python development headers)")
-        path = native_build.build(_MODULE, SOURCE, [f"-I{include}"])
-        loader = importlib.machinery.ExtensionFileLoader(_MODULE, str(path))
-        spec = importlib.util.spec_from_file_location(_MODULE, path, loader=loader)
-        assert spec is not None
-        mod = importlib.util.module_from_spec(spec)
-        loader.exec_module(mod)
-        return mod, None
-    except (OSError, subprocess.SubprocessError, ImportError) as e:
-        log.warning("the radix index's C loops are unavailable, running them in Python: %s", e)
-        return None, f"not built: {e}"
+EXTENSION = native_build.Extension("hicache_native_index", SOURCE, "HICACHE_NATIVE_INDEX",
+                                     "running the index's loops in Python")
+load = EXTENSION.load  # the compiled loops, or None where they cannot be built here
+unavailable_reason = EXTENSION.unavailable_reason

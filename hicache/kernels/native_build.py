@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sysconfig
 import tempfile
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -87,3 +88,39 @@ def load_extension(name: str, source: str) -> ModuleType:
     mod = importlib.util.module_from_spec(spec)
     loader.exec_module(mod)
     return mod
+
+
+class Extension:
+    """A CPython extension built from C `source` on first use, once per process.
+
+    `load()` is the module, or None where it cannot be built here (no compiler or
+    headers, a failed build, or the environment switch `switch=0`): the caller then
+    runs its Python path, and `unavailable_reason()` says why (logged once).
+    """
+
+    def __init__(self, name: str, source: str, switch: str, fallback: str) -> None:
+        self.name = name
+        self.source = source
+        self.switch = switch  # environment variable; "0" turns the extension off
+        self.fallback = fallback  # what runs instead, for the log line
+        self._lock = threading.Lock()
+        self._loaded: list[tuple[ModuleType | None, str | None]] = []  # [] = not tried yet
+
+    def load(self) -> ModuleType | None:
+        with self._lock:
+            if not self._loaded:
+                self._loaded.append(self._load())
+            return self._loaded[0][0]
+
+    def unavailable_reason(self) -> str | None:
+        self.load()
+        return self._loaded[0][1]
+
+    def _load(self) -> tuple[ModuleType | None, str | None]:
+        if os.environ.get(self.switch, "1") == "0":
+            return None, f"disabled by {self.switch}=0"
+        try:
+            return load_extension(self.name, self.source), None
+        except (OSError, subprocess.SubprocessError, ImportError) as e:
+            log.warning("%s unavailable, %s: %s", self.name, self.fallback, e)
+            return None, f"not built: {e}"

@@ -31,8 +31,6 @@ import logging
 import os
 import socket
 import stat
-import subprocess
-import threading
 from types import ModuleType
 
 from hicache.kernels import native_build
@@ -45,32 +43,10 @@ log = logging.getLogger(__name__)
 ACCEPTS_PER_TURN = 64  # connections accepted per loop turn (the rest on the next)
 ACCEPT_RETRY_S = 1.0  # after running out of descriptors, accepting pauses this long (as asyncio)
 
-_MODULE = "hicache_native_rpc"
-_lock = threading.Lock()
-_loaded: list[tuple[ModuleType | None, str | None]] = []  # [] = not tried yet
-
-
-def load() -> ModuleType | None:
-    """The compiled extension, or None where it cannot be built here (logged once)."""
-    with _lock:
-        if not _loaded:
-            _loaded.append(_load())
-        return _loaded[0][0]
-
-
-def unavailable_reason() -> str | None:
-    load()
-    return _loaded[0][1]
-
-
-def _load() -> tuple[ModuleType | None, str | None]:
-    if os.environ.get("HICACHE_NATIVE_RPC", "1") == "0":
-        return None, "disabled by HICACHE_NATIVE_RPC=0"
-    try:
-        return native_build.load_extension(_MODULE, SOURCE), None
-    except (OSError, subprocess.SubprocessError, ImportError) as e:
-        log.warning("native frame loop unavailable, serving connections with asyncio: %s", e)
-        return None, f"not built: {e}"
+EXTENSION = native_build.Extension("hicache_native_rpc", SOURCE, "HICACHE_NATIVE_RPC",
+                                     "serving connections with asyncio")
+load = EXTENSION.load  # the compiled extension, or None where it cannot be built here
+unavailable_reason = EXTENSION.unavailable_reason
 
 
 class NativeConnection(Connection):

@@ -188,7 +188,7 @@ def test_the_msgpack_handler_answers_as_the_python_echo_server(tmp_path):
     ({"CC": "false"}, "not built"),  # a compiler that fails
 ])
 def test_without_the_extension_nothing_is_served_and_the_reason_is_given(tmp_path, monkeypatch, env, reason):
-    monkeypatch.setattr(native_echo, "_loaded", [])
+    monkeypatch.setattr(native_echo.EXTENSION, "_loaded", [])
     monkeypatch.setenv("HICACHE_NATIVE_DIR", str(tmp_path / "native"))  # no cached build to find
     monkeypatch.delenv("HICACHE_NATIVE_ECHO", raising=False)
     for k, v in env.items():
@@ -201,7 +201,7 @@ def test_without_the_extension_nothing_is_served_and_the_reason_is_given(tmp_pat
 
 
 def test_the_bench_reports_an_unavailable_native_server_and_the_rest(monkeypatch):
-    monkeypatch.setattr(native_echo, "_loaded", [])
+    monkeypatch.setattr(native_echo.EXTENSION, "_loaded", [])
     monkeypatch.setenv("HICACHE_NATIVE_ECHO", "0")
     rows = rpc_bench.run(prompt_tokens=64, requests=100, client_counts=(1,), repeats=1, calls=("match",),
                          servers=("native-epoll", "native-uvloop-py"))

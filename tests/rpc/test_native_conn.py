@@ -122,7 +122,7 @@ def test_an_oversized_frame_closes_only_that_connection(tmp_path):
     ({"CC": "false"}, "not built"),  # a compiler that fails
 ])
 def test_without_the_extension_the_server_serves_on_asyncio(tmp_path, monkeypatch, env, reason):
-    monkeypatch.setattr(native_conn, "_loaded", [])
+    monkeypatch.setattr(native_conn.EXTENSION, "_loaded", [])
     monkeypatch.setenv("HICACHE_NATIVE_DIR", str(tmp_path / "native"))  # no cached build to find
     monkeypatch.delenv("HICACHE_NATIVE_RPC", raising=False)
     for k, v in env.items():
