@@ -35,7 +35,6 @@ from types import ModuleType
 
 from hicache.kernels import native_build
 from hicache.rpc.native_conn_source import SOURCE
-from hicache.rpc.peers import peer_credentials
 from hicache.rpc.server import FRAMES_PER_TURN, HIGH_WATER_BYTES, Connection, RpcServer
 
 log = logging.getLogger(__name__)
@@ -67,15 +66,9 @@ class NativeConnection(Connection):
         self._torn_down = False
 
     def start(self) -> None:
-        try:
-            self.peer = peer_credentials(self._fd)
-        except OSError:
-            self.peer = None
-        if not self.server.allowed(self.peer):
-            log.warning("refusing connection from %s: not an allowed uid/gid", self.peer)
+        if not self._admit():
             self._abort()
             return
-        self.admin = self.server.is_admin(self.peer)
         self.server.connections.add(self)
         self._update_reading()
 

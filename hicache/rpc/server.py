@@ -95,20 +95,26 @@ class Connection(asyncio.Protocol):
         self._turn: asyncio.Handle | None = None  # frames left for a later loop turn
 
     # -- asyncio callbacks ------------------------------------------------
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        sock = transport.get_extra_info("socket")
-        self._fd = sock.fileno() if sock is not None else -1
+    def _admit(self) -> bool:
+        """The peer's credentials and role; False (logged) for a peer the server does not allow."""
         try:
             self.peer = peer_credentials(self._fd)
         except OSError:
             self.peer = None
         if not self.server.allowed(self.peer):
             log.warning("refusing connection from %s: not an allowed uid/gid", self.peer)
+            return False
+        self.admin = self.server.is_admin(self.peer)
+        return True
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        self._fd = sock.fileno() if sock is not None else -1
+        if not self._admit():
             transport.close()
             self.closed = True
             return
-        self.admin = self.server.is_admin(self.peer)
         self.transport.set_write_buffer_limits(high=min(HIGH_WATER_BYTES, self.server.max_output_bytes // 2))
         self.server.connections.add(self)
 

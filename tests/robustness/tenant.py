@@ -132,6 +132,7 @@ def run(socket: str, uid: int, a: dict, from_parent: int, to_parent: int) -> Non
                     os.close(fd)
                 except OSError:
                     pass
+        _preload()
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
@@ -143,6 +144,21 @@ def run(socket: str, uid: int, a: dict, from_parent: int, to_parent: int) -> Non
             pass
     finally:
         os._exit(0)
+
+
+def _preload() -> None:
+    """Import what tenant B uses while the child can still read it: the interpreter's
+    files under /root are closed to the uid it becomes, and whether the parent happened
+    to import a module (xxhash, through portable_format) depends on the tests run before."""
+    import torch  # noqa: F401
+
+    import hicache.index.keys  # noqa: F401
+    import hicache.layout  # noqa: F401
+    import hicache.portable_format  # noqa: F401
+    import tests.daemon.engine_worker  # noqa: F401
+    import tests.robustness.contracts  # noqa: F401
+    import tests.robustness.engines  # noqa: F401
+    import tests.robustness.wire  # noqa: F401
 
 
 def _tenant_b(socket: str, a: dict, inbox: Lines, out: int) -> None:
