@@ -132,13 +132,6 @@ class NativeConnection(Connection):
             else:
                 self._loop.remove_reader(self._fd)
 
-    def _forget_input(self) -> None:
-        if self._turn is not None:
-            self._turn.cancel()
-            self._turn = None
-        self.server.buffered_bytes -= self._buffered
-        self._buffered = 0
-
     # -- output -------------------------------------------------------------
     def send(self, msg: dict) -> None:
         if not self.closed:
