@@ -190,13 +190,7 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
         if (remote is not None and state is None and pin.recompute_from is None
                 and pin.device_len + pin.host_len + pin.disk_len < len(keys)):
             return remote_match(pin, keys)  # the local prefix stops short: ask the remote store
-        # match_reply, inlined: this is the one reply every engine request waits on
-        reply = {"pin": pin.pin_id, "device_pages": ids_to_bytes(pin.device_pages),
-                 "host_pages": ids_to_bytes(pin.host_pages),
-                 "disk_len": pin.disk_len, "slabs": slab_versions.get(rec.ns.salt, 0)}
-        if state is not None:
-            reply["state"] = state
-        return reply
+        return match_reply(pin, state)
 
     async def remote_match(pin: Any, keys: Any) -> Any:
         await daemon.remote.extend_match(pin, keys)  # bounded by remote_lookup_timeout_s
@@ -207,7 +201,7 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
     def match_reply(pin: Any, state: Any) -> dict:
         reply = {"pin": pin.pin_id, "device_pages": ids_to_bytes(pin.device_pages),
                  "host_pages": ids_to_bytes(pin.host_pages),
-                 "disk_len": pin.disk_len, "slabs": host.slab_version(pin.engine.ns.salt)}
+                 "disk_len": pin.disk_len, "slabs": slab_versions.get(pin.engine.ns.salt, 0)}
         if state is not None:
             reply["state"] = state
         return reply
