@@ -41,7 +41,7 @@ Budget
   writes for ``write_retry_s`` (counted, logged once; reads go on).
 - ``map_size`` is the file's size: the whole map is allocated at open. The
   writer also charges every page its footprint in the map and turns away what
-  would not fit (disk_writer.py), so a small map rejects puts, never fills up.
+  would not fit (disk_budget.py), so a small map rejects puts, never fills up.
   The daemon opens the tier with ``map_size`` = its disk capacity, so the
   file never exceeds that (hicache/daemon/movers/disk_startup.py); here the default,
   1.5 x capacity + 64 MiB, leaves room for the records of ``capacity_bytes``
@@ -480,7 +480,7 @@ class DiskTier:
 
     @property
     def map_budget(self) -> int:
-        """The map bytes stored pages may take in steady state (see disk_writer.py)."""
+        """The map bytes stored pages may take in steady state (see disk_budget.py)."""
         return self._writer.map_budget
 
     @property

@@ -1,5 +1,5 @@
 """The free pages of the disk tier's LMDB map by contiguous run, for the writer's map
-budget (disk_writer.py).
+budget (disk_budget.py).
 
 Why: LMDB stores a value over ~2 KiB in overflow pages it must find contiguous (a
 64 KiB page takes 17). A free page in a shorter run can only take B-tree pages and

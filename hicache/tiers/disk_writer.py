@@ -26,26 +26,12 @@ transaction of hicache/tiers/disk.py, and the budget.
   namespace or size, a put the evict hook must make room for or that has to
   wait for freed pages); pages of 1 MiB and more, hashed on the hasher thread,
   stay on the Python loop. The Python loop is the fallback and does the same.
-- Two budgets: ``capacity_bytes`` of page bytes, and the map. Each put is
-  charged its footprint in the map (``disk_format.footprint``: whole overflow
-  pages, B-tree leaves at half fill), and the pages in use are re-measured from
-  LMDB's own counts at every commit, so the estimate never drifts. A put goes
-  in only when the map holds, at once: the pages in use (those this
-  transaction deletes included), the pages the last two transactions freed
-  (LMDB reuses a page freed by T only from T+2 on, later if a reader is still
-  on an older snapshot), this transaction's new pages, copies of the B-tree
-  pages it and the last two touched, the free pages in runs too short for the
-  largest value (a value of several pages needs as many contiguous free pages;
-  measured from LMDB's free list after each commit, disk_freelist.py), and a
-  reserve of 1/16 of the map (for the runs this transaction cuts; after an
-  MDB_MAP_FULL all the same, the reserve doubles, up to 1/4). A transaction puts or
-  deletes at most ``batch_ops`` keys (a long deletion is split), so its copies
-  are bounded: a deletion needs new pages too, and must never be what fills the
-  map. A put that would fit once the
-  freed pages are reusable ends the transaction early; two empty commits later
-  the rest of the batch goes on. Otherwise it is over budget (rejected,
-  counted), never an MDB_MAP_FULL. ``map_budget`` is what owners keep the
-  stored pages' footprint under, so that puts rarely wait for freed pages.
+- Two budgets: ``capacity_bytes`` of page bytes, and the map (disk_budget.py:
+  each put is charged its footprint in the map, and a put goes in only when
+  the map holds it and the headroom LMDB's copy-on-write and free-page reuse
+  need, at once). A put that would fit once the freed pages are reusable ends
+  the transaction early; two empty commits later the rest of the batch goes
+  on. Otherwise it is over budget (rejected, counted), never an MDB_MAP_FULL.
 - The tier never picks victims. When a put does not fit a budget,
   the writer asks ``evict_hook(bytes_needed)`` for keys (the radix index knows
   LRU leaf order) and deletes them in the same transaction; keys the hook
@@ -84,7 +70,7 @@ from hicache.tiers import disk_format as fmt
 from hicache.tiers import disk_native
 from hicache.tiers.disk_batch import BatchPart, expand_all, put_bytes
 from hicache.tiers.disk_config import DiskTierConfig
-from hicache.tiers.disk_freelist import open_free_list
+from hicache.tiers.disk_budget import MapBudget
 from hicache.tiers.disk_ops import (HASH_OFFLOAD_BYTES, BarrierOp, DeleteOp, DropOp, HashJob, PutOp,
                                     native_ok)
 from hicache.tiers.disk_queue import WriteQueue
@@ -105,7 +91,6 @@ class DiskWriter:
                  evict_hook: EvictHook | None, used_bytes: int, num_pages: int) -> None:
         self.path = path
         self.capacity_bytes = capacity_bytes
-        self.map_size = map_size
         self.config = config
         self.evict_hook = evict_hook  # the owner may replace it at any time
         self._env = env
@@ -116,29 +101,21 @@ class DiskWriter:
         self._used_bytes_tx = used_bytes  # running totals inside the open write transaction
         self._put_in_tx: set[bytes] = set()  # keys put by the open transaction and not deleted since
         self._num_pages_tx = num_pages
-        self._psize = env.stat()["psize"]
         self._native = disk_native.loop(env) if config.native_writer else None
         if self._native is not None:
             with env.begin() as txn:
                 self._native_dbis = (self._native.dbi(txn, fmt.DB_PAGES), self._native.dbi(txn, fmt.DB_META))
         self._native_state = disk_native.State()
-        self._main_db = env.open_db(None)  # counted too: it holds the other databases' records
-        with env.begin() as txn:
-            self.map_bytes, self._tree_bytes = self._measure(txn)  # pages in use; B-tree pages of them
-        self._map_bytes_tx = self.map_bytes
+        # The main database is counted too: it holds the other databases' records.
+        self.budget = MapBudget(env, (env.open_db(None), pages, meta, info), map_size,
+                                batch_pages=config.batch_pages, batch_bytes=config.batch_bytes)
+        self._psize = self.budget.psize
+        self._map_bytes_tx = self.budget.map_bytes
         self._deleted_tx = 0  # footprint deleted by the open transaction: reusable two commits on
         self._headroom_tx = 0  # set by each _commit
         self._now_tx = 0.0
-        self._freed = (0, 0)  # bytes freed by the last two commits, newest first
         self._deferred: list = []  # ops left for after the freed pages are reusable
         self._may_defer = True
-        self._frag_divisor = 16  # the map's share kept for fragmentation: 1/16, more after an MDB_MAP_FULL
-        self._free_list = open_free_list(env)
-        self._fragment_bytes = 0  # free pages in runs too short for the largest value, at the last commit
-        self._max_footprint = 0  # the largest page charged yet: a batch may end one page past its limit
-        # Batches scaled to the map: a small map cannot hold a 64 MiB batch and its frees.
-        self.batch_ops = max(1, min(config.batch_pages, map_size // (64 * self._psize)))
-        self.batch_limit = max(self._psize, min(config.batch_bytes, map_size // 16))
         self._doomed: dict[bytes, bool] = {}  # key -> evicted?; kept until a commit succeeds
         self._drops: dict[bytes, tuple[int, int] | None] = {}
         self._w = dict(pages_written=0, bytes_written=0, dedup_puts=0, rejected_budget=0,
@@ -204,7 +181,7 @@ class DiskWriter:
     def _main(self) -> None:
         while True:
             try:
-                ops, stop = self.queue.take(self.batch_ops, self.batch_limit)
+                ops, stop = self.queue.take(self.budget.batch_ops, self.budget.batch_limit)
                 if ops or self._touch_due(stop):
                     self._run_batch(ops, stop or any(isinstance(o, BarrierOp) for o in ops))
             except Exception:  # a bug; the writer must outlive it
@@ -261,10 +238,8 @@ class DiskWriter:
             return self._commit(ops, force_touch)
         except lmdb.Error as e:  # MapFullError, or an I/O error from LMDB
             self._w["write_errors"] += 1
-            if isinstance(e, lmdb.MapFullError) and self._frag_divisor > 4:
-                self._frag_divisor //= 2  # the free pages were too scattered: keep more of them
-                log.warning("disk tier %s: the map filled up with pages free but scattered; keeping 1/%d of it "
-                            "free from now on", self.path, self._frag_divisor)
+            if isinstance(e, lmdb.MapFullError):
+                self.budget.widen(self.path)
             self.warn("write failed (%s); evicting and retrying", e)
             self._make_room(put_bytes(ops))
             try:
@@ -325,47 +300,19 @@ class DiskWriter:
                       "retrying in %.0fs", self.path, type(e).__name__, e, self.config.write_retry_s)
         self._fault = f"{type(e).__name__}: {e}"
 
-    def _headroom(self, with_fragments: bool = True) -> int:
-        """Copies of the B-tree pages a transaction touches (each put or deleted key up to
-        three levels in two databases; this transaction's and the copies the last two
-        replaced, not reusable yet), LMDB's meta pages and free list, the free pages in runs
-        too short for the largest value, and 1/16 of the map for the runs a transaction cuts:
-        a value of several pages needs that many contiguous free pages."""
-        cow = min(self._tree_bytes, 6 * self.batch_ops * self._psize)
-        fragments = self._fragment_bytes if with_fragments else 0
-        return 3 * cow + 8 * self._psize + fragments + self.map_size // self._frag_divisor
+    @property
+    def map_size(self) -> int:
+        return self.budget.map_size
+
+    @property
+    def map_bytes(self) -> int:
+        """The map's pages in use at the last commit (LMDB's counts)."""
+        return self.budget.map_bytes
 
     @property
     def map_budget(self) -> int:
-        """The footprint stored pages may take in steady state (module docstring): the
-        map less the headroom and the frees of the last two batches."""
-        return self.map_size - self._headroom() - 2 * (self.batch_limit + self._max_footprint)
-
-    def _measure(self, txn: lmdb.Transaction) -> tuple[int, int]:
-        """(bytes of the pages the databases use, bytes of their B-tree pages), from
-        LMDB's counts: O(1), read from the databases' records."""
-        total = tree = 0
-        for db in (self._main_db, self._pages, self._meta, self._info):
-            st = txn.stat(db)
-            tree += (st["branch_pages"] + st["leaf_pages"]) * self._psize
-            total += (st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]) * self._psize
-        return total, tree
-
-    def _fragments(self) -> int:
-        """Bytes of the reusable free pages in runs too short for the largest value
-        stored yet (a footprint's pages bound its run), from the committed free list."""
-        run_pages = self._max_footprint // self._psize
-        if self._free_list is None or run_pages < 2:
-            return 0  # no free list to read, or every value fits a page: any free page serves
-        tail = self.map_size - (self._env.info()["last_pgno"] + 1) * self._psize
-        if tail >= self._headroom(with_fragments=False) + self.batch_limit + self._max_footprint:
-            return 0  # a whole transaction fits the map's untouched end, one run: skip the read
-        try:
-            with self._env.begin() as txn:
-                return self._free_list.fragment_pages(txn, run_pages) * self._psize
-        except lmdb.Error as e:
-            self.warn("could not read the free list: %s", e)
-            return self._fragment_bytes
+        """The footprint stored pages may take in steady state (disk_budget.py)."""
+        return self.budget.budget
 
     def _commit(self, ops: list, force_touch: bool) -> list[tuple[PutOp, bool]]:
         """Apply leftover deletions, then `ops` in order, then due touches, in
@@ -376,7 +323,7 @@ class DiskWriter:
         self._put_in_tx.clear()
         # Constant for the transaction: the headroom's inputs change only at a commit (and the
         # map budget with the largest footprint seen, which _put updates), one clock reading.
-        self._headroom_tx = self._headroom()
+        self._headroom_tx = self.budget.headroom()
         self._now_tx = time.time()
         c = dict(evicted_pages=0, deleted_pages=0, pages_written=0, bytes_written=0, dedup_puts=0,
                  rejected_budget=0, rejected_orphan=0)
@@ -423,12 +370,9 @@ class DiskWriter:
                         txn.put(k, fmt.with_last_access(bytes(cur), t), db=self._meta)
             txn.put(fmt.INFO_TOTALS_KEY, fmt.pack_totals(self._used_bytes_tx, self._num_pages_tx),
                     db=self._info)
-            measured = self._measure(txn)
+            measured = self.budget.measure(txn)
         # committed
-        freed = max(0, self._map_bytes_tx - measured[0])  # deleted pages and replaced B-tree pages
-        self._freed = (freed, self._freed[0])
-        self.map_bytes, self._tree_bytes = measured
-        self._fragment_bytes = self._fragments()
+        self.budget.committed(self._map_bytes_tx, measured, self.warn)
         if self._fault:
             log.warning("disk tier %s: writes resumed after %s", self.path, self._fault)
             self._fault = ""
@@ -471,10 +415,11 @@ class DiskWriter:
                 return True, hook_dry
             self._delete(txn, p.key)
         charge = p.charge or fmt.footprint(size, len(p.tokens) // 4, self._psize)
-        if charge > self._max_footprint:
-            self._max_footprint = charge
+        b = self.budget
+        if charge > b.max_footprint:
+            b.max_footprint = charge
         headroom = self._headroom_tx
-        map_budget = self.map_size - headroom - 2 * (self.batch_limit + self._max_footprint)  # = map_budget
+        map_budget = b.budget_under(headroom)
         # footprint >= size: asking for the map's excess in page bytes frees at least that much
         over = max(self._used_bytes_tx + size - self.capacity_bytes,
                    self._map_bytes_tx - self._deleted_tx + charge - map_budget)
@@ -488,7 +433,7 @@ class DiskWriter:
                 self._map_bytes_tx - self._deleted_tx + charge + headroom > self.map_size:
             c["rejected_budget"] += 1
             return False, hook_dry
-        if self._map_bytes_tx + sum(self._freed) + charge + headroom > self.map_size and self._may_defer:
+        if self._map_bytes_tx + sum(b.freed) + charge + headroom > self.map_size and self._may_defer:
             return None, hook_dry  # the pages deleted here or just before are not reusable yet
         if p.job is not None:
             txn.put(p.key, p.page, db=self._pages)  # the hasher works on this or later pages meanwhile
@@ -518,12 +463,12 @@ class DiskWriter:
         st = self._native_state
         st.used_bytes, st.map_bytes, st.deleted_bytes = self._used_bytes_tx, self._map_bytes_tx, self._deleted_tx
         st.capacity_bytes, st.map_size, st.headroom = self.capacity_bytes, self.map_size, self._headroom_tx
-        st.batch_limit, st.max_footprint = self.batch_limit, self._max_footprint
-        st.freed_bytes, st.may_defer, st.now = sum(self._freed), self._may_defer, self._now_tx
+        st.batch_limit, st.max_footprint = self.budget.batch_limit, self.budget.max_footprint
+        st.freed_bytes, st.may_defer, st.now = sum(self.budget.freed), self._may_defer, self._now_tx
         st.pages_written = st.bytes_written = st.dedup_puts = st.rejected_orphan = st.put_bytes_done = 0
         codes = self._native.run(txn, *self._native_dbis, ops, lo, PutOp, BatchPart, st)
         self._used_bytes_tx, self._map_bytes_tx = st.used_bytes, st.map_bytes
-        self._max_footprint = st.max_footprint
+        self.budget.max_footprint = st.max_footprint
         self._num_pages_tx += st.pages_written
         c["pages_written"] += st.pages_written
         c["bytes_written"] += st.bytes_written
