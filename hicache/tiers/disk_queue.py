@@ -50,19 +50,9 @@ class WriteQueue:
         """Queue one (validated) page; False (counted) when full, closing or disabled."""
         op = PutOp(salt, key, parent, tokens, page, on_done, parent_required)
         with self.cond:
-            if self.refuse_until and time.monotonic() < self.refuse_until:
-                self._skipped_disabled += 1
+            if not self._admit(1, page.nbytes):
                 return False
-            if self.closing or self._queued_pages >= self.config.max_queue_pages or \
-                    self._queued_bytes + page.nbytes > self.config.max_queue_bytes:
-                self._skipped_queue_full += 1
-                return False
-            self._ops.append(op)
-            self._queued_pages += 1
-            self._queued_bytes += page.nbytes
-            self._puts += 1
-            if self._writer_waiting:
-                self.cond.notify()
+            self._push(op, 1, page.nbytes)
         return True
 
     def put_many(self, batch: PutBatch) -> int:
@@ -71,24 +61,32 @@ class WriteQueue:
         n, size = batch.n_pages, batch.page_bytes
         batch.charge = fmt.footprint(size, batch.token_bytes // 4, self._psize)
         with self.cond:
-            if self.refuse_until and time.monotonic() < self.refuse_until:
-                self._skipped_disabled += n
-                return 0
-            room = 0 if self.closing else min(n, self.config.max_queue_pages - self._queued_pages,
-                                               (self.config.max_queue_bytes - self._queued_bytes) // size)
-            if room <= 0:
-                self._skipped_queue_full += n
-                return 0
-            self._skipped_queue_full += n - room
-            batch.n_pages = batch.pending = room
-            batch.results = bytearray(room)
-            self._ops.append(BatchPart(batch, 0, room))
-            self._queued_pages += room
-            self._queued_bytes += room * size
-            self._puts += room
-            if self._writer_waiting:
-                self.cond.notify()
+            room = self._admit(n, size)
+            if room:
+                batch.n_pages = batch.pending = room
+                batch.results = bytearray(room)
+                self._push(BatchPart(batch, 0, room), room, room * size)
         return room
+
+    def _admit(self, n: int, size: int) -> int:
+        """How many of n pages of `size` bytes the queue takes now, the others counted as
+        skipped (all of them while writes are disabled or the queue closes). Under the lock."""
+        if self.refuse_until and time.monotonic() < self.refuse_until:
+            self._skipped_disabled += n
+            return 0
+        room = 0 if self.closing else max(0, min(n, self.config.max_queue_pages - self._queued_pages,
+                                                 (self.config.max_queue_bytes - self._queued_bytes) // size
+                                                 if size else n))
+        self._skipped_queue_full += n - room
+        return room
+
+    def _push(self, op: PutOp | BatchPart, n: int, nbytes: int) -> None:
+        self._ops.append(op)
+        self._queued_pages += n
+        self._queued_bytes += nbytes
+        self._puts += n
+        if self._writer_waiting:
+            self.cond.notify()
 
     def delete(self, keys: list[bytes]) -> None:
         self.enqueue(DeleteOp(keys))
