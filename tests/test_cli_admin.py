@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache.cli_admin import daemon_checks
+from hicache.cli_doctor import daemon_checks
 from hicache.client.connection import RpcConnection
 from hicache.portable_format import (
     CRC, FILE_HEAD, XXH3, ExportHeader, decode_header, encode_end, encode_page, head_size, header_length,
