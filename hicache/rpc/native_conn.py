@@ -64,8 +64,9 @@ class NativeConnection(Connection):
         self._native = mod.NativeConn(fd, self._handle, self._turn_end, self._closed, server.max_frame_bytes,
                                       FRAMES_PER_TURN, self._high)
         # match and release frames of the client's shape, answered by C around one Python call
-        self._fast_methods = {mod.FAST_MATCH: "match", mod.FAST_RELEASE: "release"}
-        if any(server.fast_handler(m) for m in self._fast_methods.values()):
+        self._fast_handlers = {kind: (m, server.fast_handler(m))
+                               for kind, m in ((mod.FAST_MATCH, "match"), (mod.FAST_RELEASE, "release"))}
+        if any(h for _, h in self._fast_handlers.values()):
             self._native.fast = self._fast
         self._reading = False
         self._writing = False
@@ -86,8 +87,7 @@ class NativeConnection(Connection):
         handler declines before changing anything, gets its answer there); False: answered
         here (an error); else the result, which C encodes as `send_result` would."""
         server = self.server
-        method = self._fast_methods[kind]
-        handler = server.fast_handler(method)
+        method, handler = self._fast_handlers[kind]
         if (handler is None or not self.greeted or len(self.inflight) >= server.max_inflight
                 or (server.draining and method not in server.allowed_while_draining)):
             return None

@@ -9,10 +9,12 @@ import os
 import random
 import socket
 import struct
+import urllib.request
 
 import msgpack
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.index.keys import page_keys
 from hicache.rpc import native_conn
@@ -22,7 +24,9 @@ from tests.rpc.wire import LAYOUT, raw
 
 needs_native = pytest.mark.skipif(native_conn.load() is None and os.environ.get("CI") != "true",
                                   reason=f"native frame loop {native_conn.unavailable_reason()}")
-MAX_PAGES = 64  # the daemons' max_request_pages: a longer match is refused
+MAX_PAGES = 20000  # the daemons' max_request_pages: a longer match is refused
+PAGES = 64  # most requests' longest
+BIG = 16400  # one sequence whose page ids take a bin32 (over 64 KiB)
 SYNC_ID = 1 << 40  # never used by the sequence
 
 
@@ -62,6 +66,7 @@ def sequence(seed: int, n: int) -> list[list]:
     steps: list[list] = [[("match", 0, 2, 1, "ok")], [("release", 0, 0.0, "ok")]]  # before hello
     steps.append([("hello",)])
     steps.append([("register", "a"), ("register", "b")])
+    steps += [[("insert", 0, 7, BIG)], [("match", 0, 7, BIG, "ok")], [("match", 0, 7, 1200, "ok")]]
     for i in range(n):
         kind = rng.choice(["match", "match", "match", "release", "release", "insert", "batch"])
         if kind == "batch":  # several in one write: one turn of the frame loop
@@ -73,7 +78,7 @@ def sequence(seed: int, n: int) -> list[list]:
 
 def op_of(rng: random.Random, kind: str) -> tuple:
     if kind == "insert":
-        return ("insert", rng.randrange(2), rng.randrange(4), rng.randint(1, MAX_PAGES))
+        return ("insert", rng.randrange(2), rng.randrange(4), rng.randint(1, PAGES))
     if kind == "release":
         how = rng.choice(["ok", "ok", "quiet", "quiet", "unknown", "unknown_quiet", "twice", "str", "extra",
                           "negative", "other_engine"])
@@ -81,7 +86,7 @@ def op_of(rng: random.Random, kind: str) -> tuple:
     how = rng.choice(["ok", "ok", "ok", "quiet", "quiet_false", "wrong_engine", "negative_engine", "odd_keys",
                       "oversized", "extra", "params_first", "map16", "trailing", "dup_id", "bool_engine",
                       "empty", "float_id", "unknown_method_shape"])
-    return ("match", rng.randrange(2), rng.randrange(4), rng.randint(0, MAX_PAGES), how)
+    return ("match", rng.randrange(2), rng.randrange(4), rng.randint(0, PAGES), how)
 
 
 class Run:
@@ -108,7 +113,7 @@ class Run:
             return [pack_frame({"id": self.rid(), "method": "hello", "params": {"version": PROTOCOL_VERSION}})]
         if op[0] == "register":
             return [pack_frame({"id": self.rid(), "method": "register", "params": {
-                "model": op[1], "layout": LAYOUT.to_dict(), "device_pages": 256}})]
+                "model": op[1], "layout": LAYOUT.to_dict(), "device_pages": 1 << 15}})]
         if op[0] == "insert":
             _, e, prefix, n = op
             keys, tokens = self.keys(e, prefix, n)
@@ -186,6 +191,21 @@ class Run:
         return out
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rpc_metrics(port: int) -> dict:
+    """Request counts by (method, code) and latency observations by method, from /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {(s.labels.get("method"), s.labels.get("code"), s.name): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name in ("hicache_requests_total", "hicache_rpc_latency_seconds_count")}
+
+
 def ask(path: str, method: str, params: dict) -> dict:
     s = raw(path)
     try:
@@ -212,9 +232,10 @@ def state(path: str) -> dict:
 @needs_native
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_match_and_release_answer_the_same_bytes_on_both_frame_loops(daemon_factory, seed):
-    flags = ("--host-capacity", "16MiB", "--no-disk")
-    daemons = [daemon_factory(*flags, env={"HICACHE_NATIVE_RPC": flag, "HICACHE_MAX_REQUEST_PAGES": str(MAX_PAGES)})
-               .start() for flag in ("1", "0")]
+    ports = [free_port(), free_port()]
+    daemons = [daemon_factory("--host-capacity", "32MiB", "--no-disk", "--metrics-port", str(port),
+                              env={"HICACHE_NATIVE_RPC": flag, "HICACHE_MAX_REQUEST_PAGES": str(MAX_PAGES)}).start()
+               for flag, port in zip(("1", "0"), ports)]
     runs = [Run(d.socket) for d in daemons]
     for i, ops in enumerate(sequence(seed, 120)):
         native, asyncio_ = (run.step(ops, SYNC_ID + i) for run in runs)
@@ -227,6 +248,9 @@ def test_match_and_release_answer_the_same_bytes_on_both_frame_loops(daemon_fact
         run.s.close()
     native_state, asyncio_state = state(daemons[0].socket), state(daemons[1].socket)
     assert native_state == asyncio_state
+    # the per-method metrics count the same answers (by result code) and latencies
+    counts = [rpc_metrics(port) for port in ports]
+    assert counts[0] == counts[1] and counts[0][("match", "OK", "hicache_requests_total")] > 30
     # the fast path did answer on the native loop (most frames are of the client's shape)
     rpc = [stats_rpc(d.socket) for d in daemons]
     assert rpc[0]["frame_loop"] == "native" and rpc[0]["fast_requests"] > 30
