@@ -210,16 +210,19 @@ static int fast_encode_true(buf_t *out, unsigned long long id) {
     return 0;
 }
 
-/* An int64 page-id array (C-contiguous, native little-endian) as a bin of int32 LE. */
-static int ids_view(PyObject *arr, Py_buffer *v) {
-    if (PyObject_GetBuffer(arr, v, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)) return -1;
-    const char *f = v->format ? v->format : "B";
-    if (*f == '<' || *f == '=' || *f == '@') f++;
-    if (v->itemsize != 8 || (strcmp(f, "l") && strcmp(f, "q"))) {
+/* A page-id array as int64 (C-contiguous, native little-endian): the index's arrays are,
+   anything else goes through its astype("int64") first (a new reference in *held). */
+static int ids_view(PyObject *arr, Py_buffer *v, PyObject **held) {
+    *held = NULL;
+    if (!PyObject_GetBuffer(arr, v, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)) {
+        const char *f = v->format ? v->format : "B";
+        if (*f == '<' || *f == '=' || *f == '@') f++;
+        if (v->itemsize == 8 && (!strcmp(f, "l") || !strcmp(f, "q"))) return 0;
         PyBuffer_Release(v);
-        PyErr_SetString(PyExc_TypeError, "page ids must be an int64 array");
-        return -1;
-    }
+    } else PyErr_Clear();
+    *held = PyObject_CallMethod(arr, "astype", "s", "int64");
+    if (!*held) return -1;
+    if (PyObject_GetBuffer(*held, v, PyBUF_C_CONTIGUOUS)) { Py_CLEAR(*held); return -1; }
     return 0;
 }
 
@@ -248,8 +251,13 @@ static int fast_encode_match(buf_t *out, unsigned long long id, PyObject *res) {
     long long slabs = PyLong_AsLongLong(PyTuple_GET_ITEM(res, 4));
     if (PyErr_Occurred()) return -1;
     Py_buffer dev, host;
-    if (ids_view(PyTuple_GET_ITEM(res, 1), &dev)) return -1;
-    if (ids_view(PyTuple_GET_ITEM(res, 2), &host)) { PyBuffer_Release(&dev); return -1; }
+    PyObject *dev_held, *host_held;
+    if (ids_view(PyTuple_GET_ITEM(res, 1), &dev, &dev_held)) return -1;
+    if (ids_view(PyTuple_GET_ITEM(res, 2), &host, &host_held)) {
+        PyBuffer_Release(&dev);
+        Py_XDECREF(dev_held);
+        return -1;
+    }
     unsigned char *w = frame_begin(out, 160 + (size_t)(dev.len + host.len) / 2);
     if (w) {
         *w++ = 0x82;
@@ -271,6 +279,8 @@ static int fast_encode_match(buf_t *out, unsigned long long id, PyObject *res) {
     }
     PyBuffer_Release(&dev);
     PyBuffer_Release(&host);
+    Py_XDECREF(dev_held);
+    Py_XDECREF(host_held);
     if (!w) { PyErr_NoMemory(); return -1; }
     return 0;
 }
