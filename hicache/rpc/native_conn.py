@@ -19,6 +19,14 @@ The guarantees of hicache/rpc/server.py hold unchanged; C only reports, Python d
 A teardown (abort, end of stream, a failed send) stops watching the descriptor before C
 closes it, once, and runs `connection_lost` on a later loop turn, never under a handler.
 
+The fast path: `match` and `release` frames of the shape the client sends are parsed in C
+(native_fast_source.py) and go to `_fast`, which makes `_handle`'s checks (hello, draining,
+requests in flight) and calls the method's fast handler (`handler.fast`, see
+`RpcServer.fast_handler`: the daemon's in hicache/daemon/serve/handlers.py); C encodes its
+answer, byte for byte the packer's. What a check refuses or the handler declines (before
+changing anything) and every other frame go to `_handle` unchanged, so errors, their order
+and the counters and metrics (`requests`, `observe`) are the Python path's.
+
 Without a C compiler or Python's headers, or with HICACHE_NATIVE_RPC=0, `load()`
 returns None and the server keeps the asyncio Protocol path (server.py).
 """

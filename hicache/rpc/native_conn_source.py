@@ -16,6 +16,10 @@ unsent, or the bytes of partial frames held changed; `closed(reason, value)` at 
 stream (CLOSED_EOF, errno or 0) or on a length over the cap (CLOSED_OVERSIZED, the
 length). Python owns the policy (caps, pausing, watching the descriptor); C owns the
 descriptor, closed once by `close()` or at collection.
+
+With `fast` set, a `match` or `release` frame of the client's shape goes to `fast(kind,
+id, arg, keys)` instead, and its answer is encoded here (`FAST_C`,
+hicache/rpc/native_fast_source.py); None from it sends the frame to `handle` after all.
 """
 
 from __future__ import annotations

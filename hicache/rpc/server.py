@@ -5,6 +5,8 @@ Two frame loops serve the connections, one per server. Where the C extension bui
 run in C as its event loop reader callback, which calls `Connection._handle` once per
 whole frame; otherwise, or with HICACHE_NATIVE_RPC=0 or `native=False`, `Connection`
 is an asyncio Protocol. Both keep every guarantee below; `frame_loop` says which serves.
+On the C loop, a handler may carry a `fast` twin (`RpcServer.fast_handler`) that answers
+the common well-formed request without the request and reply dicts (native_conn.py).
 
 Handlers are plain callables `handler(conn, params) -> result`; an `async def`
 handler's coroutine runs as a tracked task. Synchronous handlers
