@@ -211,6 +211,7 @@ static PyObject *run_turn(NativeConn *c) {
         if (c->fast && c->fast != Py_None && fast_parse(body, n, &q) != FAST_NONE) {
             int k = run_fast(c, &q);
             if (k < 0) { c->in_turn = 0; return NULL; }
+            if (c->fd < 0) break;  /* closed under the call: `body` is gone with the buffer */
             if (k > 0) {
                 /* as queue(): past flush_at, send now; what the socket refuses ends the
                    turn, so that Python hears of it (turn_end) before the next frame */
