@@ -74,6 +74,11 @@ async def _measure(prompt_tokens: int, requests: int, repeats: int) -> list[dict
             m = h["match"](conn, params)
             h["release"](conn, {"pin": m["pin"]})
 
+        fast_match, fast_release = h["match"].fast, h["release"].fast  # the native frame loop's calls
+
+        def fast() -> None:  # what the C frame loop calls per match and release (C parses and encodes)
+            fast_release(conn, fast_match(conn, engine, keys)[0], None)
+
         def service() -> None:
             svc.release(conn, svc.match(conn, engine, PackedKeys(keys)).pin_id)
 
@@ -86,7 +91,7 @@ async def _measure(prompt_tokens: int, requests: int, repeats: int) -> list[dict
             unpack_body(release_frame)
             packer.pack({"id": 2, "result": True})
 
-        stages = {"handlers": handlers, "service": service, "walk": walk, "frames": frames}
+        stages = {"handlers": handlers, "fast": fast, "service": service, "walk": walk, "frames": frames}
         rounds: dict[str, list[float]] = {k: [] for k in stages}
         for _ in range(repeats):
             for name, fn in stages.items():
@@ -98,6 +103,9 @@ async def _measure(prompt_tokens: int, requests: int, repeats: int) -> list[dict
             row(f"match + release handlers, {label}", med["handlers"], "us", baseline=med["frames"],
                 baseline_name="echo frames", repeats=repeats, best_us=best["handlers"],
                 best_baseline_us=best["frames"]),
+            row(f"match + release fast handlers (native frame loop), {label}", med["fast"], "us",
+                baseline=med["handlers"], baseline_name="handlers", repeats=repeats, best_us=best["fast"],
+                best_baseline_us=best["handlers"]),
             row(f"  of which CacheService match + release, {label}", med["service"], "us", repeats=repeats,
                 best_us=best["service"]),
             row(f"  of which the radix walk (RadixIndex.match), {label}", med["walk"], "us", repeats=repeats,

@@ -19,6 +19,14 @@ The guarantees of hicache/rpc/server.py hold unchanged; C only reports, Python d
 A teardown (abort, end of stream, a failed send) stops watching the descriptor before C
 closes it, once, and runs `connection_lost` on a later loop turn, never under a handler.
 
+The fast path: `match` and `release` frames of the shape the client sends are parsed in C
+(native_fast_source.py) and go to `_fast`, which makes `_handle`'s checks (hello, draining,
+requests in flight) and calls the method's fast handler (`handler.fast`, see
+`RpcServer.fast_handler`: the daemon's in hicache/daemon/serve/handlers.py); C encodes its
+answer, byte for byte the packer's. What a check refuses or the handler declines (before
+changing anything) and every other frame go to `_handle` unchanged, so errors, their order
+and the counters and metrics (`requests`, `observe`) are the Python path's.
+
 Without a C compiler or Python's headers, or with HICACHE_NATIVE_RPC=0, `load()`
 returns None and the server keeps the asyncio Protocol path (server.py).
 """
@@ -31,10 +39,13 @@ import logging
 import os
 import socket
 import stat
+import time
 from types import ModuleType
+from typing import Any
 
 from hicache.kernels import native_build
 from hicache.rpc.native_conn_source import SOURCE
+from hicache.rpc.protocol import Code
 from hicache.rpc.server import FRAMES_PER_TURN, HIGH_WATER_BYTES, Connection, RpcServer
 
 log = logging.getLogger(__name__)
@@ -60,6 +71,11 @@ class NativeConnection(Connection):
         self._oversized = mod.CLOSED_OVERSIZED
         self._native = mod.NativeConn(fd, self._handle, self._turn_end, self._closed, server.max_frame_bytes,
                                       FRAMES_PER_TURN, self._high)
+        # match and release frames of the client's shape, answered by C around one Python call
+        self._fast_handlers = {kind: (m, server.fast_handler(m))
+                               for kind, m in ((mod.FAST_MATCH, "match"), (mod.FAST_RELEASE, "release"))}
+        if any(h for _, h in self._fast_handlers.values()):
+            self._native.fast = self._fast
         self._reading = False
         self._writing = False
         self._closing = False  # closing gracefully: sending what is queued first
@@ -71,6 +87,34 @@ class NativeConnection(Connection):
             return
         self.server.connections.add(self)
         self._update_reading()
+
+    # -- the fast path (native_fast_source.py) ------------------------------
+    def _fast(self, kind: int, req_id: int, arg: int, keys: bytes | None) -> Any:
+        """A match or release frame C parsed: its method's fast handler, behind the checks
+        `_handle` makes. None sends the frame to `_handle` (what a check refuses, or the
+        handler declines before changing anything, gets its answer there); False: answered
+        here (an error); else the result, which C encodes as `send_result` would."""
+        server = self.server
+        method, handler = self._fast_handlers[kind]
+        if (handler is None or not self.greeted or len(self.inflight) >= server.max_inflight
+                or (server.draining and method not in server.allowed_while_draining)):
+            return None
+        t0 = time.perf_counter()
+        try:
+            result = handler(self, arg, keys)
+        except Exception as e:  # a bug: the daemon's fast handlers decline what they refuse
+            log.exception("fast handler %s failed", method)
+            server.counters.requests += 1
+            self.send_error(req_id, Code.INTERNAL, f"{type(e).__name__}: {e}")
+            self._observe(method, t0, Code.INTERNAL.value)
+            return False
+        if result is not None:
+            counters = server.counters
+            counters.requests += 1
+            counters.fast_requests += 1
+            if server.observe is not None:
+                server.observe(method, time.perf_counter() - t0, "OK")
+        return result
 
     # -- reports from C -----------------------------------------------------
     def _turn_end(self, more: int, pending: int, buffered: int) -> None:

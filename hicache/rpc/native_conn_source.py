@@ -16,9 +16,15 @@ unsent, or the bytes of partial frames held changed; `closed(reason, value)` at 
 stream (CLOSED_EOF, errno or 0) or on a length over the cap (CLOSED_OVERSIZED, the
 length). Python owns the policy (caps, pausing, watching the descriptor); C owns the
 descriptor, closed once by `close()` or at collection.
+
+With `fast` set, a `match` or `release` frame of the client's shape goes to `fast(kind,
+id, arg, keys)` instead, and its answer is encoded here (`FAST_C`,
+hicache/rpc/native_fast_source.py); None from it sends the frame to `handle` after all.
 """
 
 from __future__ import annotations
+
+from hicache.rpc.native_fast_source import FAST_C
 
 FRAMES_C = r"""
 #define PY_SSIZE_T_CLEAN
@@ -145,6 +151,7 @@ typedef struct {
     size_t accounted;     /* partial-frame bytes last reported to Python */
     buf_t in, out;
     PyObject *handle, *turn_end, *closed;
+    PyObject *fast;  /* fast(kind, id, arg, keys) for match/release frames, or NULL/None: all go to handle */
 } NativeConn;
 
 static void trim(buf_t *b) { if (b->start == b->end && b->cap > KEEP_BYTES) buf_free(b); }
@@ -166,14 +173,55 @@ static PyObject *report_closed(NativeConn *c, int reason, long value) {
     return r;
 }
 
+/* A match or release frame through `fast(kind, id, arg, keys)` (native_fast_source.py):
+   1 answered (the reply queued here, or Python answered an error itself), 0 the fast
+   handler declined before changing anything (the frame goes to `handle`), -1 raised. */
+static int run_fast(NativeConn *c, const fast_req_t *q) {
+    PyObject *args[4] = {NULL, NULL, NULL, NULL};
+    args[0] = PyLong_FromLong(q->kind);
+    args[1] = PyLong_FromUnsignedLongLong(q->id);
+    args[2] = PyLong_FromUnsignedLongLong(q->arg);
+    args[3] = q->kind == FAST_MATCH ? PyBytes_FromStringAndSize(q->blob, q->blob_len) : (Py_INCREF(Py_None), Py_None);
+    PyObject *res = NULL, *fast = c->fast;
+    if (args[0] && args[1] && args[2] && args[3]) {
+        Py_INCREF(fast);  /* held: the handler may drop it */
+        res = PyObject_Vectorcall(fast, args, 4, NULL);
+        Py_DECREF(fast);
+    }
+    for (int i = 0; i < 4; i++) Py_XDECREF(args[i]);
+    if (!res) return -1;
+    int r = 1;
+    if (res == Py_None) r = 0;
+    else if (res == Py_False || q->quiet || c->fd < 0) r = 1;  /* answered by Python, or nothing to say */
+    else if (res == Py_True) r = fast_encode_true(&c->out, q->id) ? -1 : 1;
+    else r = fast_encode_match(&c->out, q->id, res) ? -1 : 1;
+    Py_DECREF(res);
+    return r;
+}
+
 static PyObject *run_turn(NativeConn *c) {
     const char *body;
     uint32_t n;
-    int r = 0, done = 0;
+    int r = 0, done = 0, stopped = 0;
+    fast_req_t q;
     c->in_turn = 1;
     while (c->fd >= 0 && !c->paused && done < c->frames_per_turn) {
         if ((r = next_frame(&c->in, c->max, &body, &n)) != 1) break;
         done++;
+        if (c->fast && c->fast != Py_None && fast_parse(body, n, &q) != FAST_NONE) {
+            int k = run_fast(c, &q);
+            if (k < 0) { c->in_turn = 0; return NULL; }
+            if (c->fd < 0) break;  /* closed under the call: `body` is gone with the buffer */
+            if (k > 0) {
+                /* as queue(): past flush_at, send now; what the socket refuses ends the
+                   turn, so that Python hears of it (turn_end) before the next frame */
+                if (c->fd >= 0 && (Py_ssize_t)(c->out.end - c->out.start) >= c->flush_at && flush_out(c) != 0) {
+                    stopped = 1;
+                    break;
+                }
+                continue;
+            }
+        }
         PyObject *arg = PyBytes_FromStringAndSize(body, n);
         if (!arg) { c->in_turn = 0; return NULL; }
         PyObject *handle = c->handle;  /* held: a handler may close the connection */
@@ -189,7 +237,7 @@ static PyObject *run_turn(NativeConn *c) {
     if (r < 0) return report_closed(c, CLOSED_OVERSIZED, (long)be32(c->in.p + c->in.start));
     Py_ssize_t pending = flush_out(c);
     size_t buffered = c->in.end - c->in.start;
-    int more = done == c->frames_per_turn && buffered >= 4;
+    int more = (stopped || done == c->frames_per_turn) && buffered >= 4;
     if (!buffered) trim(&c->in);
     if (!more && pending == 0 && buffered == c->accounted) Py_RETURN_NONE;
     c->accounted = buffered;
@@ -248,6 +296,7 @@ static PyObject *conn_close(PyObject *self, PyObject *unused) {
     Py_CLEAR(c->handle);
     Py_CLEAR(c->turn_end);
     Py_CLEAR(c->closed);
+    Py_CLEAR(c->fast);
     Py_RETURN_NONE;
 }
 
@@ -303,6 +352,7 @@ static int conn_traverse(PyObject *self, visitproc visit, void *arg) {
     Py_VISIT(c->handle);
     Py_VISIT(c->turn_end);
     Py_VISIT(c->closed);
+    Py_VISIT(c->fast);
     return 0;
 }
 
@@ -311,6 +361,7 @@ static int conn_clear(PyObject *self) {
     Py_CLEAR(c->handle);
     Py_CLEAR(c->turn_end);
     Py_CLEAR(c->closed);
+    Py_CLEAR(c->fast);
     return 0;
 }
 
@@ -334,6 +385,8 @@ static PyMethodDef conn_methods[] = {
 };
 static PyMemberDef conn_members[] = {
     {"paused", T_BOOL, offsetof(NativeConn, paused), 0, "no frames are handled (nor read) while set"},
+    {"fast", T_OBJECT, offsetof(NativeConn, fast), 0,
+     "fast(kind, id, arg, keys): answers match/release frames of the client's shape (None: handle all)"},
     {NULL}
 };
 static PyGetSetDef conn_getset[] = {
@@ -369,7 +422,9 @@ PyMODINIT_FUNC PyInit_hicache_native_rpc(void) {
     Py_INCREF(&NativeConnType);
     if (PyModule_AddObject(m, "NativeConn", (PyObject *)&NativeConnType) < 0
             || PyModule_AddIntConstant(m, "CLOSED_EOF", CLOSED_EOF)
-            || PyModule_AddIntConstant(m, "CLOSED_OVERSIZED", CLOSED_OVERSIZED)) {
+            || PyModule_AddIntConstant(m, "CLOSED_OVERSIZED", CLOSED_OVERSIZED)
+            || PyModule_AddIntConstant(m, "FAST_MATCH", FAST_MATCH)
+            || PyModule_AddIntConstant(m, "FAST_RELEASE", FAST_RELEASE)) {
         Py_DECREF(m);
         return NULL;
     }
@@ -377,4 +432,4 @@ PyMODINIT_FUNC PyInit_hicache_native_rpc(void) {
 }
 """
 
-SOURCE = FRAMES_C + CONN_C
+SOURCE = FRAMES_C + FAST_C + CONN_C

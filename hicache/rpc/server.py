@@ -5,6 +5,8 @@ Two frame loops serve the connections, one per server. Where the C extension bui
 run in C as its event loop reader callback, which calls `Connection._handle` once per
 whole frame; otherwise, or with HICACHE_NATIVE_RPC=0 or `native=False`, `Connection`
 is an asyncio Protocol. Both keep every guarantee below; `frame_loop` says which serves.
+On the C loop, a handler may carry a `fast` twin (`RpcServer.fast_handler`) that answers
+the common well-formed request without the request and reply dicts (native_conn.py).
 
 Handlers are plain callables `handler(conn, params) -> result`; an `async def`
 handler's coroutine runs as a tracked task. Synchronous handlers
@@ -62,6 +64,7 @@ HIGH_WATER_BYTES = 64 << 10  # unsent output that pauses serving a connection (a
 @dataclass(slots=True)
 class ServerCounters:
     requests: int = 0  # frames handled
+    fast_requests: int = 0  # of which the native frame loop's fast path answered (native_conn.py)
     dropped_subscribers: int = 0  # subscribers that fell behind, closed
     output_overflows: int = 0  # connections aborted over max_output_bytes
     input_overflows: int = 0  # connections closed over max_buffer_bytes / max_total_buffer_bytes
@@ -408,6 +411,15 @@ class RpcServer:
         self.native = native  # the C frame loop: None = where it builds (HICACHE_NATIVE_RPC=0: never)
         self.frame_loop = ""  # which served the connections once started: "native" or "asyncio"
         self._server: asyncio.AbstractServer | NativeListener | None = None
+
+    def fast_handler(self, method: str) -> Callable[[Connection, int, bytes | None], Any] | None:
+        """The native frame loop's shortcut for `method` (hicache/rpc/native_conn.py): the
+        `fast` attribute its handler carries, `fast(conn, arg, keys)` -> a result C encodes,
+        or None to decline (nothing changed: the frame takes the general path). Never for
+        an admin method (its role check stays `_handle`'s)."""
+        if method in self.admin_methods:
+            return None
+        return getattr(self.handlers.get(method), "fast", None)
 
     def allowed(self, peer: PeerCred | None) -> bool:
         return member(peer, self.allowed_uids, self.allowed_gids)

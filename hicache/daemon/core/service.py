@@ -273,9 +273,9 @@ class CacheService:
             self._apply_freed(ns, ns.index.take_freed(), None)
 
     def release(self, owner: object, pin_id: Any) -> None:
-        self._drop_pin(self.pin(owner, pin_id))
+        self.drop_pin(self.pin(owner, pin_id))
 
-    def _drop_pin(self, pin: Pin) -> None:
+    def drop_pin(self, pin: Pin) -> None:
         ns = pin.engine.ns
         ns.index.unlock_held(pin.locks)
         pin.locks.clear()
@@ -497,7 +497,7 @@ class CacheService:
     def disconnect(self, owner: object) -> None:
         """Release everything a vanished connection held: pins, planned backups, engines."""
         for pin in [p for p in self.pins.values() if p.engine.owner is owner]:
-            self._drop_pin(pin)
+            self.drop_pin(pin)
         for res in self.ingest.owned_by("backup", lambda e: e.owner is owner):
             self._finish_backup(res.data, ok=False)
         if self.hybrid is not None:
@@ -507,7 +507,7 @@ class CacheService:
 
     def disconnect_engine(self, rec: EngineRecord) -> None:
         for pin in [p for p in self.pins.values() if p.engine is rec]:
-            self._drop_pin(pin)
+            self.drop_pin(pin)
         for res in self.ingest.owned_by("backup", lambda e: e is rec):
             self._finish_backup(res.data, ok=False)
         del self.engines[rec.engine_id]

@@ -440,13 +440,14 @@ class Daemon:
         if server is None:
             return {"events": {"subscribers": 0, "dropped_subscribers": 0},
                     "rpc": {"frame_loop": "", "buffered_input_bytes": 0, "output_overflows": 0,
-                            "input_overflows": 0}}
+                            "input_overflows": 0, "requests": 0, "fast_requests": 0}}
         c = server.counters
         return {"events": {"subscribers": sum(conn.subscribed for conn in server.connections),
                            "dropped_subscribers": c.dropped_subscribers},
                 "rpc": {"frame_loop": server.frame_loop, "buffered_input_bytes": server.buffered_bytes,
                         "output_overflows": c.output_overflows,
-                        "input_overflows": c.input_overflows}}
+                        "input_overflows": c.input_overflows, "requests": c.requests,
+                        "fast_requests": c.fast_requests}}
 
 
 def serve(config: Config) -> int:

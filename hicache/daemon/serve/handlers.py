@@ -192,6 +192,22 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
             return remote_match(pin, keys)  # the local prefix stops short: ask the remote store
         return match_reply(pin, state)
 
+    def fast_match(conn: Connection, engine_id: int, blob: bytes) -> tuple | None:
+        """`match` for the native frame loop's common request (hicache/rpc/native_conn.py):
+        the answer as a tuple its C encodes, byte for byte match_reply's dict. Declines
+        (None, before changing anything) what `match` would refuse or answer otherwise."""
+        if len(blob) > max_key_bytes or len(blob) % KEY_BYTES:
+            return None
+        rec = svc.engines.get(engine_id)
+        if rec is None or rec.owner is not conn or (hybrid is not None and rec.ns.namespace.state is not None):
+            return None
+        pin = svc.match_engine(rec, PackedKeys(blob))
+        return (pin.pin_id, pin.device_pages, pin.host_pages, pin.disk_len,
+                slab_versions.get(rec.ns.salt, 0))
+
+    if remote is None:  # a remote tier may answer later (remote_match): the general path
+        match.fast = fast_match  # type: ignore[attr-defined]
+
     async def remote_match(pin: Any, keys: Any) -> Any:
         await daemon.remote.extend_match(pin, keys)  # bounded by remote_lookup_timeout_s
         if pin.pin_id not in svc.pins:
@@ -237,6 +253,16 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
         pin_id = p.get("pin")
         svc.release(conn, pin_id if type(pin_id) is int else _get(p, "pin", int))
         return True
+
+    def fast_release(conn: Connection, pin_id: int, _: None) -> bool | None:
+        """`release` for the native frame loop (as fast_match); declines an unknown pin."""
+        pin = svc.pins.get(pin_id)
+        if pin is None or pin.engine.owner is not conn:
+            return None
+        svc.drop_pin(pin)
+        return True
+
+    release.fast = fast_release  # type: ignore[attr-defined]
 
     def insert(conn: Connection, p: dict) -> Any:
         keys = keys_of(p)
