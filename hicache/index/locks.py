@@ -13,8 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from hicache.index.keys import PackedKeys
 from hicache.index.node import (
-    Freed, FreedCollector, IndexInputError, IndexStateError, MatchResult, Tier, TreeNode, check_engine, check_tier,
+    EMPTY_PAGES, Freed, FreedCollector, IndexInputError, IndexStateError, MatchResult, Tier, TreeNode, check_engine,
+    check_tier, concat_pages,
 )
 from hicache.index.policy import ResidencyLedger
 from hicache.index.tree_walk import check_live, path_to_root
@@ -29,8 +33,12 @@ class LockOps:
         _outbox: list[Freed]
         _native_lock: Callable[..., None] | None
         _native_unlock: Callable[..., object] | None
+        _native_walk_lock: Callable[..., tuple[list[TreeNode], int, int, int]] | None
+        clock: Callable[[], float]
 
         def _path(self, node: object) -> list[TreeNode]: ...
+        def _split(self, node: TreeNode, j: int) -> TreeNode: ...
+        def match(self, keys: list[bytes], engine: int | None = None) -> MatchResult: ...
 
 
     def lock(self, node: TreeNode, tier: Tier, engine: int | None = None) -> None:
@@ -67,11 +75,65 @@ class LockOps:
             locks.append((nodes[n_dev + n_host - 1], Tier.HOST, None))
         return locks
 
-    def unlock_held(self, locks: list[tuple[TreeNode, Tier, int | None]]) -> None:
+    def match_locked(self, keys: list[bytes], engine: int
+                     ) -> tuple[list[TreeNode], int, int, np.ndarray, np.ndarray, list[tuple[TreeNode, Tier, int | None]]]:
+        """match(keys, engine), then lock_match on its result, as one step: (nodes, n_dev,
+        n_host, device_pages, host_pages, locks). `nodes` is the matched path, its first
+        n_dev nodes the device segment, the next n_host the host segment, the rest the disk
+        segment; the page arrays and locks are the MatchResult's and lock_match's.
+
+        Why: every engine request waits on match + lock. With the C loops and keys off the
+        wire this is one native call (walk and locks) and no result object; where the walk
+        stopped inside a node, the node is split here first and locked after, as match
+        and lock_match do. The same state changes either way (tests/index/test_native_index.py)."""
+        if type(engine) is not int or engine < 0:
+            engine = check_engine(engine)
+        walk = self._native_walk_lock
+        if walk is None or type(keys) is not PackedKeys:
+            r = self.match(keys, engine)
+            return (r.nodes, len(r.device_nodes), len(r.host_nodes), r.device_pages, r.host_pages,
+                    self.lock_match(r, engine))
+        now = self.clock()
+        path, n_dev, n_host, j = walk(self.root, keys.blob, engine, now, self._ledger.protected)
+        if j >= 0:  # diverged or ended inside the last node: split (as match), then lock
+            upper = path[-1] = self._split(path[-1], j)
+            upper.last_access = now
+            upper.hit_count += 1
+            if n_dev or n_host:
+                self._native_lock(path, n_dev, n_host, engine, self._ledger.protected)
+        locks: list[tuple[TreeNode, Tier, int | None]] = []
+        if n_dev == 1:
+            device_pages = path[0].device[engine]
+            locks.append((path[0], Tier.DEVICE, engine))
+        elif n_dev:
+            device_pages = concat_pages([x.device[engine] for x in path[:n_dev]])
+            locks.append((path[n_dev - 1], Tier.DEVICE, engine))
+        else:
+            device_pages = EMPTY_PAGES
+        if n_host:
+            last = path[n_dev + n_host - 1]
+            host_pages = last.host if n_host == 1 else concat_pages([x.host for x in path[n_dev:n_dev + n_host]])
+            locks.append((last, Tier.HOST, None))
+        else:
+            host_pages = EMPTY_PAGES
+        return path, n_dev, n_host, device_pages, host_pages, locks
+
+    def unlock_held(self, locks: list[tuple[TreeNode, Tier, int | None]]) -> bool:
         """unlock() each (node, tier, engine) of `locks`, as lock_match returns them (the
-        tier a Tier, the engine an engine id or None: not checked again)."""
+        tier a Tier, the engine an engine id or None: not checked again). Returns whether
+        Freed records wait for take_freed (has_freed), so a caller asks no second time."""
+        unlock = self._native_unlock
+        if unlock is None:
+            for node, tier, engine in locks:
+                self._unlock(node, tier, engine if tier is Tier.DEVICE else None)
+            return bool(self._outbox)
+        root, ledger = self.root, self._ledger  # _unlock's native branch, inlined: one frame per release
         for node, tier, engine in locks:
-            self._unlock(node, tier, engine if tier is Tier.DEVICE else None)
+            key = engine if tier is Tier.DEVICE else None
+            doomed = unlock(node, tier, key, root, ledger.protected, ledger.maybe_queue)
+            if doomed is not None:
+                self._unlocked(node, tier, key, doomed)
+        return bool(self._outbox)
 
     def unlock(self, node: TreeNode, tier: Tier, engine: int | None = None) -> None:
         """Drop a ref taken by lock(); below zero raises IndexStateError. A node in no
@@ -83,8 +145,6 @@ class LockOps:
     def _unlock(self, node: TreeNode, t: Tier, key: int | None) -> None:
         if self._native_unlock is not None:  # the checks, the path up and the unlock in C
             doomed = self._native_unlock(node, t, key, self.root, self._ledger.protected, self._ledger.maybe_queue)
-            if type(doomed) is int:
-                self._refuse_unlock(node, t, key, doomed)
         else:
             path = path_to_root(node, self.root)
             held = node.device_locks.get(key, 0) if t is Tier.DEVICE else node.lock_ref[t]
@@ -92,9 +152,16 @@ class LockOps:
                 raise IndexStateError(f"unlock below zero: {node!r} {t.name} engine={key}")
             doomed = self._ledger.unlock_path(path, t, key)
         if doomed is not None:
-            acc = FreedCollector()
-            self._ledger.remove_subtree(doomed, acc)
-            self._outbox.extend(acc.build())
+            self._unlocked(node, t, key, doomed)
+
+    def _unlocked(self, node: TreeNode, t: Tier, key: int | None, doomed: object) -> None:
+        """After an unlock: remove the subtree it left in no tier, or raise native
+        unlock_node's refusal (an int code; nothing changed)."""
+        if type(doomed) is int:
+            self._refuse_unlock(node, t, key, doomed)
+        acc = FreedCollector()
+        self._ledger.remove_subtree(doomed, acc)
+        self._outbox.extend(acc.build())
 
     @staticmethod
     def _refuse_unlock(node: object, t: Tier, key: int | None, code: int) -> None:

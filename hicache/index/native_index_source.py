@@ -6,6 +6,8 @@ TreeNode objects through the C API, step for step as the Python it stands in for
 - `lock_path(path, tier, engine, protected)` and `unlock_path(path, tier, engine,
   protected, maybe_queue)`: ResidencyLedger.lock_path / unlock_path (policy.py);
 - `lock_segments(nodes, n_dev, n_host, engine, protected)`: RadixIndex.lock_match's locks;
+- `walk_lock(root, blob, engine, now, protected)`: walk, then lock_segments when no split
+  is needed: RadixIndex.match_locked in one call;
 - `unlock_node(node, tier, key, root, protected, maybe_queue)`: RadixIndex.unlock after its
   argument checks (the path up and the held check here; a refusal is a small int for the
   caller to raise, with nothing changed).
@@ -67,13 +69,12 @@ static int touch(PyObject *node, PyObject *now) {
     return r;
 }
 
-static PyObject *walk(PyObject *self, PyObject *args) {
-    PyObject *root, *lane, *now;
-    Py_buffer buf;
-    int seg;
-    if (!PyArg_ParseTuple(args, "Oy*OiO", &root, &buf, &lane, &seg, &now)) return NULL;
-    const char *blob = buf.buf;
-    Py_ssize_t n = buf.len / KEY_BYTES, i = 0, n_dev = 0, n_host = 0, j = -1;
+/* walk()'s loop over the keys in `buf`: the path (a new list), its segment lengths and
+   `j` in *out (n_dev, n_host, j); NULL on error. */
+static PyObject *walk_path(PyObject *root, const Py_buffer *bp, PyObject *lane, int seg, PyObject *now,
+                           Py_ssize_t *out) {
+    const char *blob = bp->buf;
+    Py_ssize_t n = bp->len / KEY_BYTES, i = 0, n_dev = 0, n_host = 0, j = -1;
     PyObject *path = PyList_New(0);
     PyObject *node = root;  /* borrowed: the tree (and `path`) keep every node alive */
     if (!path) goto fail;
@@ -140,13 +141,22 @@ static PyObject *walk(PyObject *self, PyObject *args) {
         i += step;
         node = child;
     }
-    PyBuffer_Release(&buf);
-    PyObject *out = Py_BuildValue("(Nnnn)", path, n_dev, n_host, j);
-    return out;
+    out[0] = n_dev; out[1] = n_host; out[2] = j;
+    return path;
 fail:
-    PyBuffer_Release(&buf);
     Py_XDECREF(path);
     return NULL;
+}
+
+static PyObject *walk(PyObject *self, PyObject *args) {
+    PyObject *root, *lane, *now;
+    Py_buffer buf;
+    int seg;
+    Py_ssize_t out[3];
+    if (!PyArg_ParseTuple(args, "Oy*OiO", &root, &buf, &lane, &seg, &now)) return NULL;
+    PyObject *path = walk_path(root, &buf, lane, seg, now, out);
+    PyBuffer_Release(&buf);
+    return path ? Py_BuildValue("(Nnnn)", path, out[0], out[1], out[2]) : NULL;
 }
 
 /* ---------------------------------------------------------------- locks */
@@ -324,6 +334,26 @@ static PyObject *lock_segments(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* walk_lock(root, blob, engine, now, protected) -> (path, n_dev, n_host, j): walk() from
+   the device segment of `engine`, then, when no node needs splitting (j == -1), the locks
+   of lock_segments on what it matched; with j >= 0 nothing is locked (the caller splits
+   the last node first, then locks). One call for RadixIndex.match_locked. */
+static PyObject *walk_lock(PyObject *self, PyObject *args) {
+    PyObject *root, *engine, *now, *prot;
+    Py_buffer buf;
+    Py_ssize_t out[3];
+    if (!PyArg_ParseTuple(args, "Oy*OOO!", &root, &buf, &engine, &now, &PyDict_Type, &prot)) return NULL;
+    PyObject *path = walk_path(root, &buf, engine, 0, now, out);
+    PyBuffer_Release(&buf);
+    if (!path) return NULL;
+    if (out[2] < 0 && ((out[0] && lock_nodes(path, out[0], 0, engine, prot) < 0)
+                       || (out[1] && lock_nodes(path, out[0] + out[1], 1, Py_None, prot) < 0))) {
+        Py_DECREF(path);
+        return NULL;
+    }
+    return Py_BuildValue("(Nnnn)", path, out[0], out[1], out[2]);
+}
+
 
 
 /* maybe_queue(x, lane) unless the lane already has an entry in x.queued; -1 on error. */
@@ -462,6 +492,7 @@ static PyMethodDef mod_methods[] = {
     {"lock_path", lock_path, METH_VARARGS, "lock_path(path, tier, engine, protected)"},
     {"unlock_path", unlock_path, METH_VARARGS, "unlock_path(path, tier, engine, protected, maybe_queue) -> doomed"},
     {"lock_segments", lock_segments, METH_VARARGS, "lock_segments(nodes, n_dev, n_host, engine, protected)"},
+    {"walk_lock", walk_lock, METH_VARARGS, "walk_lock(root, blob, engine, now, protected) -> (path, n_dev, n_host, j)"},
     {"unlock_node", unlock_node, METH_VARARGS,
      "unlock_node(node, tier, key, root, protected, maybe_queue) -> doomed | None | error code"},
     {NULL}

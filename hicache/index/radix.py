@@ -105,7 +105,7 @@ class RadixIndex(LockOps, EvictionOps):
         self._ledger = ResidencyLedger(self.root, self.policy, self.hint_priority)
         self._outbox: list[Freed] = []
         self.key_map: KeyMap | None = None  # keyed namespaces only (enable_key_map)
-        self._native_walk = self._native_lock = self._native_unlock = None
+        self._native_walk = self._native_lock = self._native_unlock = self._native_walk_lock = None
         self.use_native(native_index.load())  # built once per process; None: all in Python
 
     def use_native(self, mod: object) -> None:
@@ -114,6 +114,7 @@ class RadixIndex(LockOps, EvictionOps):
         self._native_walk = None if mod is None else mod.walk
         self._native_lock = None if mod is None else mod.lock_segments
         self._native_unlock = None if mod is None else mod.unlock_node
+        self._native_walk_lock = None if mod is None else mod.walk_lock
         self._ledger.use_native(mod)
 
     # ------------------------------------------------------------------ match / insert

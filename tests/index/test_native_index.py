@@ -42,6 +42,13 @@ def same_result(a, b) -> None:
     assert a.last_node.keys == b.last_node.keys
 
 
+def same_locked(a: tuple, b: tuple) -> None:
+    """Two match_locked results alike: path, segments, pages and the locks' nodes."""
+    assert [x.keys for x in a[0]] == [x.keys for x in b[0]] and a[1:3] == b[1:3]
+    assert a[3].tolist() == b[3].tolist() and a[4].tolist() == b[4].tolist()
+    assert [(n.keys, t, e) for n, t, e in a[5]] == [(n.keys, t, e) for n, t, e in b[5]]
+
+
 class Pair:
     """The same index twice: `native` walks and locks in C, `python` in Python."""
 
@@ -79,6 +86,11 @@ class Pair:
     def match(self, rng: random.Random, request: int) -> None:
         query = [rng.randint(1, 3) for _ in range(rng.randint(1, 9))]
         engine = rng.choice((*ENGINES, None))
+        if engine is not None and rng.random() < 0.5:  # walk and lock in one call (the service's)
+            ra, rb = self.both(lambda x: x.match_locked(packed(query), engine))
+            same_locked(ra, rb)
+            self.held[request] = (ra[5], rb[5])
+            return
         ra, rb = self.both(lambda x: x.match(packed(query), engine))
         same_result(ra, rb)
         if engine is not None and rng.random() < 0.8:  # as CacheService.match_engine locks it
@@ -134,6 +146,31 @@ def test_native_walk_splits_where_the_request_ends_or_diverges_inside_a_node():
         pair.check()
     assert ra.device_pages.tolist() == [1, 2, 3, 4]
     assert [x.n_pages for x in pair.native.iter_nodes()] == [x.n_pages for x in pair.python.iter_nodes()]
+
+
+@needs_native
+def test_match_locked_splits_before_it_locks_and_equals_match_then_lock_match():
+    pair = Pair()
+    keys, toks = seq(1, 2, 3, 4)
+    pair.both(lambda x: x.insert(keys, toks, engine=0, device_pages=np.arange(1, 5), host_pages=np.arange(1, 5)))
+    # engine 1 has no device copy: a host segment; engine 0: a device segment
+    for n, (query, engine) in enumerate((([1, 2], 0), ([1, 2, 3, 9], 1), ([1, 2, 3, 4, 5], 0), ([7], 0))):
+        ra, rb = pair.both(lambda x: x.match_locked(packed(query), engine))
+        same_locked(ra, rb)
+        pair.held[n] = (ra[5], rb[5])
+        pair.check()
+    # the first request locked only the upper two pages: had it locked before splitting,
+    # the lower half would carry its device lock too (a split copies lock refs), and the
+    # third request's lock on it would make 2
+    (node, tier, engine), = pair.held[0][0]
+    assert (node.n_pages, tier, engine) == (2, Tier.DEVICE, 0) and node.lock_ref[Tier.HOST] == 1
+    assert node.children and all(c.device_locks.get(0, 0) == 1 for c in node.children.values())
+    with pytest.raises(IndexInputError):
+        pair.native.match_locked(packed([1]), -1)
+    pair.check()
+    while pair.held:
+        pair.release(random.Random(0))
+    pair.check()
 
 
 @needs_native

@@ -140,18 +140,20 @@ class CacheService:
 
     def match_engine(self, rec: EngineRecord, keys: list[bytes]) -> Pin:
         """match() for an engine the caller looked up with engine() (the RPC handler does)."""
-        index = rec.ns.index
-        r = index.match(keys, rec.engine_id)
-        device_len, host_len, n_disk = len(r.device_pages), len(r.host_pages), len(r.disk_keys)
-        # Locked through the path the walk just took (lock_match): no second walk up to the root.
-        locks = index.lock_match(r, rec.engine_id)
+        # One call walks and locks (match_locked): the device segment on E's device, the
+        # device and host segments in HOST, until release; no second walk up to the root.
+        nodes, n_dev, n_host, device_pages, host_pages, locks = rec.ns.index.match_locked(keys, rec.engine_id)
+        device_len, host_len = len(device_pages), len(host_pages)
         local = device_len + host_len
-        disk_nodes = r.disk_nodes
-        disk_len = n_disk
-        if n_disk and not self.worth_loading("disk", rec, local, n_disk):
-            disk_nodes, disk_len = [], 0
+        if len(nodes) > n_dev + n_host:  # a disk segment
+            disk_nodes = nodes[n_dev + n_host:]
+            n_disk = disk_len = sum(len(x.keys) for x in disk_nodes)
+            if not self.worth_loading("disk", rec, local, n_disk):
+                disk_nodes, disk_len = [], 0
+        else:
+            disk_nodes, n_disk, disk_len = None, 0, 0
         pin = Pin(next(self._ids), rec, locks, device_len, host_len, disk_len,
-                  r.host_nodes[-1] if host_len else None, r.device_pages, r.host_pages)
+                  nodes[n_dev + n_host - 1] if host_len else None, device_pages, host_pages)
         if disk_len < n_disk:
             pin.recompute_from = local
         self.pins[pin.pin_id] = pin
@@ -277,12 +279,14 @@ class CacheService:
 
     def drop_pin(self, pin: Pin) -> None:
         ns = pin.engine.ns
-        ns.index.unlock_held(pin.locks)
+        freed = ns.index.unlock_held(pin.locks)  # whether removals wait to be reaped
         pin.locks.clear()
         self.pins.pop(pin.pin_id, None)
         if self.on_pin_dropped is not None:
             self.on_pin_dropped(pin)
-        self.reap(ns)
+            self.reap(ns)  # the hooks may unlock too
+        elif freed:
+            self._apply_freed(ns, ns.index.take_freed(), None)
         if self._stale_disk:
             self._retry_stale_disk()
 
