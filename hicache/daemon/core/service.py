@@ -91,7 +91,9 @@ class CacheService:
         # None: always.
         self.fetch_cost: FetchOrRecompute | None = None
         # Hybrid models: HybridStates (hicache/daemon/hybrid/states.py) keeps state checkpoints beside
-        # the KV; it hears of every dropped pin (its checkpoint locks go with it).
+        # the KV; it hears of every dropped pin of a hybrid namespace (its checkpoint locks go with
+        # it). The disk tier hears of dropped pins that carry a prefetch (pin.prefetch). Other
+        # pins, most of them, have nothing for a hook: drop_pin skips the call.
         self.hybrid: Any = None
         self.on_pin_dropped: Callable[[Pin], None] | None = None
         # Tenant quotas (hicache/daemon/core/quotas.py): with a quota on a tier, host pages
@@ -282,7 +284,7 @@ class CacheService:
         freed = ns.index.unlock_held(pin.locks)  # whether removals wait to be reaped
         pin.locks.clear()
         self.pins.pop(pin.pin_id, None)
-        if self.on_pin_dropped is not None:
+        if self.on_pin_dropped is not None and (pin.prefetch is not None or ns.namespace.state is not None):
             self.on_pin_dropped(pin)
             self.reap(ns)  # the hooks may unlock too
         elif freed:
