@@ -3,7 +3,8 @@ locked node is never evicted or removed (see radix.py's docstring, "Locks").
 
 The loops run in C where native_index.py could be built (the index's own nodes, no
 copy), else in Python through the ResidencyLedger (policy.py); both give the same
-results and the same refusals.
+results and the same refusals. match_locked is a request's match and its locks as one
+step (one C call where no node needs splitting): the service's match takes it.
 
 LockOps is mixed into RadixIndex (hicache/index/radix.py), which owns the tree, its
 ledger and the native loops it was given (RadixIndex.use_native)."""

@@ -19,7 +19,8 @@ nodes on `engine`'s device; then nodes with a host copy; then nodes on disk
 (or in host). The walk stops at the first node that fits none, and splits a
 node where the request diverges or ends inside it, so every segment ends at
 a node boundary. Matched nodes get `last_access = clock()` and
-`hit_count += 1`. match does not lock: the caller locks what it uses.
+`hit_count += 1`. match does not lock: the caller locks what it uses
+(lock_match), or calls match_locked, which does both in one step (locks.py).
 
 insert(keys, tokens, ...) walks the same way. For pages already present it
 adopts the caller's device pages (host slots) where this engine (the host)
