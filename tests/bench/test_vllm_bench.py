@@ -146,6 +146,19 @@ def test_hicache_computes_only_the_new_tokens_of_warm_turns(measured):
     assert 0 < part["value"] <= table["ttft mean, warm (turns 2+) [hicache]"]["value"]
 
 
+def test_the_ttft_parts_come_from_the_engine_core_timestamps():
+    from types import SimpleNamespace
+
+    from hicache.integrations.vllm_driver import _engine_parts
+
+    out = SimpleNamespace(metrics=SimpleNamespace(queued_ts=10.0, scheduled_ts=10.25, first_token_ts=11.0))
+    assert _engine_parts(out) == (0.25, 0.75)
+    # vLLM without stats (disable_log_stats) leaves them 0: no parts rather than wrong ones
+    assert _engine_parts(SimpleNamespace(metrics=SimpleNamespace(queued_ts=0.0, scheduled_ts=0.0,
+                                                                 first_token_ts=0.0))) == (None, None)
+    assert _engine_parts(SimpleNamespace(metrics=None)) == (None, None)
+
+
 def test_rows_split_the_ttft_into_the_engines_queue_and_the_prefill():
     from hicache.bench.vllm_bench import Measured, rows
 
