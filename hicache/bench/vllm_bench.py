@@ -234,13 +234,13 @@ def rows(measured: dict[str, Measured], bytes_per_token: int, poisson: bool,
     for metric, (_, unit) in metrics[BASE].items():
         base = metrics[BASE][metric][0]
         for name, ms in metrics.items():
-            value = ms[metric][0]
+            value = ms.get(metric, (None,))[0]  # a part only some runs' vLLM timestamped
             if value is None:  # vLLM alone moves nothing; a peer may not say what it moved
                 if name != BASE:
                     out.append(row(f"{metric} [{name}]", float("nan"), unit, note="not exposed"))
                 continue
             peers = [f"{value / ms2[metric][0]:.2f}x {n2}" for n2, ms2 in metrics.items()
-                     if n2 not in (BASE, name) and ms2[metric][0]]
+                     if n2 not in (BASE, name) and ms2.get(metric, (None,))[0]]
             note = ("vs " + ", ".join(peers)) if peers and name != BASE else None
             if name == BASE or base is None:
                 out.append(row(f"{metric} [{name}]", value, unit, note=note))

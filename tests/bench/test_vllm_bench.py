@@ -173,6 +173,13 @@ def test_rows_split_the_ttft_into_the_engines_queue_and_the_prefill():
     q = table["ttft part mean, queued in the engine, cold (turn 1) [lmcache]"]
     assert (q["value"], q["ratio"]) == (pytest.approx(100.0), pytest.approx(1.0))
     assert table["ttft part mean, scheduled to first token, warm (turns 2+) [lmcache]"]["value"] == pytest.approx(300.0)
+    # a run whose vLLM kept no timestamps: its cells say so, the others stay
+    blind = run("hicache", [0.0, 0.0])
+    for r in blind.requests:
+        r["queued"] = r["prefill"] = None
+    table = {r["name"]: r for r in rows({"none": run("none", [0.0, 0.2]), "hicache": blind}, 16384, poisson=False)}
+    assert math.isnan(table["ttft part mean, queued in the engine, warm (turns 2+) [hicache]"]["value"])
+    assert table["ttft part mean, queued in the engine, warm (turns 2+) [none]"]["value"] == pytest.approx(100.0)
 
 
 def test_rows_of_a_peer_without_step_times_say_not_exposed():
