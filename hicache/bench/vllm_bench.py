@@ -54,7 +54,8 @@ class Measured:
     """One configuration's run, as requests (conversation, turn) plus totals."""
 
     name: str
-    requests: list[dict[str, Any]]  # conversation, turn, outputs, cached, ttft, prompt_tokens
+    # conversation, turn, outputs, cached, ttft, prompt_tokens; turns mode also queued, prefill (_engine_parts)
+    requests: list[dict[str, Any]]
     wall_s: float  # generating everything (turns: the sum of the generate calls)
     warm_wall_s: float | None  # turns mode: turns 2+ only
     init_s: float
@@ -114,7 +115,8 @@ def _measure_one(name: str, spec: dict[str, Any], workdir: Path, block_size: int
     for t, (r, prompts) in enumerate(zip(out["rounds"], spec["rounds"], strict=True)):
         for c, p in enumerate(prompts):
             reqs.append({"conversation": c, "turn": t, "outputs": r["outputs"][c], "cached": r["cached"][c],
-                         "ttft": r["ttft"][c], "prompt_tokens": len(p)})
+                         "ttft": r["ttft"][c], "queued": r["queued"][c], "prefill": r["prefill"][c],
+                         "prompt_tokens": len(p)})
     walls = [r["wall_s"] for r in out["rounds"]]
     return Measured(name, reqs, sum(walls), sum(walls[1:]), out["init_s"], transfers, _step_seconds(peer, out))
 
@@ -176,6 +178,14 @@ def _metrics(m: Measured, bytes_per_token: int, poisson: bool) -> dict[str, tupl
         ttfts = [r["ttft"] * 1e3 for r in reqs if r["ttft"] is not None]
         out[f"ttft mean, {label}"] = (_mean(ttfts), "ms")
         out[f"ttft p90, {label}"] = (_p90(ttfts), "ms")
+        # Where the TTFT went (turns mode), from vLLM's engine-core timestamps: in the scheduler's
+        # queue (behind other requests' steps, or a connector's lookup asked again), then scheduled
+        # to first token (the prefill steps and the loads in them); the rest is getting into the
+        # engine core, which reads new requests only between steps.
+        for part, key in (("queued in the engine", "queued"), ("scheduled to first token", "prefill")):
+            xs = [r[key] * 1e3 for r in reqs if r.get(key) is not None]
+            if xs:
+                out[f"ttft part mean, {part}, {label}"] = (_mean(xs), "ms")
         out[f"prefill tokens computed, {label}"] = (float(sum(r["prompt_tokens"] - r["cached"] for r in reqs)),
                                                     "tokens")
     tr = m.transfers
@@ -224,13 +234,13 @@ def rows(measured: dict[str, Measured], bytes_per_token: int, poisson: bool,
     for metric, (_, unit) in metrics[BASE].items():
         base = metrics[BASE][metric][0]
         for name, ms in metrics.items():
-            value = ms[metric][0]
+            value = ms.get(metric, (None,))[0]  # a part only some runs' vLLM timestamped
             if value is None:  # vLLM alone moves nothing; a peer may not say what it moved
                 if name != BASE:
                     out.append(row(f"{metric} [{name}]", float("nan"), unit, note="not exposed"))
                 continue
             peers = [f"{value / ms2[metric][0]:.2f}x {n2}" for n2, ms2 in metrics.items()
-                     if n2 not in (BASE, name) and ms2[metric][0]]
+                     if n2 not in (BASE, name) and ms2.get(metric, (None,))[0]]
             note = ("vs " + ", ".join(peers)) if peers and name != BASE else None
             if name == BASE or base is None:
                 out.append(row(f"{metric} [{name}]", value, unit, note=note))

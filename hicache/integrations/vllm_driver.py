@@ -24,7 +24,8 @@ exits when `pause_dir/abort` appears.
 `corrupt_load` garbles every block hicache loads (a test that must see outputs change,
 proving the KV is really used); `fail_load` makes every hicache load fail (vLLM must
 recompute); both run vLLM's engine and worker in this process. The output JSON has per round the
-output token ids, `num_cached_tokens` per request and the time to first token, plus
+output token ids, `num_cached_tokens` per request, the time to first token and two parts of it
+(`queued`, `prefill`: see `_engine_parts`), plus
 vLLM's counters (`vllm:external_prefix_cache_hits` and friends) at the end, and whether
 vLLM kept its hybrid KV cache manager on (`hybrid_kv_cache_manager`).
 """
@@ -138,7 +139,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         wall = time.perf_counter() - t
         rounds.append({"outputs": [list(o.outputs[0].token_ids) for o in outs],
                        "cached": [o.num_cached_tokens for o in outs],
-                       "ttft": [_ttft(o) for o in outs], "wall_s": wall, "counters": counters()})
+                       "ttft": [_ttft(o) for o in outs], "queued": [_engine_parts(o)[0] for o in outs],
+                       "prefill": [_engine_parts(o)[1] for o in outs], "wall_s": wall, "counters": counters()})
     hma = not llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
     return {"init_s": init_s, "rounds": rounds, "counters": counters(), "hybrid_kv_cache_manager": hma}
 
@@ -175,6 +177,19 @@ def _ttft(out: Any) -> float | None:
     m = getattr(out, "metrics", None)
     ttft = getattr(m, "first_token_latency", None)
     return None if ttft is None else float(ttft)
+
+
+def _engine_parts(out: Any) -> tuple[float | None, float | None]:
+    """Two parts of a request's TTFT, from vLLM's engine-core timestamps: waiting in the
+    scheduler's queue (added to first scheduled: queued behind other requests' steps, or a
+    connector that asks to be asked again) and first scheduled to first token (its
+    prefill steps, the connector's loads within them). The rest of the TTFT is the way in
+    (the engine core reads new requests only between steps) and out."""
+    m = getattr(out, "metrics", None)
+    queued, scheduled, first = (getattr(m, k, 0.0) for k in ("queued_ts", "scheduled_ts", "first_token_ts"))
+    if not (queued and scheduled and first):
+        return None, None
+    return scheduled - queued, first - scheduled
 
 
 def main() -> None:

@@ -137,6 +137,49 @@ def test_hicache_computes_only_the_new_tokens_of_warm_turns(measured):
     assert "connector time in steps, cold (turn 1) [none]" not in table
     share = table["connector time in steps / cold TTFT of vLLM alone [hicache]"]["value"]
     assert share == pytest.approx(steps[0] * 1e3 / table["ttft mean, cold (turn 1) [none]"]["value"])
+    # the parts of each TTFT from vLLM's engine timestamps: both there, and within the TTFT
+    for x in m.values():
+        for r in x.requests:
+            assert r["queued"] >= 0 and r["prefill"] > 0
+            assert r["queued"] + r["prefill"] <= r["ttft"] + 1e-3  # engine clock vs the frontend's
+    part = table["ttft part mean, scheduled to first token, warm (turns 2+) [hicache]"]
+    assert 0 < part["value"] <= table["ttft mean, warm (turns 2+) [hicache]"]["value"]
+
+
+def test_the_ttft_parts_come_from_the_engine_core_timestamps():
+    from types import SimpleNamespace
+
+    from hicache.integrations.vllm_driver import _engine_parts
+
+    out = SimpleNamespace(metrics=SimpleNamespace(queued_ts=10.0, scheduled_ts=10.25, first_token_ts=11.0))
+    assert _engine_parts(out) == (0.25, 0.75)
+    # vLLM without stats (disable_log_stats) leaves them 0: no parts rather than wrong ones
+    assert _engine_parts(SimpleNamespace(metrics=SimpleNamespace(queued_ts=0.0, scheduled_ts=0.0,
+                                                                 first_token_ts=0.0))) == (None, None)
+    assert _engine_parts(SimpleNamespace(metrics=None)) == (None, None)
+
+
+def test_rows_split_the_ttft_into_the_engines_queue_and_the_prefill():
+    from hicache.bench.vllm_bench import Measured, rows
+
+    def run(name: str, queued: list[float]) -> Measured:
+        reqs = [{"conversation": c, "turn": t, "outputs": [1], "cached": 0, "ttft": 0.5, "queued": q,
+                 "prefill": 0.3, "prompt_tokens": 64} for t in (0, 1) for c, q in enumerate(queued)]
+        return Measured(name, reqs, 2.0, 1.0, 1.0)
+
+    table = {r["name"]: r for r in rows({"none": run("none", [0.0, 0.2]), "lmcache": run("lmcache", [0.1, 0.1])},
+                                        16384, poisson=False)}
+    assert table["ttft part mean, queued in the engine, warm (turns 2+) [none]"]["value"] == pytest.approx(100.0)
+    q = table["ttft part mean, queued in the engine, cold (turn 1) [lmcache]"]
+    assert (q["value"], q["ratio"]) == (pytest.approx(100.0), pytest.approx(1.0))
+    assert table["ttft part mean, scheduled to first token, warm (turns 2+) [lmcache]"]["value"] == pytest.approx(300.0)
+    # a run whose vLLM kept no timestamps: its cells say so, the others stay
+    blind = run("hicache", [0.0, 0.0])
+    for r in blind.requests:
+        r["queued"] = r["prefill"] = None
+    table = {r["name"]: r for r in rows({"none": run("none", [0.0, 0.2]), "hicache": blind}, 16384, poisson=False)}
+    assert math.isnan(table["ttft part mean, queued in the engine, warm (turns 2+) [hicache]"]["value"])
+    assert table["ttft part mean, queued in the engine, warm (turns 2+) [none]"]["value"] == pytest.approx(100.0)
 
 
 def test_rows_of_a_peer_without_step_times_say_not_exposed():
