@@ -20,7 +20,7 @@ from hicache.index.keys import page_keys
 from hicache.rpc import native_conn
 from hicache.rpc.framing import BlobRequest, ids_to_bytes, pack_frame
 from hicache.rpc.protocol import PROTOCOL_VERSION
-from tests.rpc.wire import LAYOUT, raw
+from tests.rpc.wire import LAYOUT, raw, recv_raw
 
 needs_native = pytest.mark.skipif(native_conn.load() is None and os.environ.get("CI") != "true",
                                   reason=f"native frame loop {native_conn.unavailable_reason()}")
@@ -28,20 +28,6 @@ MAX_PAGES = 20000  # the daemons' max_request_pages: a longer match is refused
 PAGES = 64  # most requests' longest
 BIG = 16400  # one sequence whose page ids take a bin32 (over 64 KiB)
 SYNC_ID = 1 << 40  # never used by the sequence
-
-
-def read_frame(s: socket.socket) -> bytes:
-    def exact(n: int) -> bytes:
-        buf = b""
-        while len(buf) < n:
-            chunk = s.recv(n - len(buf))
-            if not chunk:
-                raise ConnectionResetError("the daemon closed the connection")
-            buf += chunk
-        return buf
-
-    (n,) = struct.unpack(">I", exact(4))
-    return exact(n)
 
 
 def body(b: bytes) -> bytes:
@@ -53,7 +39,7 @@ def exchange(s: socket.socket, frames: list[bytes], sync_id: int) -> list[bytes]
     s.sendall(b"".join(frames) + pack_frame({"id": sync_id, "method": "sync", "params": {}}))
     out = []
     while True:
-        b = read_frame(s)
+        b = recv_raw(s)
         out.append(b)
         if msgpack.unpackb(b).get("id") == sync_id:
             return out
@@ -210,9 +196,9 @@ def ask(path: str, method: str, params: dict) -> dict:
     s = raw(path)
     try:
         s.sendall(pack_frame({"id": 1, "method": "hello", "params": {"version": PROTOCOL_VERSION}}))
-        read_frame(s)
+        recv_raw(s)
         s.sendall(pack_frame({"id": 2, "method": method, "params": params}))
-        return msgpack.unpackb(read_frame(s))["result"]
+        return msgpack.unpackb(recv_raw(s))["result"]
     finally:
         s.close()
 

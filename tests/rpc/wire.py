@@ -33,7 +33,8 @@ def raw(path: str, timeout_s: float = 10.0) -> socket.socket:
     return s
 
 
-def recv_frame(s: socket.socket) -> dict:
+def recv_raw(s: socket.socket) -> bytes:
+    """One frame's body, as it came."""
     def exact(n: int) -> bytes:
         buf = b""
         while len(buf) < n:
@@ -44,7 +45,11 @@ def recv_frame(s: socket.socket) -> dict:
         return buf
 
     (n,) = struct.unpack(">I", exact(4))
-    return msgpack.unpackb(exact(n), raw=False)
+    return exact(n)
+
+
+def recv_frame(s: socket.socket) -> dict:
+    return msgpack.unpackb(recv_raw(s), raw=False)
 
 
 def request(s: socket.socket, req_id: int, method: str, params: dict | None = None) -> dict:
