@@ -22,9 +22,11 @@ def test_the_handlers_rows_time_the_daemons_match_path_in_process_against_echo_f
     rows = in_process(prompt_tokens=256, requests=50, repeats=2)
     assert [r["name"] for r in rows] == [
         "match + release handlers, 256 tokens, in-process",
+        "match + release fast handlers (native frame loop), 256 tokens, in-process",
         "  of which CacheService match + release, 256 tokens, in-process",
         "  of which the radix walk (RadixIndex.match), 256 tokens, in-process"]
     assert rows[0]["baseline_name"] == "echo frames" and rows[0]["baseline"] > 0
+    assert rows[1]["baseline_name"] == "handlers" and rows[1]["baseline"] == rows[0]["value"]
     for r in rows:
         assert r["value"] > 0 and 0 < r["best_us"] <= r["value"]
 
