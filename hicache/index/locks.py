@@ -18,11 +18,23 @@ import numpy as np
 
 from hicache.index.keys import PackedKeys
 from hicache.index.node import (
-    EMPTY_PAGES, Freed, FreedCollector, IndexInputError, IndexStateError, MatchResult, Tier, TreeNode, check_engine,
-    check_tier, concat_pages,
+    Freed, FreedCollector, IndexInputError, IndexStateError, MatchResult, Tier, TreeNode, check_engine, check_tier,
+    segment_pages,
 )
 from hicache.index.policy import ResidencyLedger
 from hicache.index.tree_walk import check_live, path_to_root
+
+
+def held_locks(nodes: list[TreeNode], n_dev: int, n_host: int,
+               engine: int) -> list[tuple[TreeNode, Tier, int | None]]:
+    """A match's locks as unlock_held takes them: the device segment's last node on the
+    engine's device, the host segment's last node in HOST (each lock covers the path up)."""
+    locks: list[tuple[TreeNode, Tier, int | None]] = []
+    if n_dev:
+        locks.append((nodes[n_dev - 1], Tier.DEVICE, engine))
+    if n_host:
+        locks.append((nodes[n_dev + n_host - 1], Tier.HOST, None))
+    return locks
 
 
 class LockOps:
@@ -38,7 +50,7 @@ class LockOps:
         clock: Callable[[], float]
 
         def _path(self, node: object) -> list[TreeNode]: ...
-        def _split(self, node: TreeNode, j: int) -> TreeNode: ...
+        def _split_walked(self, path: list[TreeNode], j: int, now: float) -> None: ...
         def match(self, keys: list[bytes], engine: int | None = None) -> MatchResult: ...
 
 
@@ -69,12 +81,7 @@ class LockOps:
                 self._ledger.lock_path(nodes[:n_dev], Tier.DEVICE, engine)
             if n_host:
                 self._ledger.lock_path(nodes[:n_dev + n_host], Tier.HOST, None)
-        locks: list[tuple[TreeNode, Tier, int | None]] = []
-        if n_dev:
-            locks.append((nodes[n_dev - 1], Tier.DEVICE, engine))
-        if n_host:
-            locks.append((nodes[n_dev + n_host - 1], Tier.HOST, None))
-        return locks
+        return held_locks(nodes, n_dev, n_host, engine)
 
     def match_locked(self, keys: list[bytes], engine: int
                      ) -> tuple[list[TreeNode], int, int, np.ndarray, np.ndarray, list[tuple[TreeNode, Tier, int | None]]]:
@@ -97,27 +104,11 @@ class LockOps:
         now = self.clock()
         path, n_dev, n_host, j = walk(self.root, keys.blob, engine, now, self._ledger.protected)
         if j >= 0:  # diverged or ended inside the last node: split (as match), then lock
-            upper = path[-1] = self._split(path[-1], j)
-            upper.last_access = now
-            upper.hit_count += 1
+            self._split_walked(path, j, now)
             if n_dev or n_host:
                 self._native_lock(path, n_dev, n_host, engine, self._ledger.protected)
-        locks: list[tuple[TreeNode, Tier, int | None]] = []
-        if n_dev == 1:
-            device_pages = path[0].device[engine]
-            locks.append((path[0], Tier.DEVICE, engine))
-        elif n_dev:
-            device_pages = concat_pages([x.device[engine] for x in path[:n_dev]])
-            locks.append((path[n_dev - 1], Tier.DEVICE, engine))
-        else:
-            device_pages = EMPTY_PAGES
-        if n_host:
-            last = path[n_dev + n_host - 1]
-            host_pages = last.host if n_host == 1 else concat_pages([x.host for x in path[n_dev:n_dev + n_host]])
-            locks.append((last, Tier.HOST, None))
-        else:
-            host_pages = EMPTY_PAGES
-        return path, n_dev, n_host, device_pages, host_pages, locks
+        device_pages, host_pages = segment_pages(path, n_dev, n_host, engine)
+        return path, n_dev, n_host, device_pages, host_pages, held_locks(path, n_dev, n_host, engine)
 
     def unlock_held(self, locks: list[tuple[TreeNode, Tier, int | None]]) -> bool:
         """unlock() each (node, tier, engine) of `locks`, as lock_match returns them (the

@@ -229,6 +229,21 @@ def concat_pages(arrays: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(arrays)
 
 
+def segment_pages(path: list[TreeNode], n_dev: int, n_host: int, lane: object) -> tuple[np.ndarray, np.ndarray]:
+    """The page arrays of a matched path's device segment (its first n_dev nodes, the
+    engine's lane) and host segment (the next n_host). A one-node segment's array is
+    taken as is: this runs on every match, and on a short path costs more than the walk."""
+    if n_dev == 1:
+        device_pages = path[0].device[lane]
+    else:
+        device_pages = concat_pages([x.device[lane] for x in path[:n_dev]]) if n_dev else EMPTY_PAGES
+    if n_host == 1:
+        host_pages = path[n_dev].host
+    else:
+        host_pages = concat_pages([x.host for x in path[n_dev:n_dev + n_host]]) if n_host else EMPTY_PAGES
+    return device_pages, host_pages
+
+
 def not_own(theirs: np.ndarray, own: np.ndarray) -> np.ndarray:
     """The caller's ids that are duplicates: those differing from the index's own ids
     at the same positions (ids it got from match are the same pages, not copies)."""

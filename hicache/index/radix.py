@@ -69,7 +69,7 @@ from hicache.index.keys import KEY_BYTES, PackedKeys
 from hicache.index.node import (
     DISK_LANE, EMPTY_PAGES, EMPTY_TOKENS, HOST_LANE, DiskRecord, Freed, FreedCollector, IndexInputError,
     IndexStateError, InsertResult, MatchResult, Tier, TreeNode, check_count, check_engine, check_keys,
-    check_pages, check_tier, check_tokens, concat_pages, disk_runs, not_own,
+    check_pages, check_tier, check_tokens, concat_pages, disk_runs, not_own, segment_pages,
 )
 from hicache.index.policy import EvictionPolicy, LruPolicy, ResidencyLedger
 from hicache.index.tree_walk import (
@@ -129,9 +129,7 @@ class RadixIndex(LockOps, EvictionOps):
         if walk is not None and type(keys) is PackedKeys:  # keys off the wire: the walk in C
             path, n_dev, n_host, j = walk(self.root, keys.blob, lane, seg, now)
             if j >= 0:  # diverged or ended inside the last node: split it there, as below
-                upper = path[-1] = self._split(path[-1], j)
-                upper.last_access = now
-                upper.hit_count += 1
+                self._split_walked(path, j, now)
         else:
             path, n_dev, n_host = walk_path(self.root, keys, lane, seg, now, self.page_size)
         n_front = n_dev + n_host
@@ -145,14 +143,7 @@ class RadixIndex(LockOps, EvictionOps):
         else:
             disk_nodes = path[n_front:]
             disk_keys = list(itertools.chain.from_iterable(x.keys for x in disk_nodes))
-        if n_dev == 1:
-            device_pages = path[0].device[lane]
-        else:
-            device_pages = concat_pages([x.device[lane] for x in dev_nodes]) if n_dev else EMPTY_PAGES
-        if n_host == 1:
-            host_pages = host_nodes[0].host
-        else:
-            host_pages = concat_pages([x.host for x in host_nodes]) if n_host else EMPTY_PAGES
+        device_pages, host_pages = segment_pages(path, n_dev, n_host, lane)
         return MatchResult(path, dev_nodes, host_nodes, disk_nodes, device_pages, host_pages, disk_keys,
                            path[-1] if path else self.root)
 
@@ -345,6 +336,13 @@ class RadixIndex(LockOps, EvictionOps):
         out = self._ledger.removed_states
         self._ledger.removed_states = []
         return out
+
+    def _split_walked(self, path: list[TreeNode], j: int, now: float) -> None:
+        """The C walk stopped inside path[-1], after its first j keys (the keys diverged or
+        ended there): split it, as the Python walk does, and touch the part matched."""
+        upper = path[-1] = self._split(path[-1], j)
+        upper.last_access = now
+        upper.hit_count += 1
 
     def _split(self, node: TreeNode, j: int) -> TreeNode:
         """Split `node` after its first j pages; return the new upper node."""

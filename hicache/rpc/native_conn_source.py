@@ -215,7 +215,7 @@ static PyObject *run_turn(NativeConn *c) {
             if (k > 0) {
                 /* as queue(): past flush_at, send now; what the socket refuses ends the
                    turn, so that Python hears of it (turn_end) before the next frame */
-                if (c->fd >= 0 && (Py_ssize_t)(c->out.end - c->out.start) >= c->flush_at && flush_out(c) != 0) {
+                if ((Py_ssize_t)(c->out.end - c->out.start) >= c->flush_at && flush_out(c) != 0) {
                     stopped = 1;
                     break;
                 }
