@@ -5,7 +5,6 @@ fast handler declines, and what comes before hello, takes the Python path."""
 
 from __future__ import annotations
 
-import struct
 
 import msgpack
 import numpy as np
@@ -15,24 +14,12 @@ from hicache.rpc.framing import pack_frame
 from hicache.rpc.protocol import PROTOCOL_VERSION
 
 from tests.rpc.test_native_conn import needs_native, serving
-from tests.rpc.wire import raw
+from tests.rpc.wire import raw, recv_raw
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _on_each_frame_loop():
     """The native loop only: the asyncio one has no fast path (overrides tests/rpc/conftest.py)."""
-
-
-def read_body(s) -> bytes:
-    def exact(n: int) -> bytes:
-        buf = b""
-        while len(buf) < n:
-            chunk = s.recv(n - len(buf))
-            assert chunk, "the server closed the connection"
-            buf += chunk
-        return buf
-
-    return exact(struct.unpack(">I", exact(4))[0])
 
 
 # What the "match" handlers answer: (pin, device_pages, host_pages, disk_len, slabs).
@@ -90,20 +77,20 @@ def test_fast_replies_are_the_packers_bytes(tmp_path):
             req_id = IDS[i]
             if i == 0:  # before hello: the Python path refuses it
                 s.sendall(pack_frame({"id": req_id, "method": "match", "params": {"engine": 1, "keys": b""}}))
-                assert msgpack.unpackb(read_body(s))["error"]["code"] == "HELLO_REQUIRED"
+                assert msgpack.unpackb(recv_raw(s))["error"]["code"] == "HELLO_REQUIRED"
                 s.sendall(pack_frame({"id": 1, "method": "hello", "params": {"version": PROTOCOL_VERSION}}))
-                read_body(s)
+                recv_raw(s)
             for rid in (req_id, IDS[-1 - i]):
                 s.sendall(pack_frame({"id": rid, "method": "match", "params": {"engine": 1, "keys": b"k" * 16}}))
-                assert read_body(s) == pack_frame({"id": rid, "result": as_dict(answer)})[4:]
+                assert recv_raw(s) == pack_frame({"id": rid, "result": as_dict(answer)})[4:]
         before = dict(calls)
         s.sendall(pack_frame({"id": 7, "method": "release", "params": {"pin": 3}}))
-        assert read_body(s) == pack_frame({"id": 7, "result": True})[4:]
+        assert recv_raw(s) == pack_frame({"id": 7, "result": True})[4:]
         s.sendall(pack_frame({"id": 8, "method": "match", "params": {"engine": 99, "keys": b""}}))
-        assert read_body(s) == pack_frame({"id": 8, "result": as_dict(current["answer"])})[4:]
+        assert recv_raw(s) == pack_frame({"id": 8, "result": as_dict(current["answer"])})[4:]
         assert calls == {"python": before["python"] + 1, "fast": before["fast"] + 1}
         s.sendall(pack_frame({"id": 9, "method": "match", "params": {"engine": 98, "keys": b""}}))
-        err = msgpack.unpackb(read_body(s))
+        err = msgpack.unpackb(recv_raw(s))
         assert err["id"] == 9 and err["error"]["code"] == "INTERNAL"
         assert calls["python"] == before["python"] + 1
         assert server.counters.fast_requests == calls["fast"] and server.counters.requests > calls["fast"]
