@@ -286,9 +286,9 @@ class CacheService:
         self.pins.pop(pin.pin_id, None)
         if self.on_pin_dropped is not None and (pin.prefetch is not None or ns.namespace.state is not None):
             self.on_pin_dropped(pin)
-            self.reap(ns)  # the hooks may unlock too
-        elif freed:
-            self._apply_freed(ns, ns.index.take_freed(), None)
+            freed = True  # the hooks may unlock too
+        if freed:
+            self.reap(ns)
         if self._stale_disk:
             self._retry_stale_disk()
 
