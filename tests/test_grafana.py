@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
-import urllib.request
 from importlib.resources import files
 from pathlib import Path
 
@@ -18,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.client.client import HiCacheClient
 from hicache.layout import KVLayout
+from tests.daemon.disk_faults_util import free_port, metrics_text
 from tests.wait import wait_until
 
 DASHBOARD = files("hicache") / "data" / "grafana" / "hicache-dashboard.json"
@@ -80,17 +79,6 @@ def exported_names(text: str) -> set[str]:
     return names
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        return r.read().decode()
-
-
 def test_the_parser_finds_metric_names_and_nothing_else():
     expr = ('sum by (tier) (rate(hicache_hits_total{instance=~"$instance",tier="disk"}[$__rate_interval])) '
             '/ scalar(sum(rate(hicache_misses_total[5m])) + on (job) topk(3, process_open_fds))')
@@ -113,7 +101,7 @@ def test_every_metric_the_dashboard_queries_is_exported(daemon_factory):
         assert client.connect(), "the engine could not register"
         # the per-namespace gauges are sampled once a second: wait for this engine's namespace
         def with_namespace() -> str | None:
-            text = scrape(port)
+            text = metrics_text(port)
             return text if 'model="dash-model"' in text else None
 
         text = wait_until(with_namespace, 30, "the namespace's series on /metrics")

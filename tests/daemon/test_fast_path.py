@@ -9,7 +9,6 @@ import os
 import random
 import socket
 import struct
-import urllib.request
 
 import msgpack
 import numpy as np
@@ -20,6 +19,7 @@ from hicache.index.keys import page_keys
 from hicache.rpc import native_conn
 from hicache.rpc.framing import BlobRequest, ids_to_bytes, pack_frame
 from hicache.rpc.protocol import PROTOCOL_VERSION
+from tests.daemon.disk_faults_util import free_port, metrics_text
 from tests.rpc.wire import LAYOUT, raw, recv_raw
 
 needs_native = pytest.mark.skipif(native_conn.load() is None and os.environ.get("CI") != "true",
@@ -177,16 +177,9 @@ class Run:
         return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rpc_metrics(port: int) -> dict:
     """Request counts by (method, code) and latency observations by method, from /metrics."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
+    text = metrics_text(port)
     return {(s.labels.get("method"), s.labels.get("code"), s.name): s.value
             for f in text_string_to_metric_families(text) for s in f.samples
             if s.name in ("hicache_requests_total", "hicache_rpc_latency_seconds_count")}

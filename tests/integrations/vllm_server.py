@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,18 +19,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from tests.daemon.disk_faults_util import free_port
 from tests.wait import wait_until
 
 log = logging.getLogger(__name__)
 
 SERVED_NAME = "tiny"
 CLI = Path(__file__).with_name("vllm_cli.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class VllmServer:

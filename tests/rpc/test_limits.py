@@ -7,7 +7,6 @@ import socket
 import struct
 import threading
 import time
-import urllib.request
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from hicache.daemon.serve.launcher import LocalDaemon
 from hicache.index.keys import page_keys
 from hicache.rpc.framing import ids_to_bytes, pack_frame
 
+from tests.daemon.disk_faults_util import free_port, metrics_text
 from tests.rpc.wire import LAYOUT, greet, hung_up, one_page_branches, raw, request, wait_until
 
 LIMITS = {"HICACHE_MAX_REQUEST_PAGES": "64", "HICACHE_MAX_DEVICE_PAGES": "4096"}
@@ -110,20 +110,13 @@ def test_half_sent_frames_are_capped_across_connections(daemon_factory):
         s.close()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _metric(port: int, name: str) -> float | None:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
+    text = metrics_text(port)
     return next((s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name), None)
 
 
 def test_a_subscriber_that_falls_behind_is_dropped_and_counted(daemon_factory):
-    port = _free_port()
+    port = free_port()
     d = daemon_factory("--host-capacity", "16MiB", "--no-disk", "--metrics-port", str(port),
                        env={"HICACHE_MAX_EVENT_BACKLOG_BYTES": "64KiB"}).start()
     sub = raw(d.socket)
