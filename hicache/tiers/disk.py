@@ -454,8 +454,8 @@ class DiskTier:
             r = dict(self._r)
         r["gets"] = r["hits"] + r["misses"]
         return dict(used_bytes=w.used_bytes, capacity_bytes=self.capacity_bytes,
-                    num_pages=w.num_pages, map_size=self.map_size, map_bytes=w.map_bytes,
-                    map_budget=w.map_budget, durability=self.durability,
+                    num_pages=w.num_pages, map_size=self.map_size, map_bytes=w.budget.map_bytes,
+                    map_budget=w.budget.budget, durability=self.durability,
                     last_write_time=w.last_write_time, **q, **r, **w.write_counters(), **w.health())
 
     @property
@@ -481,7 +481,7 @@ class DiskTier:
     @property
     def map_budget(self) -> int:
         """The map bytes stored pages may take in steady state (see disk_budget.py)."""
-        return self._writer.map_budget
+        return self._writer.budget.budget
 
     @property
     def num_pages(self) -> int:

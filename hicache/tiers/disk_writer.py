@@ -300,25 +300,11 @@ class DiskWriter:
                       "retrying in %.0fs", self.path, type(e).__name__, e, self.config.write_retry_s)
         self._fault = f"{type(e).__name__}: {e}"
 
-    @property
-    def map_size(self) -> int:
-        return self.budget.map_size
-
-    @property
-    def map_bytes(self) -> int:
-        """The map's pages in use at the last commit (LMDB's counts)."""
-        return self.budget.map_bytes
-
-    @property
-    def map_budget(self) -> int:
-        """The footprint stored pages may take in steady state (disk_budget.py)."""
-        return self.budget.budget
-
     def _commit(self, ops: list, force_touch: bool) -> list[tuple[PutOp, bool]]:
         """Apply leftover deletions, then `ops` in order, then due touches, in
         ONE write transaction. Shared state changes only after the commit."""
         self._used_bytes_tx, self._num_pages_tx = self.used_bytes, self.num_pages
-        self._map_bytes_tx = self.map_bytes
+        self._map_bytes_tx = self.budget.map_bytes
         self._deleted_tx = 0
         self._put_in_tx.clear()
         # Constant for the transaction: the headroom's inputs change only at a commit (and the
@@ -430,10 +416,10 @@ class DiskWriter:
             for k in keys:
                 c["evicted_pages"] += self._delete(txn, k)
         if self._used_bytes_tx + size > self.capacity_bytes or \
-                self._map_bytes_tx - self._deleted_tx + charge + headroom > self.map_size:
+                self._map_bytes_tx - self._deleted_tx + charge + headroom > b.map_size:
             c["rejected_budget"] += 1
             return False, hook_dry
-        if self._map_bytes_tx + sum(b.freed) + charge + headroom > self.map_size and self._may_defer:
+        if self._map_bytes_tx + sum(b.freed) + charge + headroom > b.map_size and self._may_defer:
             return None, hook_dry  # the pages deleted here or just before are not reusable yet
         if p.job is not None:
             txn.put(p.key, p.page, db=self._pages)  # the hasher works on this or later pages meanwhile
@@ -462,7 +448,7 @@ class DiskWriter:
         error is raised as py-lmdb raises it."""
         st = self._native_state
         st.used_bytes, st.map_bytes, st.deleted_bytes = self._used_bytes_tx, self._map_bytes_tx, self._deleted_tx
-        st.capacity_bytes, st.map_size, st.headroom = self.capacity_bytes, self.map_size, self._headroom_tx
+        st.capacity_bytes, st.map_size, st.headroom = self.capacity_bytes, self.budget.map_size, self._headroom_tx
         st.batch_limit, st.max_footprint = self.budget.batch_limit, self.budget.max_footprint
         st.freed_bytes, st.may_defer, st.now = sum(self.budget.freed), self._may_defer, self._now_tx
         st.pages_written = st.bytes_written = st.dedup_puts = st.rejected_orphan = st.put_bytes_done = 0
