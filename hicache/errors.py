@@ -57,3 +57,11 @@ class DaemonRefused(DaemonUnavailable):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, "REFUSED")
+
+
+class DaemonSlow(DaemonUnavailable):
+    """The daemon did not answer a call in time. The connection is kept (its answer, when it
+    comes, is handled then: hicache/client/connection.py); engines treat it as a miss."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "SLOW")

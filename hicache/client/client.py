@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -29,19 +30,21 @@ from typing import Any, NoReturn
 import numpy as np
 
 from hicache.config import default_socket_path
-from hicache.errors import ClientError, DaemonUnavailable, HiCacheError
+from hicache.errors import ClientError, DaemonSlow, DaemonUnavailable, HiCacheError
 from hicache.index.keys import Namespace, as_tokens, page_keys
 from hicache.layout import KVLayout
 from hicache.state_layout import StateLayout
 from hicache.rpc.framing import BlobRequest, bytes_to_ids, ids_to_bytes
 from hicache.client.connection import RpcConnection, _close_fd
 from hicache.client.deadlines import CallDeadlines
+from hicache.client.late import ENDS_ON_LATE, undo_late
 from hicache.client.peer import trusted_daemon_uids
 from hicache.client.prefill_rate import PrefillRate
 from hicache.client.reconnect import Reconnector
 from hicache.client.replies import (
     EMPTY, BackupPlan, InsertReply, Match, PutPlan, StateBackupPlan, StateMatch,
 )
+from hicache.client.asks import AskCalls
 from hicache.client.reports import ReportCalls
 from hicache.client.retention import RetentionCalls
 from hicache.tiers.arena import HostArena
@@ -68,7 +71,7 @@ class _Handshake:
         self.fds = []
 
 
-class HiCacheClient(ReportCalls, RetentionCalls):
+class HiCacheClient(ReportCalls, RetentionCalls, AskCalls):
     """`deadlines` (default CallDeadlines()): seconds per call kind; `timeout_s` is a shorthand
     for the same deadline on every call. `backoff_s`: (first, longest) pause between background
     reconnect attempts. `daemon_uids`: uids (or user names) trusted to serve the socket besides
@@ -107,6 +110,8 @@ class HiCacheClient(ReportCalls, RetentionCalls):
         self.misses_while_away = 0
         self.refusals = 0
         self.outages = 0  # times the breaker opened
+        self.late = 0  # waited calls given up at their deadline (a miss or a skip; the connection stays)
+        self._slow_since: float | None = None  # the last call went late and the daemon has not answered since
         self.round_trips = 0  # exchanges that waited for the daemon (a pipelined batch is one; hello, slabs aside)
         self.posted = 0  # calls sent without waiting (`_post`)
         self.calls: Counter[str] = Counter()  # waited calls by method (each of a pipelined batch counts)
@@ -115,6 +120,9 @@ class HiCacheClient(ReportCalls, RetentionCalls):
         self.prefill_rate = PrefillRate(prefill_tokens_per_s)  # before connecting: register sends it
         self.store_pages = store_pages
         self._match_req: BlobRequest | None = None  # `match`'s frame template (`_match_request`)
+        # False for a client that never touches host pages itself (the vLLM scheduler: its workers
+        # copy): the slab versions answers name are only recorded, never mapped
+        self.map_arena = True
 
     # -- connection management -------------------------------------------------
     @property
@@ -150,8 +158,16 @@ class HiCacheClient(ReportCalls, RetentionCalls):
 
     def poll(self) -> bool:
         """Adopt a connection the background probe made, running `on_reconnect` here (the
-        engine thread); True when connected. Engines may call it when idle; `match` does."""
+        engine thread), and read what the daemon has answered since, without waiting (late
+        answers given back, answers to `ask`s); True when connected. Engines may call it
+        when idle; `match` does."""
         self._adopt_ready()
+        conn = self.conn
+        if conn is not None and not conn.closed:
+            try:
+                conn.poll()
+            except DaemonUnavailable as e:
+                self._open(e.message)
         return self.connected
 
     def _handshake(self) -> _Handshake:
@@ -205,6 +221,7 @@ class HiCacheClient(ReportCalls, RetentionCalls):
         self.slab_version = 0
         self.conn = conn
         conn.on_close = self._closing
+        conn.liveness_s = self.deadlines.liveness_s
         self.instance = hello.get("instance")
         self.engine_id = int(reply["engine"])
         self.prefill_rate.sent(hs.prefill_rate)
@@ -220,7 +237,10 @@ class HiCacheClient(ReportCalls, RetentionCalls):
     def _check_slabs(self, reply: Any) -> None:
         """Map the slabs our namespace gained, when a reply says the daemon's are newer."""
         if type(reply) is dict and reply.get("slabs", self.slab_version) != self.slab_version:
-            self.sync_slabs()
+            if self.map_arena:
+                self.sync_slabs()
+            else:
+                self.slab_version = max(self.slab_version, int(reply["slabs"]))
 
     def sync_slabs(self) -> bool:
         """Map every slab the daemon holds our namespace's pages in (fds for those we lack
@@ -246,6 +266,11 @@ class HiCacheClient(ReportCalls, RetentionCalls):
                 for slab in np.flatnonzero(arena.backed).tolist():
                     if slab not in owned:
                         arena.unmap_slab(slab)
+            except DaemonSlow as e:  # slabs unmapped: their pages are not touched (a miss, a skip)
+                for fd in fds:
+                    _close_fd(fd)
+                self._late("map_slabs", e)
+                return False
             except DaemonUnavailable as e:
                 self._open(e.message)
                 return False
@@ -284,11 +309,26 @@ class HiCacheClient(ReportCalls, RetentionCalls):
         """DaemonUnavailable unless connected. Every cycle call carries ids (engine, pin,
         backup) of the epoch it was built in; a connection adopted here would get them from
         a daemon that never issued them. So this call is a miss, and the new connection
-        serves the next one."""
+        serves the next one. DaemonSlow, with nothing sent, while the daemon has not
+        answered since a call went late (the connection's liveness probe is out): a slow
+        daemon costs the engine one deadline, then nothing until it answers again."""
         if not self.connected:
             if not self._adopt_ready():
                 self._open("not connected")
             raise DaemonUnavailable("daemon unavailable" if not self.connected else "daemon reconnected")
+        conn = self.conn
+        assert conn is not None
+        if conn.suspect:
+            try:
+                conn.poll()
+            except DaemonUnavailable as e:
+                self._open(e.message)
+                raise
+            if conn.suspect:
+                raise DaemonSlow("the daemon has not answered since a call went late; not waiting")
+        if self._slow_since is not None:
+            log.info("hicache daemon answering again after %.2f s", time.monotonic() - self._slow_since)
+            self._slow_since = None
 
     def _call(self, method: str, params: dict, timeout_s: float, *, map_slabs: bool = True) -> Any:
         """One RPC within `timeout_s`; raises DaemonUnavailable when the daemon is away, hung
@@ -303,7 +343,7 @@ class HiCacheClient(ReportCalls, RetentionCalls):
         self.round_trips += 1
         self.calls[method] += 1
         try:
-            reply = self.conn.call(method, params, timeout_s)
+            reply = self.conn.call(method, params, timeout_s, on_late=undo_late(method, self.engine_id))
         except (DaemonUnavailable, ClientError) as e:
             self._failed(method, e)
         if map_slabs:
@@ -317,20 +357,34 @@ class HiCacheClient(ReportCalls, RetentionCalls):
         self.round_trips += 1
         self.calls[request.method] += 1
         try:
-            reply = self.conn.call_blob(request, blob, timeout_s)
+            reply = self.conn.call_blob(request, blob, timeout_s, on_late=undo_late(request.method, self.engine_id))
         except (DaemonUnavailable, ClientError) as e:
             self._failed(request.method, e)
         self._check_slabs(reply)
         return reply
 
     def _failed(self, method: str, e: HiCacheError) -> NoReturn:
-        """A call that failed: the breaker opens (see `_call`); DaemonUnavailable raised."""
+        """A call that failed: DaemonUnavailable raised. No answer in time (DaemonSlow) keeps
+        the connection (hicache/client/late.py gives back what the late answer grants),
+        except for calls that move device pages; a dead connection opens the breaker."""
+        if isinstance(e, DaemonSlow):
+            self._late(method, e)
+            raise e
         if isinstance(e, DaemonUnavailable):
             self._open(e.message)
             raise e
         self.refusals += 1
         log.error("hicache daemon refused %s: %s", method, e)
         raise DaemonUnavailable(f"{method} refused: {e}") from e
+
+    def _late(self, method: str, e: DaemonSlow, count: int = 1) -> None:
+        self.late += count
+        if method in ENDS_ON_LATE:  # see late.py: the engine and the daemon would disagree on device pages
+            self._open(f"{method}: {e.message}")
+        elif self._slow_since is None:
+            self._slow_since = time.monotonic()
+            log.warning("hicache daemon slow (%s): answering misses and skipping stores until it answers "
+                        "again; the connection is kept", e.message)
 
     def _match_request(self) -> BlobRequest:
         """The `match` frame's template for this engine id (one per registration)."""
@@ -341,20 +395,27 @@ class HiCacheClient(ReportCalls, RetentionCalls):
 
     def _call_many(self, method: str, params: list[dict], timeout_s: float) -> list[Any]:
         """Several calls of `method`, pipelined (RpcConnection.call_many): one round trip,
-        one deadline for all. The breaker as for `_call`: DaemonUnavailable when the daemon
-        is away, hung or the batch broke (no answer is kept then: the dropped connection
-        took what they reserved). A refused call is logged and its place holds None."""
+        one deadline for all. The breaker as for `_call`: DaemonUnavailable when the
+        daemon is away or the connection broke (the dropped connection took what they
+        reserved). A refused call, or one not answered in time (given back when its answer
+        comes, hicache/client/late.py), holds None in its place."""
         self._require_connection()
         assert self.conn is not None
         self.round_trips += 1
         self.calls[method] += len(params)
         try:
-            replies = self.conn.call_many([(method, p) for p in params], timeout_s)
+            replies = self.conn.call_many([(method, p) for p in params], timeout_s,
+                                          on_late=undo_late(method, self.engine_id))
         except DaemonUnavailable as e:
             self._open(e.message)
             raise
+        late = sum(isinstance(r, DaemonSlow) for r in replies)
+        if late:
+            self._late(method, next(r for r in replies if isinstance(r, DaemonSlow)), late)
         for i, r in enumerate(replies):
-            if isinstance(r, ClientError):
+            if isinstance(r, DaemonSlow):
+                replies[i] = None
+            elif isinstance(r, ClientError):
                 self.refusals += 1
                 log.error("hicache daemon refused %s: %s", method, r)
                 replies[i] = None
@@ -366,21 +427,24 @@ class HiCacheClient(ReportCalls, RetentionCalls):
 
     def _post(self, method: str, params: dict) -> bool:
         """Send a call whose answer the engine does not need, without waiting for it: a
-        starved daemon then costs the engine's step nothing, and a missed deadline cannot
-        drop the connection (which would turn the next lookups into misses while it
-        reconnects). Order is kept: the daemon handles the next call after this one. A
-        call of an earlier epoch is void (the daemon that issued its ids is gone); a
-        refusal is logged when its answer is read (RpcConnection.post). False: not sent
-        (the daemon is away)."""
+        starved daemon then costs the engine's step nothing. Order is kept: the daemon
+        handles the next call after this one. A call of an earlier epoch is void (the
+        daemon that issued its ids is gone); a refusal is logged when its answer is read
+        (RpcConnection.post). False: not sent (the daemon is away)."""
+        return self._post_many([(method, params)])
+
+    def _post_many(self, calls: list[tuple[str, dict]]) -> bool:
+        """`_post` of several calls in one write."""
         if not self.connected:
             if not self._adopt_ready():
                 self._open("not connected")
             return False
         assert self.conn is not None
-        self.posted += 1
-        self.posted_calls[method] += 1
+        self.posted += len(calls)
+        for method, _ in calls:
+            self.posted_calls[method] += 1
         try:
-            self.conn.post(method, params, self.deadlines.update_s)
+            self.conn.post_many(calls)
         except DaemonUnavailable as e:
             self._open(e.message)
             return False
@@ -404,6 +468,8 @@ class HiCacheClient(ReportCalls, RetentionCalls):
             return
         try:
             self.conn.wait_posted(self.deadlines.update_s)
+        except DaemonSlow as e:
+            self._late("sync", e)
         except DaemonUnavailable as e:
             self._open(e.message)
 
@@ -437,8 +503,9 @@ class HiCacheClient(ReportCalls, RetentionCalls):
             return Match(None, keys, EMPTY, EMPTY, 0, self.epoch)
         state = r.get("state")
         m = Match(int(r["pin"]), keys, bytes_to_ids(r["device_pages"]), bytes_to_ids(r["host_pages"]),
-                  int(r["disk_len"]), self.epoch, 0, None if state is None else StateMatch.parse(state))
-        if m.disk_len or (state is not None and state["pending"]):
+                  int(r["disk_len"]), self.epoch, 0, None if state is None else StateMatch.parse(state),
+                  bool(r.get("pending", False)))
+        if m.disk_len or m.pending or (state is not None and state["pending"]):
             self.refresh(m)
         return m
 
@@ -454,6 +521,7 @@ class HiCacheClient(ReportCalls, RetentionCalls):
         host_pages = bytes_to_ids(ld["host_pages"])
         match.from_disk += len(host_pages) - len(match.host_pages)
         match.host_pages, match.disk_len = host_pages, int(ld["disk_len"])
+        match.pending = bool(ld.get("pending", False))
         if "state" in ld:
             match.state = StateMatch.parse(ld["state"])
         return match

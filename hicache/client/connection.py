@@ -1,57 +1,65 @@
-"""A blocking RPC connection to the daemon (engine schedulers are synchronous).
+"""A blocking RPC connection to the daemon (engine schedulers are synchronous) on which
+a slow answer is a miss, never a lost connection.
 
-Low-level errors are translated once, here: any OSError or broken frame
-becomes `DaemonUnavailable` and the connection is dropped, because after an
-interrupted exchange the stream position is unknown. Each exchange has a
-deadline (`timeout_s` per call, the connection's default otherwise) over all
-of its reads, so a daemon that stopped mid-reply costs one deadline, not one
-per read. `connect` checks who listens (hicache/client/peer.py) before a byte
-is sent.
+Every request carries an id and the daemon's answer carries it back, so the stream
+never loses its place: a call that passes its deadline raises DaemonSlow and keeps the
+connection; its answer, when it comes, is handed to the call's `on_late` handler, which
+names the calls that undo what the answer granted (a match's pin is released, a put's
+reservation given back); they are posted at once, in order, before anything sent later
+can be answered. After a late answer the connection is *suspect*: a liveness probe
+(`sync`, handled in order after everything sent before it) is out, and the client
+sends no waited call until it comes back (hicache/client/client.py answers misses
+meanwhile). Only a dead socket, a broken frame, a daemon that answers no probe within
+`liveness_s`, or one that reads nothing of MAX_OUTBOX_BYTES queued for it, end the
+connection (DaemonUnavailable); everything else the engine may skip.
 
-The socket stays blocking with SO_RCVTIMEO / SO_SNDTIMEO: a Python socket
-timeout costs an ioctl per `settimeout` and a poll per recv, and on a round
-trip of ~15 µs those syscalls were a third of it. The kernel timeout is only
-lowered when an exchange has less time left than it (by TIMEOUT_SLACK_S), and
-raised only when it ran out before the deadline, so calls alternating between
-deadlines (match 0.25 s, release 0.5 s) cost no setsockopt. Replies are read
-in chunks into one reusable buffer, so a frame usually takes one recv; an answer
-that came whole and alone is decoded from there without further checks
-(`_quick_read`). A match's frame is spliced from a template (`call_blob`,
-hicache/rpc/framing.py's BlobRequest) rather than packed from a dict.
+Three ways to call: `call` waits up to a deadline; `send` returns a Pending at once and
+`poll` reads what has arrived without waiting (the vLLM scheduler asks again next step:
+hicache/integrations/vllm/lookups.py); `post` sends a call whose answer nobody needs (a
+release, a finished put): the daemon answers it only to refuse it.
+
+Sends never block: a frame the socket cannot take whole waits in an outbox that every
+later operation flushes first, so order is kept. Receiving is hicache/client/frame_reader.py.
+`connect` checks who listens (hicache/client/peer.py) before a byte is sent.
 """
 
 from __future__ import annotations
 
-import array
 import itertools
 import logging
+import select
 import socket
-import struct
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from hicache.client.deadlines import LIVENESS_S  # a daemon that answers no probe this long is hung
+from hicache.client.frame_reader import MAX_FDS, MAX_FRAME_BYTES, RECV_CHUNK, FrameReader
 from hicache.client.peer import check_daemon
-from hicache.errors import ClientError, DaemonRefused, DaemonUnavailable, ProtocolError
-from hicache.rpc.framing import HEADER, BlobRequest, new_packer, pack_frame, unpack_body
+from hicache.errors import ClientError, DaemonRefused, DaemonSlow, DaemonUnavailable
+from hicache.rpc.framing import HEADER, BlobRequest, new_packer, pack_frame
 from hicache.rpc.protocol import PROTOCOL_VERSION
 
-MAX_FRAME_BYTES = 256 << 20
+__all__ = ["MAX_FDS", "MAX_FRAME_BYTES", "RECV_CHUNK", "LIVENESS_S", "Pending", "RpcConnection"]
+
 REFUSED_CODES = {"FORBIDDEN"}  # a daemon that says why it refuses this peer
-MAX_FDS = 253  # the most one SCM_RIGHTS message carries (the kernel's SCM_MAX_FD)
-RECV_CHUNK = 256 << 10  # the reusable receive buffer; larger frames get their own
-TIMEOUT_SLACK_S = 0.002  # how far past its deadline an exchange may wait
-MAX_POSTED = 64  # posted requests not yet known handled; beyond, a post first waits for them (`sync`)
+MAX_POSTED = 64  # posted requests not known handled; beyond, a `sync` is sent (not waited) to settle them
 # call_many's window: requests sent before their answers are read. The daemon handles 64 frames a
 # loop turn (FRAMES_PER_TURN) and stops reading while its output is unread, so a window stays
-# well under a Unix socket's buffer (~208 KiB) and the send cannot block on a daemon waiting for us.
+# well under a Unix socket's buffer (~208 KiB).
 MAX_PIPELINED = 64
 PIPELINE_BYTES = 128 << 10
-_TIMEVAL = struct.Struct("@ll")
+MAX_OUTBOX_BYTES = 8 << 20  # requests the daemon has not read; past it the connection is dead
+PROBE_INTERVAL_S = 1.0  # between probes while answers stay overdue (a long disk read, a busy daemon)
+_POLLIO = select.POLLIN | select.POLLOUT
 _monotonic = time.monotonic
 
 log = logging.getLogger(__name__)
+
+# on_late(outcome) -> the calls (method, params) that undo what a late answer granted, or None
+LateHandler = Callable[[Any], "list[tuple[str, dict]] | None"]
 
 
 def _outcome(msg: dict) -> Any:
@@ -62,10 +70,24 @@ def _outcome(msg: dict) -> Any:
     return msg.get("result")
 
 
+@dataclass(slots=True, eq=False)
+class Pending:
+    """A call sent without waiting (`send`): `done` once its answer was read, `outcome` then
+    its result or its refusal (a ClientError). `due`: when it counts as overdue, which
+    starts a liveness probe (the call itself is never given up by the connection)."""
+
+    req_id: int
+    method: str
+    due: float
+    done: bool = False
+    outcome: Any = None
+
+
 class RpcConnection:
-    def __init__(self, sock: socket.socket, timeout_s: float) -> None:
+    def __init__(self, sock: socket.socket, timeout_s: float, liveness_s: float = LIVENESS_S) -> None:
         self.sock = sock
         self.timeout_s = timeout_s
+        self.liveness_s = liveness_s
         self._ids = itertools.count(1)
         self.events: deque[dict] = deque(maxlen=65536)
         self.closed = False
@@ -73,16 +95,22 @@ class RpcConnection:
         # what the connection held as soon as it sees the close
         self.on_close: Callable[[], None] | None = None
         self._packer = new_packer()  # a connection is one thread's at a time
-        self._buf = bytearray(RECV_CHUNK)  # received bytes not parsed yet: _buf[_start:_end]
-        self._view = memoryview(self._buf)
-        self._start = self._end = 0
-        self._so_timeout = -1.0  # the SO_RCVTIMEO / SO_SNDTIMEO set now (-1: not yet)
+        self._reader = FrameReader(sock, timeout_s, self._lost)
+        self._outbox = bytearray()  # sent frames the socket has not taken yet, in order
+        self._poller: select.poll | None = None
         # id -> method of requests sent by post() that may still be answered (they are only
-        # when refused); the answer to any later call clears them: the daemon goes in order
+        # when refused); an answer to any later request clears them: the daemon goes in order
         self._posted: dict[int, str] = {}
+        self._pending: dict[int, Pending] = {}  # sent by `send`, answer not read yet
+        self._late: dict[int, tuple[str, LateHandler | None]] = {}  # given up; undo what they grant
+        self._undo: list[tuple[str, dict]] = []  # calls on_late handlers asked for, posted next
+        self._probe: Pending | None = None  # the liveness probe out, if any
+        self._settle: Pending | None = None  # a `sync` settling posted requests
+        self._next_due = float("inf")
+        self._probe_after = 0.0
         self.posted_refusals = 0  # posted requests the daemon answered with an error
-        sock.settimeout(None)  # blocking: the kernel's socket timeouts bound each read and write
-        self._set_so_timeout(timeout_s)
+        self.given_up = 0  # calls whose deadline passed before their answer
+        self.late_answers = 0  # answers read after their call was given up
 
     @classmethod
     def connect(cls, path: str, timeout_s: float = 5.0, daemon_uids: Collection[int] | None = None
@@ -115,32 +143,40 @@ class RpcConnection:
         finally:
             conn.close()
 
+    @property
+    def suspect(self) -> bool:
+        """An answer came too late and the daemon has not answered the probe sent after it."""
+        return self._probe is not None
+
     def hello(self, timeout_s: float | None = None) -> tuple[dict, list[int]]:
         """Handshake: negotiate the version. Returns the answer and any descriptors that came
         with it (none from a daemon of this protocol; the caller closes them).
 
         Its own deadline matters: `connect()` succeeds into a stopped daemon's listen
-        backlog, so only the hello tells a live daemon from a hung one."""
-        deadline = self._deadline(timeout_s)
+        backlog, so only the hello tells a live daemon from a hung one: a hello that is not
+        answered in time ends the connection."""
+        t = self.timeout_s if timeout_s is None else timeout_s
+        deadline = _monotonic() + t
         req_id = next(self._ids)
-        frame = pack_frame({"id": req_id, "method": "hello", "params": {"version": PROTOCOL_VERSION}})
         fds: list[int] = []
         try:
-            self._send_bytes(frame, deadline)
-            header, fds = self._recv_with_fds(4, deadline)
-            (n,) = HEADER.unpack(header)
-            body = self._recv_exact(n, deadline)
-        except OSError as e:
+            self._send_frame(pack_frame({"id": req_id, "method": "hello", "params": {"version": PROTOCOL_VERSION}}))
+            msg = self._await(req_id, deadline, fds)
+        except DaemonUnavailable as e:
             for fd in fds:
                 _close_fd(fd)
-            self.close()
-            if isinstance(e, (ConnectionResetError, BrokenPipeError)) and not fds:
+            cause = e.__cause__
+            if not fds and (cause is None or isinstance(cause, (ConnectionResetError, BrokenPipeError))):
                 # The daemon hangs up on a peer it does not allow before reading a byte.
                 raise DaemonRefused("refused by the daemon (peer credentials): it closed the connection "
                                     "before answering hello (this uid/group is not allowed, or it is "
                                     "shutting down)") from e
-            raise DaemonUnavailable(f"hello failed: {_describe(e, timeout_s or self.timeout_s)}") from e
-        msg = self._decode(body)
+            raise DaemonUnavailable(f"hello failed: {e.message}") from e
+        if msg is None:
+            for fd in fds:
+                _close_fd(fd)
+            self.close()
+            raise DaemonUnavailable(f"hello failed: no answer in {t:g}s (the daemon is hung or overloaded)")
         if "error" in msg:
             for fd in fds:
                 _close_fd(fd)
@@ -151,144 +187,186 @@ class RpcConnection:
             raise ClientError(err.get("code", "INTERNAL"), err.get("message", ""))
         return msg["result"], fds
 
+    # -- waited calls ------------------------------------------------------------
     def call(self, method: str, params: dict[str, Any] | None = None, timeout_s: float | None = None, *,
-             fds: list[int] | None = None) -> Any:
-        """One request; its reply within `timeout_s` (the connection's default when None),
-        else DaemonUnavailable and the connection is dropped. With `fds`, descriptors that
+             fds: list[int] | None = None, on_late: LateHandler | None = None) -> Any:
+        """One request; its result within `timeout_s` (the connection's default when None).
+        A refusal raises ClientError; no answer in time raises DaemonSlow and keeps the
+        connection (`on_late` gets the answer when it comes). With `fds`, descriptors that
         come with the answer (SCM_RIGHTS) are appended there; the caller owns them."""
-        if self.closed:
-            raise DaemonUnavailable("connection closed")
+        self._check_open()
         req_id = next(self._ids)
         body = self._packer.pack({"id": req_id, "method": method, "params": params or {}})
-        return self._exchange(HEADER.pack(len(body)) + body, req_id, method, timeout_s, fds)
+        return self._exchange(HEADER.pack(len(body)) + body, req_id, method, timeout_s, fds, on_late)
 
-    def call_blob(self, request: BlobRequest, blob: bytes, timeout_s: float | None = None) -> Any:
+    def call_blob(self, request: BlobRequest, blob: bytes, timeout_s: float | None = None, *,
+                  on_late: LateHandler | None = None) -> Any:
         """`call(request.method, {**request.fixed, <its blob key>: blob})` with the frame
         spliced from a prebuilt template (rpc/framing.py): the engine's `match`."""
-        if self.closed:
-            raise DaemonUnavailable("connection closed")
+        self._check_open()
         req_id = next(self._ids)
-        return self._exchange(request.frame(req_id, blob), req_id, request.method, timeout_s, None)
+        return self._exchange(request.frame(req_id, blob), req_id, request.method, timeout_s, None, on_late)
 
     def _exchange(self, frame: bytes, req_id: int, method: str, timeout_s: float | None,
-                  fds: list[int] | None) -> Any:
+                  fds: list[int] | None, on_late: LateHandler | None) -> Any:
         """Send a request's frame, read up to its answer: the result, or its refusal raised.
-        Every call's round trip, so the common case (one send; the whole answer alone in
-        one recv, nothing else buffered) takes few calls and no copies: the client's
-        Python was a third of a round trip to a C server (docs/benchmarks.md)."""
-        deadline = _monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        self._send_frame(frame, deadline)
+        Every waited call's round trip, so the common case (one send; the whole answer
+        alone in one recv, nothing else buffered) takes few calls and no copies."""
+        t = self.timeout_s if timeout_s is None else timeout_s
+        deadline = _monotonic() + t
+        self._send_frame(frame)
+        reader = self._reader
         msg = None
-        if fds is None and self._start == self._end:
-            msg = self._quick_read(deadline, method)
-        if msg is None or msg.get("id") != req_id or "event" in msg:
-            if msg is not None:  # an event or another request's answer came first: the general path
-                self._start = 0
-            msg = self._reply(req_id, method, deadline, fds)
-        elif self._posted:  # the daemon handled every request sent before this one
-            self._posted.clear()
+        if fds is None and not reader.buffered and not self._outbox:
+            msg = reader.quick(deadline)
+            if msg is not None and (msg.get("id") != req_id or "event" in msg):
+                reader.start = 0  # another message came first: read it again on the general path
+                msg = None
+        if msg is None:
+            msg = self._await(req_id, deadline, fds)
+        if msg is None:
+            self._give_up(req_id, method, on_late)
+            raise DaemonSlow(f"no answer to {method} in {t:g}s (the daemon is busy or hung); a miss, the "
+                             "connection is kept")
+        self._answered(req_id)
+        self._flush_undo()
         if "error" in msg:
             err = msg["error"]
             raise ClientError(str(err.get("code")), str(err.get("message")))
         return msg.get("result")
 
-    def _quick_read(self, deadline: float, method: str) -> dict | None:
-        """One recv into the empty buffer; the message when it holds exactly one whole
-        frame, else None with the bytes left buffered for `_reply` (which then re-reads
-        from `_start`, so an event decoded here is not lost)."""
-        try:
-            left = deadline - _monotonic()
-            if left <= 0 or left < self._so_timeout - TIMEOUT_SLACK_S:
-                self._wait(deadline)
-            self._start = self._end = 0
-            try:
-                k = self._end = self.sock.recv_into(self._view)
-            except BlockingIOError:  # the socket's timeout ran out before the deadline
-                self._rearm(deadline)
-                return None
-            if k < 4:
-                if k == 0:
-                    raise ConnectionResetError("the daemon closed the connection")
-                return None
-            if HEADER.unpack_from(self._buf)[0] != k - 4:  # split, several frames: the general path
-                return None
-            msg = unpack_body(self._view[4:k])
-        except (OSError, ProtocolError) as e:
-            self._read_failed(e, method)
-        self._start = k
-        return msg
-
-    def call_many(self, calls: Sequence[tuple[str, dict[str, Any] | None]], timeout_s: float | None = None
-                  ) -> list[Any]:
+    def call_many(self, calls: Sequence[tuple[str, dict[str, Any] | None]], timeout_s: float | None = None, *,
+                  on_late: LateHandler | None = None) -> list[Any]:
         """Several requests, pipelined: their frames go out together and their answers are
-        read in order (the daemon handles a connection's frames in order), so the batch
-        costs one round trip, not one per request. One deadline, `timeout_s`, covers the
-        whole batch; when it passes, DaemonUnavailable and the connection is dropped, as
-        for `call`. A request the daemon refuses gets its ClientError in its place of the
-        result list; the others are unaffected. Frames go in windows of at most
-        MAX_PIPELINED requests and PIPELINE_BYTES, each read back before the next is
-        sent: the daemon stops reading a connection whose answers are not read, so an
-        unbounded burst could block on a full socket. For methods answered inline, without
-        descriptors (match, put, ...)."""
-        if self.closed:
-            raise DaemonUnavailable("connection closed")
-        deadline = self._deadline(timeout_s)
+        read as they come, so the batch costs one round trip. One deadline, `timeout_s`,
+        covers the whole batch. Each place of the result list holds the result, the
+        refusal (a ClientError), or DaemonSlow for a request not answered in time (given
+        up: `on_late` gets its answer) or not sent because the deadline passed first.
+        Frames go in windows of at most MAX_PIPELINED requests and PIPELINE_BYTES, each
+        answered before the next is sent: the daemon stops reading a connection whose
+        answers are not read. For methods answered without descriptors."""
+        self._check_open()
+        deadline = _monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         results: list[Any] = []
-        pending: tuple[int, str, bytes] | None = None  # packed but did not fit the last window
-        todo = iter(calls)
-        while True:
-            window: list[tuple[int, str, bytes]] = [] if pending is None else [pending]
-            size = 0 if pending is None else len(pending[2])
-            pending = None
-            for method, params in todo:
+        todo = list(calls)
+        while len(results) < len(todo):
+            if _monotonic() >= deadline:
+                results += [DaemonSlow("not sent: the batch's deadline passed")] * (len(todo) - len(results))
+                break
+            window: list[bytes] = []
+            sent: list[Pending] = []
+            size = 0
+            for method, params in todo[len(results):len(results) + MAX_PIPELINED]:
                 req_id = next(self._ids)
                 frame = pack_frame({"id": req_id, "method": method, "params": params or {}}, self._packer)
                 if window and size + len(frame) > PIPELINE_BYTES:
-                    pending = (req_id, method, frame)
                     break
-                window.append((req_id, method, frame))
+                window.append(frame)
                 size += len(frame)
-                if len(window) >= MAX_PIPELINED:
-                    break
-            if not window:
-                return results
-            self._send_frame(b"".join(f for _, _, f in window), deadline)
-            for req_id, method, _ in window:
-                results.append(_outcome(self._reply(req_id, method, deadline, None)))
+                sent.append(self._track(req_id, method, deadline))
+            self._send_frame(b"".join(window))
+            self._wait_all(sent, deadline)
+            for p in sent:
+                if p.done:
+                    results.append(p.outcome)
+                else:
+                    del self._pending[p.req_id]
+                    self._give_up(p.req_id, p.method, on_late)
+                    results.append(DaemonSlow(f"no answer to {p.method} in time"))
+            if not all(p.done for p in sent):
+                results += [DaemonSlow("not sent: the batch's deadline passed")] * (len(todo) - len(results))
+        self._flush_undo()
+        return results
 
-    def _reply(self, req_id: int, method: str, deadline: float, fds: list[int] | None) -> dict:
-        """Read up to the answer to `req_id`: events met on the way are kept, posted
-        requests' refusals logged. Reads from `_start`: a message `_quick_read`
-        decoded but did not return is read again."""
+    # -- calls answered later ------------------------------------------------------------
+    def send(self, method: str, params: dict[str, Any] | None = None, timeout_s: float | None = None
+             ) -> Pending:
+        """Send a request without waiting: its answer is read by a later `poll` (or any other
+        read) into the Pending returned. Past `timeout_s` without an answer it is overdue:
+        a liveness probe goes out, the call stays (the caller may `abandon` it)."""
+        self._check_open()
+        req_id = next(self._ids)
+        self._send_frame(pack_frame({"id": req_id, "method": method, "params": params or {}}, self._packer))
+        return self._track(req_id, method, _monotonic() + (self.timeout_s if timeout_s is None else timeout_s))
+
+    def send_blob(self, request: BlobRequest, blob: bytes, timeout_s: float | None = None) -> Pending:
+        """`send` of a request spliced from a template (as `call_blob`)."""
+        self._check_open()
+        req_id = next(self._ids)
+        self._send_frame(request.frame(req_id, blob))
+        return self._track(req_id, request.method,
+                           _monotonic() + (self.timeout_s if timeout_s is None else timeout_s))
+
+    def send_many(self, calls: Sequence[tuple[str, dict[str, Any] | None]], timeout_s: float | None = None
+                  ) -> list[Pending]:
+        """`send` of several requests in one write."""
+        self._check_open()
+        due = _monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        frames, out = [], []
+        for method, params in calls:
+            req_id = next(self._ids)
+            frames.append(pack_frame({"id": req_id, "method": method, "params": params or {}}, self._packer))
+            out.append(Pending(req_id, method, due))
+        self._send_frame(b"".join(frames))
+        for p in out:
+            self._pending[p.req_id] = p
+        self._next_due = min(self._next_due, due)
+        return out
+
+    def poll(self) -> None:
+        """Read and dispatch whatever has arrived, without waiting; flush queued sends; send
+        a liveness probe when a sent call is overdue. DaemonUnavailable when the
+        connection is dead (the peer closed it, or it answered no probe in `liveness_s`)."""
+        self._check_open()
+        reader = self._reader
+        self._flush()
         while True:
-            msg = self._read_message(deadline, method, fds)
-            if "event" in msg:
-                self.events.append(msg["event"])
+            msg = reader.take()
+            if msg is None:
+                if not reader.receive(None, None):
+                    break
                 continue
-            if msg.get("id") != req_id:
-                self._settle_posted(msg)  # a posted request's refusal, or an answer we gave up on
-                continue
-            if self._posted:  # the daemon handled every request sent before this one
-                self._posted.clear()
-            return msg
+            self._dispatch(msg)
+        now = _monotonic()
+        if now >= self._next_due:
+            self._check_due(now)
+        self._flush_undo()
 
+    def abandon(self, p: Pending, on_late: LateHandler | None = None) -> None:
+        """The caller no longer wants `p`'s answer: `on_late` gets it (now, if it came)."""
+        if p.done:
+            if on_late is not None and not self.closed:
+                self._undo.extend(on_late(p.outcome) or ())
+                self._flush_undo()
+            return
+        if self._pending.pop(p.req_id, None) is not None:
+            self._late[p.req_id] = (p.method, on_late)
+
+    # -- calls whose answer nobody needs ------------------------------------------------
     def post(self, method: str, params: dict[str, Any] | None = None, timeout_s: float | None = None) -> None:
         """Send a request and return without waiting: for calls whose answer the caller
         does not need (a pin's release, a finished put), so a slow daemon costs the engine's
-        step nothing and cannot drop the connection by missing a deadline. The daemon
-        handles a connection's requests in order, so a later call sees the posted one done.
-        It answers a posted request (`noreply`) only to refuse it; whichever read comes
-        next logs that. For methods the daemon answers inline (not `load`). Past MAX_POSTED
-        posts not known handled, this first waits until they are (`wait_posted`), which
-        bounds the refusals that can pile up unread."""
-        if len(self._posted) >= MAX_POSTED:
-            self.wait_posted(timeout_s)
-        if self.closed:
-            raise DaemonUnavailable("connection closed")
-        req_id = next(self._ids)
-        self._send({"id": req_id, "method": method, "params": params or {}, "noreply": True},
-                   self._deadline(timeout_s))
-        self._posted[req_id] = method
+        step nothing. The daemon handles a connection's requests in order, so a later call
+        sees the posted one done. It answers a posted request (`noreply`) only to refuse
+        it; whichever read comes next logs that. Past MAX_POSTED posts not known handled,
+        a `sync` goes out (not waited for) whose answer settles them."""
+        self.post_many([(method, params)])
+
+    def post_many(self, calls: Sequence[tuple[str, dict[str, Any] | None]]) -> None:
+        """`post` of several requests in one write."""
+        self._check_open()
+        self._post(calls)
+
+    def _post(self, calls: Sequence[tuple[str, dict[str, Any] | None]]) -> None:
+        frames = []
+        for method, params in calls:
+            req_id = next(self._ids)
+            frames.append(pack_frame({"id": req_id, "method": method, "params": params or {}, "noreply": True},
+                                     self._packer))
+            self._posted[req_id] = method
+        self._send_frame(b"".join(frames))
+        if len(self._posted) >= MAX_POSTED and self._settle is None:
+            self._settle = self.send("sync", None, self.liveness_s)
 
     def wait_posted(self, timeout_s: float | None = None) -> None:
         """Return once the daemon has handled every posted request (for callers that next
@@ -298,27 +376,23 @@ class RpcConnection:
             return
         try:
             self.call("sync", None, timeout_s)
-        except ClientError:
+        except ClientError as e:
+            if isinstance(e, DaemonUnavailable):
+                raise
             self._posted.clear()  # a daemon without `sync` refused it, after the earlier ones all the same
 
-    def _settle_posted(self, msg: dict) -> None:
-        method = self._posted.pop(msg.get("id"), None)  # type: ignore[arg-type]
-        if method is not None and "error" in msg:
-            err = msg["error"]
-            self._refused(method, err.get("code"), err.get("message"))
-
-    def _refused(self, method: str, code: Any, message: Any) -> None:
-        self.posted_refusals += 1
-        log.warning("hicache daemon refused %s (sent without waiting): %s: %s", method, code, message)
-
     def read_event(self) -> dict:
+        """The next event (a subscription's connection), within the default timeout."""
         if self.events:
             return self.events.popleft()
+        deadline = _monotonic() + self.timeout_s
         while True:
-            msg = self._read_message()
+            msg = self._next_message(deadline, None)
+            if msg is None:
+                self._lost(f"no event in {self.timeout_s:g}s", None)
             if "event" in msg:
                 return msg["event"]
-            self._settle_posted(msg)
+            self._dispatch(msg)
 
     def close(self) -> None:
         if not self.closed:
@@ -329,184 +403,181 @@ class RpcConnection:
                 except Exception:  # the connection must close whatever the hook does
                     log.exception("on_close hook failed")
             self.closed = True
+            self._undo = []
             try:
                 self.sock.close()
             except OSError:
                 pass
 
     # -- internals -------------------------------------------------------------
-    def _send(self, msg: dict, deadline: float | None = None) -> None:
-        self._send_frame(pack_frame(msg, self._packer), deadline)
+    def _check_open(self) -> None:
+        if self.closed:
+            raise DaemonUnavailable("connection closed")
+        probe = self._probe
+        if probe is not None and _monotonic() > probe.due:
+            self._lost(f"no answer to a liveness probe in {self.liveness_s:g}s (the daemon is hung)", None)
 
-    def _send_frame(self, data: bytes, deadline: float | None) -> None:
+    def _lost(self, why: str, exc: BaseException | None) -> NoReturn:
+        self.close()
+        raise DaemonUnavailable(why) from exc
+
+    def _track(self, req_id: int, method: str, due: float) -> Pending:
+        p = self._pending[req_id] = Pending(req_id, method, due)
+        if due < self._next_due:
+            self._next_due = due
+        return p
+
+    def _give_up(self, req_id: int, method: str, on_late: LateHandler | None) -> None:
+        """A call's deadline passed: its answer goes to `on_late`; the daemon is probed."""
+        self._late[req_id] = (method, on_late)
+        self.given_up += 1
+        self._start_probe()
+
+    def _start_probe(self) -> None:
+        if self._probe is None and not self.closed:
+            self._probe = self.send("sync", None, self.liveness_s)
+
+    def _check_due(self, now: float) -> None:
+        """A sent call is overdue: probe the daemon (once per PROBE_INTERVAL_S)."""
+        due = min((p.due for p in self._pending.values() if p is not self._probe), default=float("inf"))
+        if due <= now:
+            if now >= self._probe_after:
+                self._start_probe()
+            due = now + PROBE_INTERVAL_S
+        self._next_due = due
+
+    def _answered(self, req_id: int) -> None:
+        """An answer to `req_id`: every request sent before it was handled (the daemon takes
+        a connection's requests in order), so the posted ones before it are settled."""
+        posted = self._posted
+        if posted:
+            for k in [k for k in posted if k < req_id]:
+                del posted[k]
+
+    def _dispatch(self, msg: dict) -> None:
+        """A message nobody is reading for right now: an event, an answer to a sent call,
+        a late answer, or a posted request's refusal."""
+        if "event" in msg:
+            self.events.append(msg["event"])
+            return
+        req_id = msg.get("id")
+        p = self._pending.pop(req_id, None)  # type: ignore[arg-type]
+        if p is not None:
+            p.done, p.outcome = True, _outcome(msg)
+            if p is self._probe:
+                self._probe = None
+                self._probe_after = _monotonic() + PROBE_INTERVAL_S
+            elif p is self._settle:
+                self._settle = None
+            self._answered(p.req_id)
+            return
+        late = self._late.pop(req_id, None)  # type: ignore[arg-type]
+        if late is not None:
+            self.late_answers += 1
+            method, on_late = late
+            if on_late is not None:
+                self._undo.extend(on_late(_outcome(msg)) or ())
+            self._answered(req_id)  # type: ignore[arg-type]
+            return
+        method = self._posted.pop(req_id, None)  # type: ignore[arg-type]
+        if method is not None and "error" in msg:
+            err = msg["error"]
+            self.posted_refusals += 1
+            log.warning("hicache daemon refused %s (sent without waiting): %s: %s", method, err.get("code"),
+                        err.get("message"))
+
+    def _flush_undo(self) -> None:
+        """Post what the late answers' handlers asked for (never from inside a read)."""
+        if self._undo and not self.closed:
+            undo, self._undo = self._undo, []
+            self._post(undo)
+
+    def _await(self, req_id: int, deadline: float, fds: list[int] | None) -> dict | None:
+        """Read up to the answer to `req_id` (None when the deadline passes first),
+        dispatching what comes before it."""
+        while True:
+            msg = self._next_message(deadline, fds)
+            if msg is None:
+                return None
+            if msg.get("id") == req_id and "event" not in msg:
+                return msg
+            self._dispatch(msg)
+
+    def _wait_all(self, pendings: list[Pending], deadline: float) -> None:
+        """Read until every one of `pendings` is answered, or the deadline passes."""
+        for p in pendings:
+            while not p.done:
+                msg = self._next_message(deadline, None)
+                if msg is None:
+                    return
+                self._dispatch(msg)
+
+    def _next_message(self, deadline: float, fds: list[int] | None) -> dict | None:
+        """The next message, waiting until `deadline` (None when it passes first). While
+        frames wait in the outbox, the wait also sends them as the socket takes them."""
+        reader = self._reader
+        while True:
+            msg = reader.take()
+            if msg is not None:
+                return msg
+            if self._outbox:
+                if not self._wait_io(deadline):
+                    return None
+                reader.receive(None, fds)  # whatever came, without waiting
+            elif not reader.receive(deadline, fds):
+                return None
+
+    def _wait_io(self, deadline: float) -> bool:
+        """Wait for the socket to be readable or writable (then flush); False at the deadline."""
+        if self._poller is None:
+            self._poller = select.poll()
+            self._poller.register(self.sock, _POLLIO)
+        left = deadline - _monotonic()
+        if left <= 0 or not self._poller.poll(left * 1000):
+            return False
+        self._flush()
+        return True
+
+    def _send(self, msg: dict) -> None:
+        self._send_frame(pack_frame(msg, self._packer))
+
+    def _send_frame(self, data: bytes) -> None:
+        """Hand a frame to the socket without waiting; what it cannot take now waits in the
+        outbox, in order, and leaves with the next operations."""
+        if self._outbox:
+            if len(self._outbox) + len(data) > MAX_OUTBOX_BYTES:
+                self._lost(f"the daemon read nothing of {MAX_OUTBOX_BYTES >> 20} MiB of requests", None)
+            self._outbox += data
+            self._flush()
+            return
         try:
-            left = -1.0 if deadline is None else deadline - _monotonic()
-            if left > 0 and left >= self._so_timeout - TIMEOUT_SLACK_S:  # `_wait` has nothing to do
-                try:
-                    sent = self.sock.send(data)  # almost always all of it: the socket buffer has room
-                except BlockingIOError:
-                    self._rearm(deadline)  # type: ignore[arg-type]
-                    sent = 0
-                if sent < len(data):
-                    self._send_bytes(data, deadline, sent)
-            else:
-                self._send_bytes(data, deadline)
+            sent = self.sock.send(data, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            sent = 0
         except OSError as e:
-            self.close()
-            raise DaemonUnavailable(f"send failed: {e}") from e
+            self._lost(f"send failed: {e}", e)
+        if sent < len(data):
+            self._outbox += memoryview(data)[sent:]
 
-    def _send_bytes(self, data: bytes, deadline: float | None, sent: int = 0) -> None:
-        """`data[sent:]`, within the deadline."""
-        if deadline is None:
-            deadline = self._deadline(None)
-        view = memoryview(data)
-        while sent < len(data):
-            self._wait(deadline)
-            try:
-                sent += self.sock.send(view[sent:])
-            except BlockingIOError:
-                self._rearm(deadline)
-
-    def _deadline(self, timeout_s: float | None) -> float:
-        return time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+    def _flush(self) -> None:
+        if not self._outbox:
+            return
+        try:
+            sent = self.sock.send(self._outbox, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        except OSError as e:
+            self._lost(f"send failed: {e}", e)
+        del self._outbox[:sent]
 
     def _read_message(self, deadline: float | None = None, method: str = "", fds: list[int] | None = None
                       ) -> dict:
-        if deadline is None:  # the default timeout, over the whole message
-            deadline = self._deadline(None)
-        try:
-            while self._end - self._start < 4:
-                self._fill(deadline, fds)
-            (n,) = HEADER.unpack_from(self._buf, self._start)
-            if n > MAX_FRAME_BYTES:
-                raise ProtocolError(f"frame of {n} bytes from the daemon")
-            if n + 4 > len(self._buf):
-                return self._decode(self._read_big(n, deadline, fds))
-            while self._end - self._start < n + 4:
-                self._fill(deadline, fds)
-            start = self._start + 4
-            self._start = start + n
-            return self._decode(self._view[start:start + n])
-        except (OSError, ProtocolError) as e:
-            self._read_failed(e, method)
-
-    def _read_failed(self, e: Exception, method: str) -> NoReturn:
-        self.close()
-        if isinstance(e, TimeoutError):
-            raise DaemonUnavailable(f"no answer to {method or 'a read'} in time (the daemon is hung or "
-                                    "overloaded)") from e
-        raise DaemonUnavailable(f"receive failed: {e}") from e
-
-    def _fill(self, deadline: float, fds: list[int] | None) -> None:
-        """Receive more bytes after _end, first moving unparsed ones to the buffer's front
-        when the end is near. With `fds`, descriptors that come along are appended there
-        (they ride on the first byte of their frame)."""
-        if self._start == self._end:
-            self._start = self._end = 0
-        elif len(self._buf) - self._end < RECV_CHUNK // 4:
-            n = self._end - self._start
-            self._buf[:n] = bytes(self._view[self._start:self._end])  # no overlapping copy
-            self._start, self._end = 0, n
-        self._end += self._recv_into(self._view[self._end:], deadline, fds)
-
-    def _read_big(self, n: int, deadline: float, fds: list[int] | None) -> bytes:
-        """A frame larger than the buffer: its own bytearray."""
-        have = self._end - self._start - 4
-        body = bytearray(n)
-        body[:have] = self._view[self._start + 4:self._end]
-        self._start = self._end = 0
-        view = memoryview(body)
-        while have < n:
-            have += self._recv_into(view[have:], deadline, fds)
-        return bytes(body)
-
-    def _recv_into(self, view: memoryview, deadline: float, fds: list[int] | None) -> int:
-        """One receive into `view` (at least a byte) within the deadline; with `fds`,
-        descriptors that come along are appended there."""
-        while True:
-            self._wait(deadline)
-            try:
-                if fds is None:
-                    k = self.sock.recv_into(view)
-                else:
-                    k, got = self._recvmsg_into(view)
-                    fds.extend(got)
-            except BlockingIOError:
-                self._rearm(deadline)
-                continue
-            if k == 0:
-                raise ConnectionResetError("the daemon closed the connection")
-            return k
-
-    def _recvmsg_into(self, view: memoryview) -> tuple[int, list[int]]:
-        fds = array.array("i")
-        k, ancdata, _, _ = self.sock.recvmsg_into([view], socket.CMSG_SPACE(MAX_FDS * fds.itemsize),
-                                                 socket.MSG_CMSG_CLOEXEC)
-        for level, kind, payload in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
-        return k, list(fds)
-
-    def _decode(self, body: bytes | memoryview) -> dict:
-        try:
-            return unpack_body(body)
-        except ProtocolError:
-            self.close()
-            raise
-
-    def _wait(self, deadline: float) -> None:
-        """Bound the next blocking read or write by the exchange's deadline: lower the
-        socket's timeout when it would overshoot by more than the slack."""
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("timed out")
-        if left < self._so_timeout - TIMEOUT_SLACK_S:
-            self._set_so_timeout(left)
-
-    def _rearm(self, deadline: float) -> None:
-        """The socket's timeout ran out (EAGAIN on a blocking socket): a timeout if the
-        deadline passed too, else the rest of the time for the next try."""
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("timed out")
-        self._set_so_timeout(left)
-
-    def _set_so_timeout(self, seconds: float) -> None:
-        """0 would mean 'no timeout' to the kernel: the shortest is one microsecond."""
-        usec = max(1, int(seconds * 1e6))
-        tv = _TIMEVAL.pack(usec // 1_000_000, usec % 1_000_000)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-        self._so_timeout = seconds
-
-    def _recv_exact(self, n: int, deadline: float) -> bytes:
-        """Exactly n bytes (the handshake reads no further than its reply)."""
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            got += self._recv_into(view[got:n], deadline, None)
-        return bytes(buf)
-
-    def _recv_with_fds(self, n: int, deadline: float) -> tuple[bytes, list[int]]:
-        fds = array.array("i")
-        while True:
-            self._wait(deadline)
-            try:
-                data, ancdata, _, _ = self.sock.recvmsg(n, socket.CMSG_SPACE(MAX_FDS * fds.itemsize),
-                                                      socket.MSG_CMSG_CLOEXEC)
-                break
-            except BlockingIOError:
-                self._rearm(deadline)
-                continue
-        for level, kind, payload in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
-        if not data:
-            raise ConnectionResetError("the daemon closed the connection")
-        if len(data) < n:
-            data += self._recv_exact(n - len(data), deadline)
-        return data, list(fds)
+        """The next message within `deadline` (default: the connection's timeout from now);
+        a DaemonUnavailable that ends the connection when none comes (tests, tools)."""
+        msg = self._next_message(_monotonic() + self.timeout_s if deadline is None else deadline, fds)
+        if msg is None:
+            self._lost(f"no answer to {method or 'a read'} in time", None)
+        return msg
 
 
 def _connect_failure(path: str, e: OSError) -> str:
@@ -515,12 +586,6 @@ def _connect_failure(path: str, e: OSError) -> str:
     if isinstance(e, ConnectionRefusedError):
         return f"nothing listens on {path} (a stale socket of a daemon that died?)"
     return f"cannot connect to {path}: {e.strerror or e}"
-
-
-def _describe(e: OSError, timeout_s: float) -> str:
-    if isinstance(e, TimeoutError):
-        return f"no answer in {timeout_s:g}s (the daemon is hung or overloaded)"
-    return str(e)
 
 
 def _close_fd(fd: int) -> None:

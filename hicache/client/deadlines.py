@@ -1,9 +1,12 @@
 """How long HiCacheClient waits for each call, by its place on the engine's critical path.
 
 A daemon answers every call in well under a millisecond when it is healthy, so
-a deadline only decides how much a hung daemon (SIGSTOP, a stuck disk, a
-swapped-out process) costs the engine before the client gives up, drops the
-connection and answers misses / skips from then on (hicache/client/reconnect.py).
+a deadline only decides how much a slow or hung daemon (a CPU-starved host, SIGSTOP,
+a stuck disk, a swapped-out process) costs the engine before the client gives up on
+that call and answers misses / skips until the daemon answers again. The connection
+stays (hicache/client/connection.py); only a daemon that answers no liveness probe
+for `liveness_s` is taken for dead, and the client reconnects in the background
+(hicache/client/reconnect.py).
 One timeout per call kind, not one for all: a lookup blocks a request's first
 token, a disk load may legitimately wait for the disk, an admin call has all the
 time it needs.
@@ -15,6 +18,8 @@ import math
 from dataclasses import dataclass, fields, replace
 
 from hicache.errors import ConfigError
+
+LIVENESS_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +33,9 @@ class CallDeadlines:
                             # (wait_complete: the whole read; timeout: prefetch_timeout_s), then answers
     update_s: float = 0.5   # insert, load_done, release, backup_done, state_backup_done, evict
     admin_s: float = 5.0    # stats
+    # A call past its deadline is a miss, not a lost connection: its answer is handled when it
+    # comes. The connection ends only when the daemon answers no liveness probe for this long.
+    liveness_s: float = LIVENESS_S
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -38,7 +46,7 @@ class CallDeadlines:
     @classmethod
     def uniform(cls, timeout_s: float) -> CallDeadlines:
         """The same deadline for every call (benchmarks and tests on loaded machines)."""
-        return cls(timeout_s, timeout_s, timeout_s, timeout_s, timeout_s)
+        return cls(timeout_s, timeout_s, timeout_s, timeout_s, timeout_s, max(timeout_s, LIVENESS_S))
 
     @classmethod
     def from_config(cls, value: object, base: CallDeadlines | None = None) -> CallDeadlines:

@@ -58,6 +58,7 @@ class Match:
     epoch: int
     from_disk: int = 0  # of host_pages, how many the daemon just read from disk
     state: StateMatch | None = None  # hybrid namespaces only
+    pending: bool = False  # a lookup beyond disk_len still runs (the remote store): `load` says what it found
 
     @property
     def device_len(self) -> int:

@@ -29,6 +29,7 @@ class ReportCalls:
         connected: bool
 
         def _report(self, method: str, params: dict, *, wait: bool = True) -> dict | None: ...
+        def _post_many(self, calls: list[tuple[str, dict]]) -> bool: ...
 
     def load_done(self, match: Match, device_pages: np.ndarray, *, wait: bool = True) -> np.ndarray | None:
         """Report the host part copied into `device_pages`. Returns pages to free, or
@@ -63,6 +64,19 @@ class ReportCalls:
         params = {"engine": self.engine_id, "put": plan.put, "ok": ok}
         r = self._report("put_done", params, wait=wait)
         return None if r is None or not wait else int(r["added"])
+
+    def put_dones(self, items: list[tuple[PutPlan, bool]]) -> None:
+        """`put_done` of several plans (plan, ok), posted in one write (see `_post`)."""
+        calls = [("put_done", {"engine": self.engine_id, "put": plan.put, "ok": ok}) for plan, ok in items
+                 if plan.put is not None and plan.epoch == self.epoch]
+        if calls:
+            self._post_many(calls)
+
+    def releases(self, matches: list[Match]) -> None:
+        """`release` of several matches, posted in one write (see `_post`)."""
+        calls = [("release", {"pin": m.pin}) for m in matches if m.pin is not None and m.epoch == self.epoch]
+        if calls:
+            self._post_many(calls)
 
     def state_backup_done(self, plan: StateBackupPlan, ok: bool = True) -> int | None:
         """The checkpoints of `plan` are copied into their host slots (or failed: `ok`

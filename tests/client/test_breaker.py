@@ -1,8 +1,11 @@
-"""A hung daemon must not stall the engine (issue 14, defect 4); a dead one must not crash it.
+"""A slow or hung daemon must not stall the engine (issue 14, defect 4) nor cost it its
+connection (issue 41); a dead one must not crash it.
 
 Against a real daemon process stopped with SIGSTOP: the first call waits out its short
-deadline, opens the breaker, and every later call answers a miss at once while a probe
-reconnects in the background; after SIGCONT the engine hits again within seconds.
+deadline and is a miss; every later call answers a miss at once while the connection's
+liveness probe is out. A daemon that resumes within `liveness_s` answers on the same
+connection (the late match's pin given back); one that stays stopped past it is taken
+for dead: the connection goes and a probe reconnects in the background.
 """
 
 from __future__ import annotations
@@ -51,7 +54,11 @@ def host_hit(client: HiCacheClient) -> bool:
     return m.host_len == 8 or m.device_len == 8
 
 
-def test_lookups_against_a_stopped_daemon_cost_one_short_deadline(daemon):
+def pins(daemon) -> int:
+    return RpcConnection.one_call(daemon.socket, "stats", timeout_s=30)["pins"]
+
+
+def test_a_stopped_daemon_costs_one_short_deadline_and_keeps_the_connection(daemon):
     client = HiCacheClient(LAYOUT, 64, model="m", socket_path=daemon.socket)
     try:
         assert client.connect()
@@ -59,19 +66,39 @@ def test_lookups_against_a_stopped_daemon_cost_one_short_deadline(daemon):
         assert host_hit(client)
         with stopped(daemon):
             spent = 0.0
-            for i in range(20):
+            for _ in range(20):
                 t0 = time.monotonic()
                 m = client.match(TOKENS)
                 spent += time.monotonic() - t0
                 assert m.pin is None  # a miss answered locally
-                if i < 3:  # lookups spread over the probe's attempts, as requests would be
-                    wait_until(lambda: client.reconnect_attempts > i, 30, "a background reconnect attempt")
             # One match deadline (0.25 s), then nothing. Generous for a loaded 2-core machine:
             # before the breaker each lookup waited its full timeout (5 s each, ~100 s in all).
             assert spent < 2.0, spent
-            assert client.outages == 1 and client.misses_while_away == 20
+            assert client.late == 1 and client.misses_while_away == 20
             assert client.insert(TOKENS, np.arange(1, 9, dtype=np.int64)) is None  # a skipped store
-        # resumed: a probe's connection is adopted by a lookup, which hits
+            assert client.connected and client.outages == 0
+        # resumed: the same connection answers; the late match's pin was given back
+        wait_until(lambda: host_hit(client), 30, "a hit after SIGCONT")
+        assert client.epoch == 1 and client.outages == 0
+        assert client.conn is not None and client.conn.late_answers == 1
+        wait_until(lambda: pins(daemon) == 0, 30, "the late match's pin released")
+    finally:
+        client.close()
+
+
+def test_a_daemon_stopped_past_liveness_is_dropped_and_reconnected(daemon):
+    deadlines = CallDeadlines(liveness_s=1.0)
+    client = HiCacheClient(LAYOUT, 64, model="m", socket_path=daemon.socket, deadlines=deadlines)
+    try:
+        assert client.connect()
+        cached_on_host(client)
+        with stopped(daemon):
+            assert client.match(TOKENS).pin is None  # late: a miss, the connection kept
+            assert client.connected
+            # no answer to the liveness probe: the connection goes at the next call after it
+            wait_until(lambda: client.match(TOKENS).pin is None and client.outages == 1, 30,
+                       "the connection dropped for want of a probe's answer")
+            wait_until(lambda: client.reconnect_attempts > 0, 30, "a background reconnect attempt")
         wait_until(lambda: host_hit(client), 30, "a hit after SIGCONT")
         assert client.epoch == 2
     finally:

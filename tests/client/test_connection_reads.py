@@ -18,7 +18,7 @@ import msgpack
 import pytest
 
 from hicache.client.connection import MAX_FRAME_BYTES, RECV_CHUNK, RpcConnection
-from hicache.errors import ClientError, DaemonUnavailable
+from hicache.errors import ClientError, DaemonSlow, DaemonUnavailable
 from hicache.rpc.framing import HEADER, BlobRequest, FrameDecoder, pack_frame, unpack_body
 from tests.wait import wait_until
 
@@ -116,11 +116,11 @@ def test_a_reply_trickled_past_the_deadline_costs_one_deadline(peer_factory):
     peer = peer_factory(answer)
     conn = RpcConnection(peer.client_sock, timeout_s=30)
     t0 = time.monotonic()
-    with pytest.raises(DaemonUnavailable, match="no answer to m in time"):
+    with pytest.raises(DaemonSlow, match="no answer to m in 1s"):
         conn.call("m", timeout_s=1.0)
-    stop.set()
     assert time.monotonic() - t0 < 5.0, "the deadline was not kept over the whole exchange"
-    assert conn.closed
+    assert not conn.closed and conn.suspect  # a late answer is no lost connection
+    stop.set()
 
 
 def test_a_short_call_timeout_under_a_long_default(peer_factory):
@@ -165,8 +165,8 @@ def test_a_long_call_after_a_short_one_waits_its_own_deadline(peer_factory):
 def test_alternating_deadlines_set_no_socket_option(peer_factory, monkeypatch):
     conn = RpcConnection(peer_factory(lambda req, s: s.sendall(reply(req, 1))).client_sock, timeout_s=10)
     sets: list[float] = []
-    real = conn._set_so_timeout
-    monkeypatch.setattr(conn, "_set_so_timeout", lambda seconds: (sets.append(seconds), real(seconds)))
+    real = conn._reader.set_so_timeout
+    monkeypatch.setattr(conn._reader, "set_so_timeout", lambda seconds: (sets.append(seconds), real(seconds)))
     for _ in range(50):
         assert conn.call("match", timeout_s=0.25) == 1
         assert conn.call("release", timeout_s=0.5) == 1

@@ -15,6 +15,7 @@ from hicache.client.client import HiCacheClient
 from hicache.client.connection import MAX_PIPELINED, PIPELINE_BYTES
 from hicache.errors import ClientError
 from hicache.layout import KVLayout
+from tests.wait import wait_until
 
 LAYOUT = KVLayout("mha", num_layers=2, page_size=4, dtype="float16", num_kv_heads=1, head_dim=8)
 PB = LAYOUT.page_bytes
@@ -118,7 +119,7 @@ def test_a_daemon_away_gives_every_put_none_and_opens_the_breaker(daemon):
     c.close()
 
 
-def test_a_hung_daemon_costs_one_deadline_for_the_batch(daemon):
+def test_a_hung_daemon_costs_one_deadline_for_the_batch_and_gets_its_reservations_back(daemon):
     c = client(daemon, timeout_s=0.3)
     batch = [(np.arange(i * 8, i * 8 + 8, dtype=np.int32), None) for i in range(6)]
     daemon.proc.send_signal(signal.SIGSTOP)
@@ -128,6 +129,12 @@ def test_a_hung_daemon_costs_one_deadline_for_the_batch(daemon):
         waited = time.monotonic() - t0
     finally:
         daemon.proc.send_signal(signal.SIGCONT)
-    assert plans == [None] * 6 and c.outages == 1 and not c.connected
+    assert plans == [None] * 6 and c.late == 6
     assert waited < 6 * 0.3  # one deadline over the batch, not one per put
+    # the connection stays; the late answers' reservations are given back (put_done ok=False)
+    assert c.connected and c.outages == 0
+    wait_until(lambda: c.poll() and c.conn is not None and not c.conn.suspect, 30, "the daemon's answers")
+    assert c.stats()["puts"]["pending"] == 0
+    plans = c.put_many(batch)
+    assert all(p is not None and p.present == 0 for p in plans)  # nothing was kept of the late puts
     c.close()
