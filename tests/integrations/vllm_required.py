@@ -16,8 +16,9 @@ except ImportError:
             from None
     pytest.skip("vLLM is not installed (scripts/setup.sh installs it)", allow_module_level=True)
 
-# The connector's deadlines for tests that count hits: seconds, not the default quarter second.
-# On a loaded 2-core machine (TP=2 spins both cores) a starved daemon would otherwise cost a
-# lookup its deadline, and the connector rightly answers that request a miss. The fault tests
-# keep the defaults: they are about what a missed deadline does.
-PATIENT = {"deadlines": {"connect_s": 5.0, "match_s": 5.0, "update_s": 5.0}}
+# For tests that count hits exactly: a declared prefill rate so slow that every lookup's answer
+# is worth waiting for (a request waits for it as long as computing its tokens would take), and
+# deadlines in seconds for the workers' waited calls. On a loaded 2-core machine (TP=2 spins both
+# cores) a starved daemon would otherwise take longer to answer than the tiny model takes to
+# compute, and the connector rightly computes. The fault tests keep the defaults.
+PATIENT = {"deadlines": {"connect_s": 5.0, "match_s": 5.0, "update_s": 5.0}, "prefill_tokens_per_s": 1.0}

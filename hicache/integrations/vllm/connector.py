@@ -9,14 +9,14 @@ per worker (role WORKER); each delegates to its side (scheduler.py, worker.py).
 Extra config keys, all optional: `socket` (default: the daemon's default
 socket), `model_id` (the namespace's model name; default vLLM's model path or
 name), `lease_s` (pins a load never reports are released after it),
-`disk_wait_s` (how long a request may wait for its disk part to reach host),
 `kv_events_max_blocks` (blocks the KV event map follows, events.py), `deadlines`
 (seconds the connector waits for the daemon: one number, or per call kind as in
 hicache/client/deadlines.py, e.g. {"match_s": 1.0}; raise them on a machine whose
 daemon may be starved of CPU, at the cost of a slower miss when it hangs),
 `prefill_tokens_per_s` (the engine's prefill rate: with it the daemon leaves a disk or
-remote part to be recomputed when that is faster than reading it; without it every
-cached page is loaded).
+remote part to be recomputed when that is faster than reading it, and a request waits
+for a lookup's answer at most as long as computing what it covers takes; without it
+every cached page is loaded and the wait is bounded by the scheduler's measured rate).
 vLLM's `kv_load_failure_policy` is set to "recompute": a block hicache could not
 load is computed, never an error.
 
@@ -107,9 +107,11 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 log.info("hicache: kv_load_failure_policy set to 'recompute' (a failed load is a miss)")
                 cfg.kv_load_failure_policy = "recompute"
             rate = cfg.get_from_extra_config("prefill_tokens_per_s", None)
+            if cfg.get_from_extra_config("disk_wait_s", None) is not None:
+                log.warning("hicache: disk_wait_s is ignored: a request waits for its disk or remote part as "
+                            "long as loading it saves compute (prefill_tokens_per_s, or the measured rate)")
             self.scheduler = SchedulerSide(shape, num_blocks, socket, deadlines=deadlines,
                                            lease_s=float(cfg.get_from_extra_config("lease_s", 30.0)),
-                                           disk_wait_s=float(cfg.get_from_extra_config("disk_wait_s", 0.5)),
                                            prefill_tokens_per_s=None if rate is None else float(rate))
             self.scheduler.events = bridge_for(vllm_config, kv_cache_config, self.scheduler.clients,
                                                shape.layout.page_size,
