@@ -20,7 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
-from hicache.client.connection import Pending, RpcConnection
+from hicache.client.connection import RpcConnection
+from hicache.client.ledger import Pending
 from hicache.client.late import undo_late
 from hicache.client.replies import EMPTY, Match, PutPlan, StateMatch
 from hicache.errors import ClientError, DaemonUnavailable

@@ -1,25 +1,20 @@
 """A blocking RPC connection to the daemon (engine schedulers are synchronous) on which
 a slow answer is a miss, never a lost connection.
 
-Every request carries an id and the daemon's answer carries it back, so the stream
-never loses its place: a call that passes its deadline raises DaemonSlow and keeps the
-connection; its answer, when it comes, is handed to the call's `on_late` handler, which
-names the calls that undo what the answer granted (a match's pin is released, a put's
-reservation given back); they are posted at once, in order, before anything sent later
-can be answered. After a late answer the connection is *suspect*: a liveness probe
-(`sync`, handled in order after everything sent before it) is out, and the client
-sends no waited call until it comes back (hicache/client/client.py answers misses
-meanwhile). Only a dead socket, a broken frame, a daemon that answers no probe within
-`liveness_s`, or one that reads nothing of MAX_OUTBOX_BYTES queued for it, end the
-connection (DaemonUnavailable); everything else the engine may skip.
+Every request carries an id and its answer carries it back, so the stream never loses
+its place: a call past its deadline raises DaemonSlow and keeps the connection; its
+answer, when it comes, goes to the call's `on_late` handler, whose undo calls (a pin
+released, a reservation given back) are posted at once, in order (the books:
+hicache/client/ledger.py). A liveness probe (`sync`) then goes out; until it is
+answered the connection is *suspect* and the client sends no waited call. Only a dead
+socket, a broken frame, no probe answered within `liveness_s`, or MAX_OUTBOX_BYTES the
+daemon does not read end the connection (DaemonUnavailable).
 
 Three ways to call: `call` waits up to a deadline; `send` returns a Pending at once and
-`poll` reads what has arrived without waiting (the vLLM scheduler asks again next step:
-hicache/integrations/vllm/lookups.py); `post` sends a call whose answer nobody needs (a
-release, a finished put): the daemon answers it only to refuse it.
-
-Sends never block: a frame the socket cannot take whole waits in an outbox that every
-later operation flushes first, so order is kept. Receiving is hicache/client/frame_reader.py.
+`poll` reads what has arrived without waiting (the vLLM scheduler asks again next step);
+`post` sends a call whose answer nobody needs: the daemon answers it only to refuse it.
+Sends never block: what the socket cannot take waits in an outbox that every later
+operation flushes first, so order is kept. Receiving is hicache/client/frame_reader.py;
 `connect` checks who listens (hicache/client/peer.py) before a byte is sent.
 """
 
@@ -32,17 +27,17 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from hicache.client.deadlines import LIVENESS_S  # a daemon that answers no probe this long is hung
 from hicache.client.frame_reader import MAX_FDS, MAX_FRAME_BYTES, RECV_CHUNK, FrameReader
+from hicache.client.ledger import AnswerLedger, LateHandler, Pending
 from hicache.client.peer import check_daemon
 from hicache.errors import ClientError, DaemonRefused, DaemonSlow, DaemonUnavailable
 from hicache.rpc.framing import HEADER, BlobRequest, new_packer, pack_frame
 from hicache.rpc.protocol import PROTOCOL_VERSION
 
-__all__ = ["MAX_FDS", "MAX_FRAME_BYTES", "RECV_CHUNK", "LIVENESS_S", "Pending", "RpcConnection"]
+__all__ = ["MAX_FDS", "MAX_FRAME_BYTES", "RECV_CHUNK", "LIVENESS_S", "LateHandler", "Pending", "RpcConnection"]
 
 REFUSED_CODES = {"FORBIDDEN"}  # a daemon that says why it refuses this peer
 MAX_POSTED = 64  # posted requests not known handled; beyond, a `sync` is sent (not waited) to settle them
@@ -52,35 +47,10 @@ MAX_POSTED = 64  # posted requests not known handled; beyond, a `sync` is sent (
 MAX_PIPELINED = 64
 PIPELINE_BYTES = 128 << 10
 MAX_OUTBOX_BYTES = 8 << 20  # requests the daemon has not read; past it the connection is dead
-PROBE_INTERVAL_S = 1.0  # between probes while answers stay overdue (a long disk read, a busy daemon)
 _POLLIO = select.POLLIN | select.POLLOUT
 _monotonic = time.monotonic
 
 log = logging.getLogger(__name__)
-
-# on_late(outcome) -> the calls (method, params) that undo what a late answer granted, or None
-LateHandler = Callable[[Any], "list[tuple[str, dict]] | None"]
-
-
-def _outcome(msg: dict) -> Any:
-    """An answer's result, or its refusal as a ClientError (returned, not raised)."""
-    if "error" in msg:
-        err = msg["error"]
-        return ClientError(str(err.get("code")), str(err.get("message")))
-    return msg.get("result")
-
-
-@dataclass(slots=True, eq=False)
-class Pending:
-    """A call sent without waiting (`send`): `done` once its answer was read, `outcome` then
-    its result or its refusal (a ClientError). `due`: when it counts as overdue, which
-    starts a liveness probe (the call itself is never given up by the connection)."""
-
-    req_id: int
-    method: str
-    due: float
-    done: bool = False
-    outcome: Any = None
 
 
 class RpcConnection:
@@ -98,19 +68,7 @@ class RpcConnection:
         self._reader = FrameReader(sock, timeout_s, self._lost)
         self._outbox = bytearray()  # sent frames the socket has not taken yet, in order
         self._poller: select.poll | None = None
-        # id -> method of requests sent by post() that may still be answered (they are only
-        # when refused); an answer to any later request clears them: the daemon goes in order
-        self._posted: dict[int, str] = {}
-        self._pending: dict[int, Pending] = {}  # sent by `send`, answer not read yet
-        self._late: dict[int, tuple[str, LateHandler | None]] = {}  # given up; undo what they grant
-        self._undo: list[tuple[str, dict]] = []  # calls on_late handlers asked for, posted next
-        self._probe: Pending | None = None  # the liveness probe out, if any
-        self._settle: Pending | None = None  # a `sync` settling posted requests
-        self._next_due = float("inf")
-        self._probe_after = 0.0
-        self.posted_refusals = 0  # posted requests the daemon answered with an error
-        self.given_up = 0  # calls whose deadline passed before their answer
-        self.late_answers = 0  # answers read after their call was given up
+        self.ledger = AnswerLedger()
 
     @classmethod
     def connect(cls, path: str, timeout_s: float = 5.0, daemon_uids: Collection[int] | None = None
@@ -146,7 +104,19 @@ class RpcConnection:
     @property
     def suspect(self) -> bool:
         """An answer came too late and the daemon has not answered the probe sent after it."""
-        return self._probe is not None
+        return self.ledger.probe is not None
+
+    @property
+    def posted_refusals(self) -> int:
+        return self.ledger.posted_refusals
+
+    @property
+    def given_up(self) -> int:
+        return self.ledger.given_up
+
+    @property
+    def late_answers(self) -> int:
+        return self.ledger.late_answers
 
     def hello(self, timeout_s: float | None = None) -> tuple[dict, list[int]]:
         """Handshake: negotiate the version. Returns the answer and any descriptors that came
@@ -228,7 +198,7 @@ class RpcConnection:
             self._give_up(req_id, method, on_late)
             raise DaemonSlow(f"no answer to {method} in {t:g}s (the daemon is busy or hung); a miss, the "
                              "connection is kept")
-        self._answered(req_id)
+        self.ledger.answered(req_id)
         self._flush_undo()
         if "error" in msg:
             err = msg["error"]
@@ -263,14 +233,14 @@ class RpcConnection:
                     break
                 window.append(frame)
                 size += len(frame)
-                sent.append(self._track(req_id, method, deadline))
+                sent.append(self.ledger.track(req_id, method, deadline))
             self._send_frame(b"".join(window))
             self._wait_all(sent, deadline)
             for p in sent:
                 if p.done:
                     results.append(p.outcome)
                 else:
-                    del self._pending[p.req_id]
+                    del self.ledger.pending[p.req_id]
                     self._give_up(p.req_id, p.method, on_late)
                     results.append(DaemonSlow(f"no answer to {p.method} in time"))
             if not all(p.done for p in sent):
@@ -287,31 +257,28 @@ class RpcConnection:
         self._check_open()
         req_id = next(self._ids)
         self._send_frame(pack_frame({"id": req_id, "method": method, "params": params or {}}, self._packer))
-        return self._track(req_id, method, _monotonic() + (self.timeout_s if timeout_s is None else timeout_s))
+        return self.ledger.track(req_id, method, _monotonic() + (self.timeout_s if timeout_s is None else timeout_s))
 
     def send_blob(self, request: BlobRequest, blob: bytes, timeout_s: float | None = None) -> Pending:
         """`send` of a request spliced from a template (as `call_blob`)."""
         self._check_open()
         req_id = next(self._ids)
         self._send_frame(request.frame(req_id, blob))
-        return self._track(req_id, request.method,
-                           _monotonic() + (self.timeout_s if timeout_s is None else timeout_s))
+        return self.ledger.track(req_id, request.method,
+                                 _monotonic() + (self.timeout_s if timeout_s is None else timeout_s))
 
     def send_many(self, calls: Sequence[tuple[str, dict[str, Any] | None]], timeout_s: float | None = None
                   ) -> list[Pending]:
         """`send` of several requests in one write."""
         self._check_open()
         due = _monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        frames, out = [], []
+        frames, ids = [], []
         for method, params in calls:
             req_id = next(self._ids)
             frames.append(pack_frame({"id": req_id, "method": method, "params": params or {}}, self._packer))
-            out.append(Pending(req_id, method, due))
+            ids.append((req_id, method))
         self._send_frame(b"".join(frames))
-        for p in out:
-            self._pending[p.req_id] = p
-        self._next_due = min(self._next_due, due)
-        return out
+        return [self.ledger.track(req_id, method, due) for req_id, method in ids]
 
     def poll(self) -> None:
         """Read and dispatch whatever has arrived, without waiting; flush queued sends; send
@@ -326,21 +293,16 @@ class RpcConnection:
                 if not reader.receive(None, None):
                     break
                 continue
-            self._dispatch(msg)
-        now = _monotonic()
-        if now >= self._next_due:
-            self._check_due(now)
+            self.ledger.dispatch(msg, self.events)
+        if self.ledger.probe_needed(_monotonic()):
+            self._start_probe()
         self._flush_undo()
 
     def abandon(self, p: Pending, on_late: LateHandler | None = None) -> None:
         """The caller no longer wants `p`'s answer: `on_late` gets it (now, if it came)."""
-        if p.done:
-            if on_late is not None and not self.closed:
-                self._undo.extend(on_late(p.outcome) or ())
-                self._flush_undo()
-            return
-        if self._pending.pop(p.req_id, None) is not None:
-            self._late[p.req_id] = (p.method, on_late)
+        if not self.closed:
+            self.ledger.abandon(p, on_late)
+            self._flush_undo()
 
     # -- calls whose answer nobody needs ------------------------------------------------
     def post(self, method: str, params: dict[str, Any] | None = None, timeout_s: float | None = None) -> None:
@@ -359,27 +321,28 @@ class RpcConnection:
 
     def _post(self, calls: Sequence[tuple[str, dict[str, Any] | None]]) -> None:
         frames = []
+        posted = self.ledger.posted
         for method, params in calls:
             req_id = next(self._ids)
             frames.append(pack_frame({"id": req_id, "method": method, "params": params or {}, "noreply": True},
                                      self._packer))
-            self._posted[req_id] = method
+            posted[req_id] = method
         self._send_frame(b"".join(frames))
-        if len(self._posted) >= MAX_POSTED and self._settle is None:
-            self._settle = self.send("sync", None, self.liveness_s)
+        if len(posted) >= MAX_POSTED and self.ledger.settle is None:
+            self.ledger.settle = self.send("sync", None, self.liveness_s)
 
     def wait_posted(self, timeout_s: float | None = None) -> None:
         """Return once the daemon has handled every posted request (for callers that next
         ask the daemon something on another connection): one `sync` round trip, whose
         answer comes after any refusal of them."""
-        if not self._posted:
+        if not self.ledger.posted:
             return
         try:
             self.call("sync", None, timeout_s)
         except ClientError as e:
             if isinstance(e, DaemonUnavailable):
                 raise
-            self._posted.clear()  # a daemon without `sync` refused it, after the earlier ones all the same
+            self.ledger.posted.clear()  # a daemon without `sync` refused it, after the earlier ones all the same
 
     def read_event(self) -> dict:
         """The next event (a subscription's connection), within the default timeout."""
@@ -392,7 +355,7 @@ class RpcConnection:
                 self._lost(f"no event in {self.timeout_s:g}s", None)
             if "event" in msg:
                 return msg["event"]
-            self._dispatch(msg)
+            self.ledger.dispatch(msg, self.events)
 
     def close(self) -> None:
         if not self.closed:
@@ -403,7 +366,7 @@ class RpcConnection:
                 except Exception:  # the connection must close whatever the hook does
                     log.exception("on_close hook failed")
             self.closed = True
-            self._undo = []
+            self.ledger.undo = []
             try:
                 self.sock.close()
             except OSError:
@@ -413,84 +376,26 @@ class RpcConnection:
     def _check_open(self) -> None:
         if self.closed:
             raise DaemonUnavailable("connection closed")
-        probe = self._probe
-        if probe is not None and _monotonic() > probe.due:
+        if self.ledger.dead(_monotonic()):
             self._lost(f"no answer to a liveness probe in {self.liveness_s:g}s (the daemon is hung)", None)
 
     def _lost(self, why: str, exc: BaseException | None) -> NoReturn:
         self.close()
         raise DaemonUnavailable(why) from exc
 
-    def _track(self, req_id: int, method: str, due: float) -> Pending:
-        p = self._pending[req_id] = Pending(req_id, method, due)
-        if due < self._next_due:
-            self._next_due = due
-        return p
-
     def _give_up(self, req_id: int, method: str, on_late: LateHandler | None) -> None:
         """A call's deadline passed: its answer goes to `on_late`; the daemon is probed."""
-        self._late[req_id] = (method, on_late)
-        self.given_up += 1
+        self.ledger.give_up(req_id, method, on_late)
         self._start_probe()
 
     def _start_probe(self) -> None:
-        if self._probe is None and not self.closed:
-            self._probe = self.send("sync", None, self.liveness_s)
-
-    def _check_due(self, now: float) -> None:
-        """A sent call is overdue: probe the daemon (once per PROBE_INTERVAL_S)."""
-        due = min((p.due for p in self._pending.values() if p is not self._probe), default=float("inf"))
-        if due <= now:
-            if now >= self._probe_after:
-                self._start_probe()
-            due = now + PROBE_INTERVAL_S
-        self._next_due = due
-
-    def _answered(self, req_id: int) -> None:
-        """An answer to `req_id`: every request sent before it was handled (the daemon takes
-        a connection's requests in order), so the posted ones before it are settled."""
-        posted = self._posted
-        if posted:
-            for k in [k for k in posted if k < req_id]:
-                del posted[k]
-
-    def _dispatch(self, msg: dict) -> None:
-        """A message nobody is reading for right now: an event, an answer to a sent call,
-        a late answer, or a posted request's refusal."""
-        if "event" in msg:
-            self.events.append(msg["event"])
-            return
-        req_id = msg.get("id")
-        p = self._pending.pop(req_id, None)  # type: ignore[arg-type]
-        if p is not None:
-            p.done, p.outcome = True, _outcome(msg)
-            if p is self._probe:
-                self._probe = None
-                self._probe_after = _monotonic() + PROBE_INTERVAL_S
-            elif p is self._settle:
-                self._settle = None
-            self._answered(p.req_id)
-            return
-        late = self._late.pop(req_id, None)  # type: ignore[arg-type]
-        if late is not None:
-            self.late_answers += 1
-            method, on_late = late
-            if on_late is not None:
-                self._undo.extend(on_late(_outcome(msg)) or ())
-            self._answered(req_id)  # type: ignore[arg-type]
-            return
-        method = self._posted.pop(req_id, None)  # type: ignore[arg-type]
-        if method is not None and "error" in msg:
-            err = msg["error"]
-            self.posted_refusals += 1
-            log.warning("hicache daemon refused %s (sent without waiting): %s: %s", method, err.get("code"),
-                        err.get("message"))
+        if self.ledger.probe is None and not self.closed:
+            self.ledger.probe = self.send("sync", None, self.liveness_s)
 
     def _flush_undo(self) -> None:
         """Post what the late answers' handlers asked for (never from inside a read)."""
-        if self._undo and not self.closed:
-            undo, self._undo = self._undo, []
-            self._post(undo)
+        if self.ledger.undo and not self.closed:
+            self._post(self.ledger.take_undo())
 
     def _await(self, req_id: int, deadline: float, fds: list[int] | None) -> dict | None:
         """Read up to the answer to `req_id` (None when the deadline passes first),
@@ -501,7 +406,7 @@ class RpcConnection:
                 return None
             if msg.get("id") == req_id and "event" not in msg:
                 return msg
-            self._dispatch(msg)
+            self.ledger.dispatch(msg, self.events)
 
     def _wait_all(self, pendings: list[Pending], deadline: float) -> None:
         """Read until every one of `pendings` is answered, or the deadline passes."""
@@ -510,7 +415,7 @@ class RpcConnection:
                 msg = self._next_message(deadline, None)
                 if msg is None:
                     return
-                self._dispatch(msg)
+                self.ledger.dispatch(msg, self.events)
 
     def _next_message(self, deadline: float, fds: list[int] | None) -> dict | None:
         """The next message, waiting until `deadline` (None when it passes first). While
@@ -537,9 +442,6 @@ class RpcConnection:
             return False
         self._flush()
         return True
-
-    def _send(self, msg: dict) -> None:
-        self._send_frame(pack_frame(msg, self._packer))
 
     def _send_frame(self, data: bytes) -> None:
         """Hand a frame to the socket without waiting; what it cannot take now waits in the
@@ -570,13 +472,11 @@ class RpcConnection:
             self._lost(f"send failed: {e}", e)
         del self._outbox[:sent]
 
-    def _read_message(self, deadline: float | None = None, method: str = "", fds: list[int] | None = None
-                      ) -> dict:
-        """The next message within `deadline` (default: the connection's timeout from now);
-        a DaemonUnavailable that ends the connection when none comes (tests, tools)."""
-        msg = self._next_message(_monotonic() + self.timeout_s if deadline is None else deadline, fds)
+    def _read_message(self, fds: list[int] | None = None) -> dict:
+        """The next message within the default timeout, else the connection ends (tests)."""
+        msg = self._next_message(_monotonic() + self.timeout_s, fds)
         if msg is None:
-            self._lost(f"no answer to {method or 'a read'} in time", None)
+            self._lost("no message in time", None)
         return msg
 
 

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import NoReturn
 
-from hicache.errors import DaemonUnavailable, ProtocolError
+from hicache.errors import ProtocolError
 from hicache.rpc.framing import HEADER, unpack_body
 
 MAX_FRAME_BYTES = 256 << 20

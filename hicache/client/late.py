@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hicache.client.connection import LateHandler
+from hicache.client.ledger import LateHandler
 
 # calls whose late answer leaves the engine and the daemon disagreeing on device pages
 ENDS_ON_LATE = frozenset({"insert", "evict", "backup_done", "load_done", "state_backup_done"})

@@ -206,7 +206,7 @@ def test_a_whole_frame_not_ours_read_first_is_settled_then_ours_read(peer_factor
     peer = peer_factory(answer)
     conn = RpcConnection(peer.client_sock, timeout_s=10)
     for stale in (True, False):
-        conn._send({"id": 0, "method": "push", "params": {"stale": stale}})
+        conn._send_frame(pack_frame({"id": 0, "method": "push", "params": {"stale": stale}}))
         wait_until(readable, what="the pushed frame")
         assert conn.call("m") == "mine"
     assert list(conn.events) == [{"e": 1}]

@@ -44,11 +44,11 @@ def test_a_posted_put_done_is_done_before_the_next_call_answers(daemon):
     stored(c, toks)
     m = c.match(toks)  # no wait between: the daemon handled the put_done first
     assert m.host_len == 10
-    assert c.conn is not None and not c.conn._posted and c.conn.posted_refusals == 0
+    assert c.conn is not None and not c.conn.ledger.posted and c.conn.posted_refusals == 0
     c.release(m, wait=False)
     c.release(m, wait=False)  # twice: the second is refused (the pin is gone)
     assert c.stats()["tiers"]["host"]["pages"] == 10
-    assert c.conn.posted_refusals == 1 and not c.conn._posted
+    assert c.conn.posted_refusals == 1 and not c.conn.ledger.posted
     c.close()
 
 
@@ -91,11 +91,11 @@ def test_unread_answers_stay_bounded(daemon):
     for i in range(MAX_POSTED + 10):
         c.release(Match(10**6 + i, [], np.zeros(0, np.int64), np.zeros(0, np.int64), 0, c.epoch), wait=False)
     # past MAX_POSTED a `sync` went out, not waited for: its answer settles what came before it
-    assert c.conn._settle is not None
-    wait_until(lambda: c.poll() and c.conn._settle is None, 30, "the settling sync's answer")
-    assert len(c.conn._posted) <= 10
+    assert c.conn.ledger.settle is not None
+    wait_until(lambda: c.poll() and c.conn.ledger.settle is None, 30, "the settling sync's answer")
+    assert len(c.conn.ledger.posted) <= 10
     c.stats()
-    assert not c.conn._posted and c.conn.posted_refusals == MAX_POSTED + 10
+    assert not c.conn.ledger.posted and c.conn.posted_refusals == MAX_POSTED + 10
     assert c.connected and c.outages == 0
     c.close()
 
@@ -117,9 +117,9 @@ def test_wait_posted_is_one_sync_after_the_posted_calls(daemon):
     c = client(daemon)
     toks = np.arange(40, dtype=np.int32)
     stored(c, toks)
-    assert c.conn is not None and len(c.conn._posted) == 1
+    assert c.conn is not None and len(c.conn.ledger.posted) == 1
     c.wait_posted()
-    assert not c.conn._posted and c.conn.posted_refusals == 0
+    assert not c.conn.ledger.posted and c.conn.posted_refusals == 0
     c.wait_posted()  # nothing posted since
     m = c.match(toks)
     assert m.host_len == 10
