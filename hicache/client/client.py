@@ -43,8 +43,8 @@ from hicache.client.late import ENDS_ON_LATE, undo_late
 from hicache.client.peer import trusted_daemon_uids
 from hicache.client.prefill_rate import PrefillRate
 from hicache.client.reconnect import Reconnector
-from hicache.client.replies import (
-    BackupPlan, InsertReply, Match, PutPlan, StateBackupPlan, StateMatch,
+from hicache.client.replies import (  # re-exported: the engine cycle's answers
+    EMPTY, BackupPlan, InsertReply, Match, PutPlan, StateBackupPlan, StateMatch,
 )
 from hicache.client.asks import AskCalls
 from hicache.client.cycle import CycleCalls
@@ -494,4 +494,4 @@ class HiCacheClient(CycleCalls, ReportCalls, RetentionCalls, AskCalls):
         return self._call("stats", {}, self.deadlines.admin_s)
 
 
-__all__ = ["HiCacheClient", "CallDeadlines", "Match", "InsertReply", "PutPlan", "BackupPlan", "StateMatch", "StateBackupPlan"]
+__all__ = ["HiCacheClient", "CallDeadlines", "EMPTY", "Match", "InsertReply", "PutPlan", "BackupPlan", "StateMatch", "StateBackupPlan"]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hicache.client.replies import EMPTY, BackupPlan, InsertReply, Match, PutPlan, StateBackupPlan, StateMatch
-from hicache.errors import DaemonUnavailable
+from hicache.errors import DaemonSlow, DaemonUnavailable
 from hicache.index.keys import as_tokens, page_keys
 from hicache.rpc.framing import BlobRequest, bytes_to_ids, ids_to_bytes
 
@@ -39,6 +39,7 @@ class CycleCalls:
         def _call_blob(self, request: BlobRequest, blob: bytes, timeout_s: float) -> Any: ...
         def _call_many(self, method: str, params: list[dict], timeout_s: float) -> list[Any]: ...
         def _match_request(self) -> BlobRequest: ...
+        def _open(self, why: str) -> None: ...
 
     def page_keys(self, tokens: Any) -> list[bytes]:
         return page_keys(self.salt, as_tokens(tokens), self.layout.page_size)
@@ -160,10 +161,15 @@ class CycleCalls:
         return BackupPlan(int(b["id"]), bytes_to_ids(b["host_pages"]), bytes_to_ids(b["device_pages"]), self.epoch)
 
     def evict(self, num_pages: int) -> tuple[np.ndarray, BackupPlan | None]:
-        """Ask for about num_pages of this engine's cached device pages back."""
+        """Ask for about num_pages of this engine's cached device pages back. A daemon too
+        slow to answer ends the connection (the engine, short of pages, takes its cached
+        pages back itself, and the daemon forgets them only as it sees the close)."""
         try:
             r = self._call("evict", {"engine": self.engine_id, "num_pages": int(num_pages)},
                            self.deadlines.update_s)
+        except DaemonSlow as e:
+            self._open(f"evict: {e.message}")
+            return EMPTY, None
         except DaemonUnavailable:
             return EMPTY, None
         return bytes_to_ids(r["free_pages"]), self._plan(r["backup"])

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from hicache.client.connection import RpcConnection
+from hicache.client.deadlines import CallDeadlines
 from hicache.daemon.serve.launcher import LocalDaemon
 from hicache.engine.cached import CachedEngine, Generation
 from hicache.engine.model import ModelConfig, TinyTransformer
@@ -202,14 +203,14 @@ def test_pages_a_running_request_holds_stay_until_its_release(model, daemon_fact
     assert_balanced(e)
 
 
-def test_a_copy_in_flight_ends_before_the_breaker_closes_the_connection(model, daemon_factory, engines):
+def test_a_copy_in_flight_ends_before_a_dead_daemons_connection_closes(model, daemon_factory, engines):
     """Once the daemon sees the connection close it unpins the match's host pages (another
     engine's backup may then write them), so the load reading them must be over first."""
     d = daemon_factory("--host-capacity", "64MiB", "--no-disk").start()
     a, olds = full_pool_engine(engines, model, d.socket)
     assert a.wait_backups()
     b = CachedEngine.create(model, page_size=PAGE, device_pages=POOL_PAGES, socket_path=d.socket,
-                            backoff_s=(0.01, 0.1))
+                            backoff_s=(0.01, 0.1), deadlines=CallDeadlines(liveness_s=1.0))
     engines.append(b)
     gate = threading.Event()
     b.cache.executor.on_layer_done = lambda layer: gate.wait(30)  # the load stays in flight
@@ -220,7 +221,11 @@ def test_a_copy_in_flight_ends_before_the_breaker_closes_the_connection(model, d
     client.on_disconnect.insert(0, gate.set)  # the copy may go on only once the breaker opens
     client.on_disconnect.append(lambda: at_close.append((prefix.load.done(), client.conn.sock.fileno() == -1)))
     with stopped(d):
-        assert client.match(np.asarray(olds[1], dtype=np.int32)).pin is None  # times out: the breaker opens
+        assert client.match(np.asarray(olds[1], dtype=np.int32)).pin is None  # late: a miss, the connection stays
+        assert at_close == [] and client.connected
+        # no answer to the liveness probe: the next call after liveness_s ends the connection
+        wait_until(lambda: client.match(np.asarray(olds[1], dtype=np.int32)).pin is None and not client.connected,
+                   30, "the connection ended for want of a probe's answer")
         assert at_close == [(True, False)]  # the copy was over while the connection still lived
         b.cache.finish_load(prefix)
         assert not b.cache.cached[prefix.loaded_pages].any()  # the copies stay the request's own
