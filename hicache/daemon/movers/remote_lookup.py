@@ -10,8 +10,8 @@ short of the request asks the store for the continuation:
   and the last one (galloping: O(log n) commands for n pages; the fetch is the exact
   check), bounded only by the store's op timeout (`remote_timeout_s`); a failure feeds
   the worker's circuit breaker. There is no deadline of its own: an answer that comes
-  late is still applied (a fixed 5 ms deadline once threw a third of the hits away
-  on a loaded host).
+  late is still applied (a fixed 5 ms one threw remote hits away on a loaded host:
+  39 to 60 of 60 pages, run to run).
 - When the probe finds pages it reserves host pages and starts their fetch at once;
   the found pages join the pin's `disk_len` then, and the engine's client, which asks
   again (`load`), sees them as it sees the disk part. Each record is verified while it
