@@ -323,8 +323,9 @@ class Config:
     # carry a password: never in repr() (so never in a log of the config).
     remote_url: str = field(default="", repr=False)
     remote_password_file: str = ""  # wins over a password in the URL
-    remote_lookup_timeout_s: float = 0.005  # a match's probe of the store, at most
-    remote_timeout_s: float = 1.0  # fetches, writes, health checks
+    # every remote operation, a match's probe included (a match never waits for it: the
+    # engine asks again), fetches, writes, health checks
+    remote_timeout_s: float = 1.0
     remote_ttl_s: float = 86400.0  # records expire a day after their last write (0: never)
     remote_queue_pages: int = 1024  # pages being written; beyond it write-through drops (counted)
     remote_negative_ttl_s: float = 1.0  # how long a continuation the store lacked is not probed again
@@ -368,8 +369,8 @@ class Config:
             from hicache.tiers.remote_store import backend_for  # errors name only the redacted URL
 
             backend_for(self.remote_url)
-        if not 0 < self.remote_lookup_timeout_s <= 10 or not 0 < self.remote_timeout_s <= 60:
-            raise ConfigError("remote_lookup_timeout_s must be in (0, 10] and remote_timeout_s in (0, 60]")
+        if not 0 < self.remote_timeout_s <= 60:
+            raise ConfigError("remote_timeout_s must be in (0, 60]")
         if self.remote_ttl_s < 0 or self.remote_negative_ttl_s < 0 or self.remote_queue_pages <= 0:
             raise ConfigError("remote_ttl_s and remote_negative_ttl_s must be >= 0, remote_queue_pages > 0")
         if self.remote_admission not in DISK_ADMISSION:
@@ -402,11 +403,20 @@ class Config:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+# Settings that went, and what replaced them: a file, variable or flag that still sets one
+# is refused with this (an unknown HICACHE_* variable would otherwise pass unnoticed).
+REMOVED_SETTINGS = {
+    "remote_lookup_timeout_s": "a match no longer waits for the remote store: it answers at once, with "
+                               "`pending` while its probe runs, and the engine asks again (`load`); the probe "
+                               "is bounded by remote_timeout_s like every remote operation. Drop the setting",
+}
 _SIZE_FIELDS = {"host_capacity", "disk_capacity", "max_frame_bytes", "max_buffer_bytes", "max_total_buffer_bytes",
                 "max_output_bytes", "max_event_backlog_bytes"}
 
 
 def _coerce(name: str, value: Any) -> Any:
+    if name in REMOVED_SETTINGS:
+        raise ConfigError(f"setting {name!r} was removed: {REMOVED_SETTINGS[name]}")
     if name not in _FIELDS:
         raise ConfigError(f"unknown setting {name!r}")
     kind = _FIELDS[name].type
@@ -474,7 +484,7 @@ def load_config(config_file: str | Path | None = None, overrides: dict[str, Any]
     for k, v in env.items():
         if k.startswith("HICACHE_") and k != "HICACHE_CONFIG":
             name = k[len("HICACHE_"):].lower()
-            if name in _FIELDS:
+            if name in _FIELDS or name in REMOVED_SETTINGS:
                 values[name] = _coerce(name, v)
     for k, v in (overrides or {}).items():
         if v is not None:

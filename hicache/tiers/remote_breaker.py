@@ -1,12 +1,11 @@
 """The remote tier's circuit breaker rule: when a store is failing, not merely slow.
 
 One slow answer is not a failed store. On a busy host (two CPU hogs on two cores)
-a 5 ms lookup probe overran its deadline 1-5 times in 20 s while the store was
-fine; a breaker that opened on each took the store out of use for ~70 ms at a time
-and dropped every write in that window. So a lookup's own deadline never counts
-here (the lookup is a miss, that is all); only an operation that fails outright or
-overruns the operation timeout (`remote_timeout_s`, 1 s) is a failure, and the
-breaker opens on either
+a 5 ms deadline (lookups had one then) was overrun 1-5 times in 20 s while the store
+was fine; a breaker that opened on each took the store out of use for ~70 ms at a
+time and dropped every write in that window. So a slow answer never counts here;
+only an operation that fails outright or overruns the operation timeout
+(`remote_timeout_s`, 1 s) is a failure, and the breaker opens on either
 
 - `CONSECUTIVE` failures in a row (a store that is down or hung: the remote worker
   PINGs a suspect store itself, so this needs no traffic), or

@@ -8,9 +8,9 @@ copy and a checksum per page) run on a small pool (`run_cpu`), so the store's
 loop stays free for the next lookup's probe.
 
 Circuit breaker. An operation that fails outright or overruns the operation
-timeout (`timeout_s`) is a failure; a lookup that merely overran its own few-ms
-deadline is not (hicache/tiers/remote_breaker.py has the rule: 3 failures in a
-row, or half of the last 10 s's outcomes with at least 5 failures). A first
+timeout (`timeout_s`) is a failure; a slow answer within it is not
+(hicache/tiers/remote_breaker.py has the rule: 3 failures in a row, or half of the
+last 10 s's outcomes with at least 5 failures). A first
 failure makes the store suspect: the background task PINGs it (each PING bounded
 by the op timeout) until one answers, which clears the suspicion, or the failures
 add up and the breaker opens. Open, `available` is False and callers skip the

@@ -16,9 +16,9 @@ from hicache.tiers import remote_record as rr
 from hicache.tiers.redis_store import record_key
 from hicache.tiers.remote_auth import RecordAuth
 from hicache.tiers.remote_store import address
-from tests.daemon.test_isolation import LAYOUT, engine, load_exact, store, tokens
+from tests.daemon.test_isolation import LAYOUT, engine, store, tokens
 from tests.remote.test_faults import PAGES
-from tests.remote.util import DAEMON_FLAGS, remote_env, remote_stats, wait_remote_up, wait_written
+from tests.remote.util import DAEMON_FLAGS, load_remote, remote_env, remote_stats, wait_remote_up, wait_written
 
 SECRET = b"cluster-secret-6f1d2c3b4a5e6f708192a3b4"
 NEW_SECRET = b"cluster-secret-rotated-0a1b2c3d4e5f6a7b"
@@ -67,14 +67,14 @@ def test_a_forged_record_is_refused_counted_and_recomputed(forger, redis_standal
 
     # B serves the pages before the forged one, each checked byte for byte, and nothing from it on:
     # the engine computes those pages itself
-    assert load_exact(eb, toks) == FORGED_AT
+    assert load_remote(eb, toks) == FORGED_AT
     st = remote_stats(b.socket)
     reason = "unsigned" if forger == "unsigned" else "mac"
     assert st["corrupt_records"] == 1 and st["corrupt_reasons"] == {reason: 1}, st
     assert st["hit_pages"] == FORGED_AT
     # the threat is real: a daemon without a secret serves the forged KV
     with pytest.raises(AssertionError, match="KV came back changed"):
-        load_exact(ec, toks)
+        load_remote(ec, toks)
     for e in (ea, eb, ec):
         e.close()
 
@@ -86,11 +86,11 @@ def test_records_under_the_old_secret_still_read_after_rotation(redis_standalone
     old = tokens(601, PAGES)
     store(ea, old)
     wait_written(a.socket, PAGES)
-    assert load_exact(eb, old) == PAGES  # signed with the old secret, read by a rotated node
+    assert load_remote(eb, old) == PAGES  # signed with the old secret, read by a rotated node
     new = tokens(602, PAGES)
     store(eb, new)  # a rotated node signs with the new secret...
     wait_written(b.socket, PAGES)
-    assert load_exact(ea, new) == 0  # ...which a node not yet rotated cannot verify: a miss, counted
+    assert load_remote(ea, new) == 0  # ...which a node not yet rotated cannot verify: a miss, counted
     assert remote_stats(a.socket)["corrupt_reasons"] == {"mac": 1}
     assert remote_stats(b.socket)["corrupt_records"] == 0
     ea.close()
@@ -104,7 +104,7 @@ def test_records_written_before_a_secret_was_set_are_refused(redis_standalone, d
     toks = tokens(701, PAGES)
     store(e0, toks)
     wait_written(before.socket, PAGES)
-    assert load_exact(e1, toks) == 0
+    assert load_remote(e1, toks) == 0
     assert remote_stats(after.socket)["corrupt_reasons"] == {"unsigned": 1}
     e0.close()
     e1.close()

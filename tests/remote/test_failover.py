@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import time
 
-from tests.daemon.test_isolation import engine, load_exact, store, tokens
+from tests.daemon.test_isolation import engine, store, tokens
 from tests.remote.test_faults import PAGES, _misses
-from tests.remote.util import remote_stats, two_daemons, wait_written
+from tests.remote.util import load_remote, remote_stats, two_daemons, wait_written
 from tests.wait import wait_until
 
 
 def test_killing_a_master_fails_over_and_the_tier_carries_on(redis_cluster, daemon_factory):
-    a, b = two_daemons(daemon_factory, redis_cluster.url, HICACHE_REMOTE_LOOKUP_TIMEOUT_S="0.05")
+    a, b = two_daemons(daemon_factory, redis_cluster.url)
     ea, eb = engine(a.socket, "t"), engine(b.socket, "t")
     before = tokens(51, 48)  # 3 runs of 16 pages: more than one master holds a part
     store(ea, before)
@@ -40,10 +40,10 @@ def test_killing_a_master_fails_over_and_the_tier_carries_on(redis_cluster, daem
         return [toks] if remote_stats(a.socket)["written_pages"] - before == PAGES * 4 else None
 
     (after,) = wait_until(a_writes_a_prompt, 60, "A writing a whole prompt after the failover", interval_s=0.2)
-    wait_until(lambda: load_exact(eb, after) == PAGES * 4, 60, "B loading it from the store", interval_s=0.2)
+    wait_until(lambda: load_remote(eb, after) == PAGES * 4, 60, "B loading it from the store", interval_s=0.2)
     # what the dead master held lives on in its replica (replication is asynchronous:
     # a page may be lost, never served wrong)
-    got = load_exact(eb, before)
+    got = load_remote(eb, before)
     assert 0 <= got <= 48
     assert remote_stats(b.socket)["corrupt_records"] == 0
     ea.close()

@@ -22,10 +22,11 @@ from hicache.tiers.mooncake_store import MooncakeStore
 from hicache.tiers.remote_auth import RecordAuth
 from hicache.tiers.remote_record import HEADER_BYTES
 from hicache.tiers.remote_store import PageAddress, RemoteStoreError, address, open_store
-from tests.daemon.test_isolation import LAYOUT, engine, load_exact, store, tokens
+from tests.daemon.test_isolation import LAYOUT, engine, store, tokens
 from tests.remote.test_auth import ATTACKER, SECRET, _secret_file
 from tests.remote.test_faults import _misses
-from tests.remote.util import DAEMON_FLAGS, admin, remote_env, remote_stats, wait_remote_up, wait_written
+from tests.remote.util import (DAEMON_FLAGS, admin, fetch_remote, load_remote, remote_env, remote_stats,
+                               wait_remote_up, wait_written)
 from tests.wait import wait_until
 
 PAGES = 8
@@ -114,7 +115,7 @@ def test_pages_written_by_one_daemon_load_bit_exact_on_the_other(mooncake, daemo
     shared = tokens(1, 40)
     store(ea, shared)
     wait_written(a.socket, 40)
-    assert load_exact(eb, shared) == 40  # every page from the store, verified, byte for byte
+    assert load_remote(eb, shared) == 40  # every page from the store, verified, byte for byte
     st = remote_stats(b.socket)
     assert st["hit_pages"] == 40 and st["corrupt_records"] == 0 and st["errors"] == 0, st
     assert st["kind"] == "mooncake" and st["written_pages"] == 0
@@ -135,6 +136,7 @@ def test_reference_engine_served_from_mooncake_is_bitwise_exact(mooncake, daemon
         assert on_a.generate(prompt, 6, keep_logits=True).computed_tokens == prompt_len
         assert on_a.wait_backups()
         wait_written(a.socket, cached // page)
+        assert fetch_remote(on_b.cache, np.asarray(prompt[:-1], dtype=np.int32)) == cached // page
         served = on_b.generate(prompt, 6, keep_logits=True)
         assert served.cached_tokens == cached and served.computed_tokens == prompt_len - cached
         assert served.output_ids == ref.output_ids
@@ -169,16 +171,16 @@ def test_damaged_and_forged_records_are_refused(mooncake, daemon_factory, tmp_pa
         await st.put([(victim, memoryview(rec)), (address(salt, keys_f, 3), fake)], 0)
 
     _on_store(mooncake.url, tamper)
-    assert load_exact(eb, damaged) == 5  # the pages before the bad record, each byte checked
-    assert load_exact(eb, forged) == 3
+    assert load_remote(eb, damaged) == 5  # the pages before the bad record, each byte checked
+    assert load_remote(eb, forged) == 3
     st = remote_stats(b.socket)
     assert st["corrupt_records"] == 2 and st["corrupt_reasons"] == {"mac": 2}, st
     ea.close()
     eb.close()
 
 
-def test_a_killed_master_costs_lookups_their_deadline_and_a_restarted_one_is_used_again(mooncake, daemon_factory):
-    a, b = _daemons(daemon_factory, mooncake.url, HICACHE_REMOTE_LOOKUP_TIMEOUT_S="0.005")
+def test_a_killed_master_never_delays_a_match_and_a_restarted_one_is_used_again(mooncake, daemon_factory):
+    a, b = _daemons(daemon_factory, mooncake.url)
     ea, eb = engine(a.socket, "t"), engine(b.socket, "t")
     old = tokens(21, PAGES)
     store(ea, old)
@@ -186,22 +188,22 @@ def test_a_killed_master_costs_lookups_their_deadline_and_a_restarted_one_is_use
 
     mooncake.kill_master()  # every Mooncake call now blocks ~4 s or fails
     down = _misses(eb, range(200, 220))
-    assert max(down) < 0.5, down  # the deadline (5 ms) plus the daemon's own work, never the library's 4 s
+    assert max(down) < 0.5, down  # the daemon's own work: the probes run in the background, never waited for
     store(ea, tokens(22, PAGES))  # writes while down are held, then dropped: never waited for
     wait_until(lambda: remote_stats(b.socket)["state"] == "down", 30, "B to see the master down")
-    assert load_exact(eb, old) == 0 and a.running and b.running  # the engine is served: a miss
+    assert load_remote(eb, old) == 0 and a.running and b.running  # the engine is served: a miss
     assert remote_stats(b.socket)["breaker_opens"] >= 1
 
     mooncake.start_master()  # same ports, no HA: the index is empty
     mooncake.wait_capacity()  # the storage processes re-register
     wait_remote_up(a.socket, 60)
     wait_remote_up(b.socket, 60)
-    assert load_exact(eb, old) == 0  # lost with the master's index: a plain miss
+    assert load_remote(eb, old) == 0  # lost with the master's index: a plain miss
     new = tokens(23, PAGES)
     before = remote_stats(a.socket)["written_pages"]
     store(ea, new)
     wait_until(lambda: remote_stats(a.socket)["written_pages"] >= before + PAGES, 30, "A to write again")
-    wait_until(lambda: load_exact(eb, new) == PAGES, 30, "B to load the new pages")
+    wait_until(lambda: load_remote(eb, new) == PAGES, 30, "B to load the new pages")
     assert remote_stats(b.socket)["corrupt_records"] == 0
     ea.close()
     eb.close()
@@ -216,7 +218,7 @@ def test_killed_storage_processes_leave_lying_hints_that_are_survived(mooncake, 
     for i in range(mooncake.storage):  # the memory holding every record is gone ...
         mooncake.kill_storage(i)
     # ... while the master still says the records exist (until --client_ttl passes)
-    assert load_exact(eb, toks) == 0 and b.running
+    assert load_remote(eb, toks) == 0 and b.running
     st = remote_stats(b.socket)
     # the probe found them all, the fetch none: a miss, no corrupt record, no crash
     assert st["hit_pages"] == 0 and st["fetch_missing"] == PAGES and st["corrupt_records"] == 0, st
@@ -225,7 +227,7 @@ def test_killed_storage_processes_leave_lying_hints_that_are_survived(mooncake, 
     mooncake.wait_capacity()  # the dead processes' memory is forgotten: new records go to live ones
     again = tokens(32, PAGES)
     store(ea, again)
-    wait_until(lambda: load_exact(eb, again) == PAGES, 60, "B to load pages written after the restart")
+    wait_until(lambda: load_remote(eb, again) == PAGES, 60, "B to load pages written after the restart")
     ea.close()
     eb.close()
 
@@ -252,7 +254,7 @@ def test_a_daemon_restarted_with_a_warm_disk_publishes_what_the_store_lacks(moon
     eb = engine(b.socket, "t")
     # bit-exact, from the store (B never saw them); B's first call after the master's
     # restart may fail once (-900: its client reconnects), a miss for that lookup
-    wait_until(lambda: sum(load_exact(eb, p) for p in prompts) == 16, 30, "B to load the published pages")
+    wait_until(lambda: sum(load_remote(eb, p) for p in prompts) == 16, 30, "B to load the published pages")
     eb.close()
 
     a.stop()
@@ -263,5 +265,5 @@ def test_a_daemon_restarted_with_a_warm_disk_publishes_what_the_store_lacks(moon
     assert st["publish_probed_pages"] == 24 and st["publish_present_pages"] == 16, st
     assert st["published_pages"] == 8, st
     eb = engine(b.socket, "t")
-    assert sum(load_exact(eb, p) for p in prompts) == 3 * PAGES
+    assert sum(load_remote(eb, p) for p in prompts) == 3 * PAGES
     eb.close()

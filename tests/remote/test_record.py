@@ -158,14 +158,25 @@ def test_passwords_never_show():
 
 def test_remote_settings_come_from_flags_variables_and_files(tmp_path):
     cfg = load_config(None, {"remote_url": "rediss://h:6380"},
-                      environ={"HICACHE_REMOTE_TTL_S": "60", "HICACHE_REMOTE_LOOKUP_TIMEOUT_S": "0.002"})
-    assert (cfg.remote_url, cfg.remote_ttl_s, cfg.remote_lookup_timeout_s) == ("rediss://h:6380", 60.0, 0.002)
+                      environ={"HICACHE_REMOTE_TTL_S": "60", "HICACHE_REMOTE_TIMEOUT_S": "0.5"})
+    assert (cfg.remote_url, cfg.remote_ttl_s, cfg.remote_timeout_s) == ("rediss://h:6380", 60.0, 0.5)
     toml = tmp_path / "c.toml"
     toml.write_text('[hicache]\nremote_url = "redis://10.0.0.5:6379"\nremote_queue_pages = 7\n')
     cfg = load_config(toml, environ={})
     assert cfg.remote_url == "redis://10.0.0.5:6379" and cfg.remote_queue_pages == 7
     with pytest.raises(ConfigError):
-        load_config(None, environ={"HICACHE_REMOTE_LOOKUP_TIMEOUT_S": "0"})
+        load_config(None, environ={"HICACHE_REMOTE_TIMEOUT_S": "0"})
+
+
+def test_the_removed_lookup_deadline_is_refused_naming_what_replaced_it(tmp_path):
+    """remote_lookup_timeout_s bounded a match's wait for the store; a match no longer waits.
+    Set anywhere (file, variable, flag), it is refused with the reason, not silently ignored."""
+    toml = tmp_path / "c.toml"
+    toml.write_text("[hicache]\nremote_lookup_timeout_s = 0.1\n")
+    for source in ({"config_file": toml}, {"environ": {"HICACHE_REMOTE_LOOKUP_TIMEOUT_S": "0.1"}},
+                   {"overrides": {"remote_lookup_timeout_s": 0.1}}):
+        with pytest.raises(ConfigError, match="remote_lookup_timeout_s.*removed.*pending.*remote_timeout_s"):
+            load_config(source.get("config_file"), source.get("overrides"), environ=source.get("environ", {}))
 
 
 def test_a_missing_or_empty_password_file_is_a_clear_error(tmp_path):

@@ -8,13 +8,15 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import torch
 
 from hicache.engine.cached import CachedEngine
 from hicache.engine.model import ModelConfig, TinyTransformer
-from tests.daemon.test_isolation import engine, load_exact, store, tokens
+from tests.daemon.test_isolation import engine, store, tokens
 from tests.remote.conftest import PASSWORD
-from tests.remote.util import DAEMON_FLAGS, admin, remote_env, remote_stats, two_daemons, wait_remote_up, wait_written
+from tests.remote.util import (DAEMON_FLAGS, admin, fetch_remote, load_remote, remote_env, remote_stats,
+                               two_daemons, wait_remote_up, wait_written)
 
 PAGES = 40  # 2.5 runs of 16 pages: a prefix spread over several hash slots
 
@@ -34,13 +36,13 @@ def test_pages_written_by_one_daemon_are_hits_for_the_other(redis_cluster, daemo
     wait_written(a.socket, PAGES + 8)
 
     # B never saw these prompts: every page comes from the store, verified, bit-exact
-    assert load_exact(eb, shared) == PAGES
+    assert load_remote(eb, shared) == PAGES
     st = remote_stats(b.socket)
     assert st["hit_pages"] == PAGES and st["corrupt_records"] == 0 and st["errors"] == 0
-    assert load_exact(eb, other) == 8
+    assert load_remote(eb, other) == 8
     # a continuation nobody computed is a miss; the shared prefix still hits (from B's host now)
     longer = torch.cat([torch.from_numpy(shared), torch.from_numpy(tokens(3, 4))]).numpy()
-    assert load_exact(eb, longer) == PAGES
+    assert load_remote(eb, longer) == PAGES
     # B's copies went on to B's own disk (write-through), not back to the store
     assert remote_stats(b.socket)["written_pages"] == 0
     ea.close()
@@ -74,6 +76,9 @@ def test_reference_engine_served_from_the_remote_tier_is_bitwise_exact(redis_clu
         assert first.computed_tokens == PROMPT_LEN
         assert on_a.wait_backups()
         wait_written(a.socket, CACHED // PAGE)
+        # B's client asks until its lookup ended (as an engine that waits for its lookups does),
+        # so the store's pages are on B's host when the engine looks the prompt up
+        assert fetch_remote(on_b.cache, np.asarray(prompt[:-1], dtype=np.int32)) == CACHED // PAGE
         served = on_b.generate(prompt, 6, keep_logits=True)
         # the daemon's remote pages come to the engine as its disk part does
         assert served.cached_tokens == CACHED and served.computed_tokens == PROMPT_LEN - CACHED

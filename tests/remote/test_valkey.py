@@ -10,8 +10,8 @@ redis = pytest.importorskip("redis")  # the test extra; missing only on a machin
 
 from hicache.tiers.redis_store import record_key
 from hicache.tiers.remote_store import address
-from tests.daemon.test_isolation import engine, load_exact, store, tokens
-from tests.remote.util import DAEMON_FLAGS, remote_env, remote_stats, wait_remote_up, wait_written
+from tests.daemon.test_isolation import engine, store, tokens
+from tests.remote.util import DAEMON_FLAGS, load_remote, remote_env, remote_stats, wait_remote_up, wait_written
 
 PAGES = 24  # a run and a half: two hash slots on a cluster
 
@@ -27,14 +27,14 @@ def test_pages_shared_through_valkey_load_bit_exact_and_damage_is_refused(valkey
     store(ea, shared)
     store(ea, damaged)
     wait_written(a.socket, PAGES + 8)
-    assert load_exact(eb, shared) == PAGES
+    assert load_remote(eb, shared) == PAGES
 
     r = (redis.RedisCluster.from_url(valkey.url) if valkey.masters else redis.Redis.from_url(valkey.url))
     with redis.Redis(port=valkey.nodes[0].port) as node:
         assert node.info("server").get("server_name") == "valkey"  # Valkey itself, not redis-server
     victim = record_key(address(ea.client.salt, ea.client.page_keys(damaged), 4))
     assert r.setrange(victim, 2000, b"\xff\x00\xff")
-    assert load_exact(eb, damaged) == 4
+    assert load_remote(eb, damaged) == 4
     st = remote_stats(b.socket)
     assert st["corrupt_reasons"] == {"checksum": 1} and st["hit_pages"] == PAGES + 4, st
     r.close()

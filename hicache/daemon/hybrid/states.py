@@ -184,16 +184,18 @@ class HybridStates:
                 "slot": None if use is None else use.host_slot, "fork_at": sp.fork_tokens,
                 "pending": bool(pin.disk_len) or waiting}
 
-    async def load(self, pin: Pin) -> dict | None:
-        """For `load`: wait for the checkpoint's disk read per the load policy."""
+    async def load(self, pin: Pin, policy: str | None = None) -> dict | None:
+        """For `load`: wait for the checkpoint's disk read per `policy` (the `load`'s
+        `until`; None: the load policy)."""
         sp = self.pins.get(pin.pin_id)
         if sp is None:
             return None
         pf = sp.prefetch
+        policy = policy or self.load_policy
         if pf is not None and not pf.done and pf.future is not None:
-            if self.load_policy == "wait_complete":
+            if policy == "wait_complete":
                 await asyncio.shield(pf.future)
-            elif self.load_policy == "timeout":
+            elif policy == "timeout":
                 try:
                     await asyncio.wait_for(asyncio.shield(pf.future), self.prefetch_timeout_s)
                 except asyncio.TimeoutError:

@@ -53,6 +53,7 @@ MAX_TP_SIZE = 1 << 16
 MAX_STORE_PAGES = 1 << 20  # register's store size; the spare room it asks for is capped by the arena
 MAX_EVICT_BYTES = (1 << 63) - 1
 EVICT_STEP_PAGES = 4096  # evict_tier lets the loop run between steps of this many pages
+LOAD_UNTIL = ("policy", "complete", "now")  # how long `load` waits for a match's lookups and reads
 
 
 def _get(params: dict, name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
@@ -188,8 +189,13 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
         else:
             pin, state = svc.match_engine(rec, keys), None
         if (remote is not None and state is None and pin.recompute_from is None
-                and pin.device_len + pin.host_len + pin.disk_len < len(keys)):
-            return remote_match(pin, keys)  # the local prefix stops short: ask the remote store
+                and pin.device_len + pin.host_len + pin.disk_len < len(keys)
+                and remote.lookups.start(pin, keys)):
+            # the local prefix stops short: the store is asked in the background, never waited
+            # for here; the engine asks again (`load`) while the reply says pending
+            reply = match_reply(pin, None)
+            reply["pending"] = True
+            return reply
         return match_reply(pin, state)
 
     def fast_match(conn: Connection, engine_id: int, blob: bytes) -> tuple | None:
@@ -205,14 +211,8 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
         return (pin.pin_id, pin.device_pages, pin.host_pages, pin.disk_len,
                 slab_versions.get(rec.ns.salt, 0))
 
-    if remote is None:  # a remote tier may answer later (remote_match): the general path
+    if remote is None:  # a match with a remote tier may answer `pending`: the general path
         match.fast = fast_match  # type: ignore[attr-defined]
-
-    async def remote_match(pin: Any, keys: Any) -> Any:
-        await daemon.remote.extend_match(pin, keys)  # bounded by remote_lookup_timeout_s
-        if pin.pin_id not in svc.pins:
-            raise RpcError(Code.NOT_FOUND, "the match was released during its remote lookup")
-        return match_reply(pin, None)
 
     def match_reply(pin: Any, state: Any) -> dict:
         reply = {"pin": pin.pin_id, "device_pages": ids_to_bytes(pin.device_pages),
@@ -223,26 +223,40 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
         return reply
 
     async def load(conn: Connection, p: dict) -> Any:
-        """The host plan for a match, including what the disk prefetch brought up
-        (waiting for it per the load policy)."""
+        """The host plan for a match, with what its disk prefetch and remote fetch brought up.
+        `until`: "policy" waits for a running remote probe (a lookup: its answer says what
+        there is to load), then per the load policy; "complete" until every lookup and read
+        of the pin has ended; "now" not at all. `pending` while the pin's probe still runs."""
+        until = _get(p, "until", str, "policy")
+        if until not in LOAD_UNTIL:
+            raise RpcError(Code.BAD_PARAMS, f"parameter 'until' must be one of {', '.join(LOAD_UNTIL)}")
         pin = svc.pin(conn, _get(p, "pin", int))
-        if daemon.disk is not None and pin.prefetch is not None:
-            await daemon.disk.wait_prefetch(pin, daemon.config.load_policy, daemon.config.prefetch_timeout_s)
-            if pin.pin_id not in svc.pins:
-                raise RpcError(Code.NOT_FOUND, "the match was released while loading")
+        policy = {"policy": cfg.load_policy, "complete": "wait_complete", "now": "best_effort"}[until]
+        remote, disk = daemon.remote, daemon.disk
+        if remote is not None and until != "now" and remote.lookups.pending(pin):
+            await remote.lookups.wait_probe(pin)  # the store's op timeout bounds it
+            _still_pinned(pin)
+        if disk is not None and pin.prefetch is not None:
+            await disk.wait_prefetch(pin, policy, cfg.prefetch_timeout_s)
+            _still_pinned(pin)
             svc.take_prefetched(pin)
-        if daemon.remote is not None and pin.remote is not None:  # after the disk part, behind it
-            await daemon.remote.wait_fetch(pin, daemon.config.load_policy, daemon.config.prefetch_timeout_s)
-            if pin.pin_id not in svc.pins:
-                raise RpcError(Code.NOT_FOUND, "the match was released while loading")
-            daemon.remote.take_fetched(pin)
+        if remote is not None and pin.remote is not None:  # after the disk part, behind it
+            await remote.lookups.wait_fetch(pin, policy, cfg.prefetch_timeout_s)
+            _still_pinned(pin)
+            remote.lookups.take_fetched(pin)
         reply = {"host_pages": ids_to_bytes(pin.host_pages), "disk_len": pin.disk_len,
                  "slabs": host.slab_version(pin.engine.ns.salt)}
+        if remote is not None and remote.lookups.pending(pin):
+            reply["pending"] = True
         if daemon.hybrid is not None:
-            state = await daemon.hybrid.load(pin)
+            state = await daemon.hybrid.load(pin, policy)
             if state is not None:
                 reply["state"] = state
         return reply
+
+    def _still_pinned(pin: Any) -> None:
+        if pin.pin_id not in svc.pins:
+            raise RpcError(Code.NOT_FOUND, "the match was released while loading")
 
     def load_done(conn: Connection, p: dict) -> Any:
         dups = svc.load_done(conn, _get(p, "pin", int), _ids(p, "device_pages", max_pages),
