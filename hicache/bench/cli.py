@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 import time
@@ -266,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
     else:  # pragma: no cover - argparse restricts the choices
         raise SystemExit(f"unknown bench {args.bench}")
     meta = {"machine": f"{platform.machine()} {platform.node()}", "seconds": round(time.time() - t0, 1),
-            "date": time.strftime("%Y-%m-%d")}
+            "date": time.strftime("%Y-%m-%d"), "load_average": [round(x, 2) for x in os.getloadavg()]}
     print_rows(args.bench, rows, args.json, meta)
     if chart:
         plot(args.bench, rows, chart)

@@ -18,6 +18,12 @@ CI_INPUTS = 200_000
 LONG_INPUTS = 20_000_000
 
 
+def _without_preload() -> dict[str, str]:
+    """The environment for the compiler and the fuzzer, which carries its own runtime: the
+    sanitized run preloads ASan into Python (scripts/test_sanitized.sh), not into them."""
+    return {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+
+
 def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
@@ -32,14 +38,14 @@ def fuzzer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fuzz") / "fuzz_frames"
     build = subprocess.run([cc, "-O1", "-g", "-Wall", "-Wextra", "-Werror", *SANITIZE, f"-I{ROOT}", "-o", str(out),
                             str(ROOT / "tests/native/fuzz_frames.c"), str(ROOT / "hicache/rpc/native_fast_parse.c")],
-                           capture_output=True, text=True, timeout=120)
+                           capture_output=True, text=True, timeout=120, env=_without_preload())
     assert build.returncode == 0, build.stderr[-3000:]
     return out
 
 
 def test_fuzzed_streams_split_and_parse_within_their_frames(fuzzer, request):
     inputs = LONG_INPUTS if request.config.getoption("--long") else CI_INPUTS
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # the binary carries its own runtime
+    env = _without_preload()
     env["ASAN_OPTIONS"] = env.get("ASAN_OPTIONS", "") + ":detect_leaks=1"
     run = subprocess.run([str(fuzzer), str(inputs), "1405"], capture_output=True, text=True, timeout=3600, env=env)
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
