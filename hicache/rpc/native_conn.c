@@ -64,7 +64,7 @@ static PyObject *report_closed(NativeConn *c, int reason, long value) {
     return r;
 }
 
-/* A match or release frame through `fast(kind, id, arg, keys)` (native_fast_source.py):
+/* A match or release frame through `fast(kind, id, arg, keys)` (native_fast_parse.h):
    1 answered (the reply queued here, or Python answered an error itself), 0 the fast
    handler declined before changing anything (the frame goes to `handle`), -1 raised. */
 static int run_fast(NativeConn *c, const fast_req_t *q) {
