@@ -28,6 +28,7 @@ TABLE = runpy.run_path(str(ROOT / "hicache" / "kernels" / "native_modules.py"))
 STRICT = os.environ.get("HICACHE_NATIVE_STRICT") == "1"
 SANITIZE = os.environ.get("HICACHE_SANITIZE", "").strip()
 
+# -O2 comes after Python's own -O3, so it wins: the level the native paths are measured at
 CFLAGS = ["-O2", "-Wall", "-Wextra", *(["-Werror"] if STRICT else [])]
 LDFLAGS: list[str] = []
 if SANITIZE:
@@ -38,7 +39,7 @@ if SANITIZE:
 
 def extension(spec) -> Extension:
     info = f"sha256={TABLE['source_hash'](ROOT, spec)} sanitize={SANITIZE or 'none'}"
-    return Extension(spec.name, sources=list(spec.sources), depends=list(TABLE["files"](spec)[len(spec.sources):]),
+    return Extension(spec.name, sources=list(spec.sources), depends=[*spec.headers, TABLE["BUILD_HEADER"]],
                      include_dirs=["."], define_macros=[("HICACHE_BUILD_INFO", json.dumps(info))],
                      extra_compile_args=CFLAGS, extra_link_args=LDFLAGS, optional=not STRICT)
 

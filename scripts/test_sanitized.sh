@@ -18,7 +18,8 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/hicache-sanitized.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 tar --exclude=./.git --exclude=./build --exclude='*.so' --exclude=__pycache__ -cf - . | tar -C "$work" -xf -
 cd "$work"
-if ! HICACHE_SANITIZE=$SANITIZE HICACHE_NATIVE_STRICT=1 CC=$CC "$PY" setup.py -q build_ext --inplace >build.log 2>&1; then
+if ! HICACHE_SANITIZE=$SANITIZE HICACHE_NATIVE_STRICT=1 CC=$CC "$PY" setup.py -q build_ext --inplace \
+        >build.log 2>&1; then
     cat build.log
     echo "test_sanitized: the sanitized build failed" >&2
     exit 1

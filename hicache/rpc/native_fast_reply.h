@@ -1,6 +1,7 @@
 /* The native frame loop's fast path, the reply side (native_fast_reply.c): the answers to the
    requests native_fast_parse.h reads, appended to a connection's output buffer as whole frames.
-   Each returns 0, or -1 with a Python exception set. */
+   Each returns 0, or -1: fast_encode_match with a Python exception set, fast_encode_true only
+   when out of memory (and none set). */
 #ifndef HICACHE_NATIVE_FAST_REPLY_H
 #define HICACHE_NATIVE_FAST_REPLY_H
 
