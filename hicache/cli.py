@@ -213,11 +213,20 @@ def _print_stats(st: dict) -> None:
         from hicache.cli_quota import quota_lines
 
         print("\n".join(quota_lines(q["rows"])))
+    if st.get("native"):
+        print(native_line(st["native"]))
     if st["engines"]:
         print(f"{'engine':<8}{'model':<24}{'tp':>4}{'pid':>8}{'resident':>10}{'pool':>8}")
         for e in st["engines"]:
             print(f"{e['engine']:<8}{e['model'][:23]:<24}{e['tp_rank']:>4}{e['pid'] or '-':>8}"
                   f"{e['resident_pages']:>10}{e['device_pages']:>8}")
+
+
+def native_line(paths: dict[str, dict]) -> str:
+    """Which hot paths run in C, and which in Python and why (`stats`' `native` section)."""
+    native = [p.replace("_", " ") for p, e in paths.items() if e["runs"] == "native"]
+    python = [f"{p.replace('_', ' ')} ({e['reason']})" for p, e in paths.items() if e["runs"] == "python"]
+    return f"native: {', '.join(native) or 'nothing'}" + (f"; in Python: {'; '.join(python)}" if python else "")
 
 
 def _fetch_line(fr: dict) -> str:

@@ -3,9 +3,10 @@ version), memlock (the daemon's RLIMIT_MEMLOCK against its arena, and
 whether the arena is mlocked), shared memory (the arena's range and a
 slab memfd mapped here as an engine maps them, /dev/shm, vm.overcommit), the LMDB disk tier
 (use, corrupt pages, write errors, queue depth, reader slots, map use),
-free space where the state lives, and the age of the last disk commit.
-Each check is ok / warn / fail with one line; exit 1 if any fails, 2
-when the daemon cannot be reached.
+free space where the state lives, the age of the last disk commit, and
+the native paths (a warning for each hot path the daemon runs in Python,
+with its measured cost). Each check is ok / warn / fail with one line; exit 1
+if any fails, 2 when the daemon cannot be reached.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pwd
 import stat
 import time
 from dataclasses import asdict, dataclass
+from importlib import resources
 from pathlib import Path
 
 from hicache import __version__
@@ -36,6 +38,8 @@ MAP_FULL_WARN = 0.9
 QUEUE_FULL_WARN = 0.8
 READERS_FULL_WARN = 0.9
 WRITER_STALL_S = 60.0  # pages queued and no commit for this long: the writer is stuck
+# What each native path costs in Python: `hicache bench native --json`, measured and shipped.
+NATIVE_COSTS_FILE = "native_costs.json"
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +240,38 @@ def _disk_checks(disk: dict, now: float) -> list[Check]:
     return checks
 
 
+def measured_costs() -> dict:
+    """The shipped `hicache bench native --json` output (date, machine, results), or {}."""
+    try:
+        return json.loads(resources.files("hicache.data").joinpath(NATIVE_COSTS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def cost_line(path: str, costs: dict) -> str:
+    """What running native path `path` in Python costs, from the measured rows, or ""."""
+    parts = [f"{r['op']} {r['ratio']:.1f}x" for r in costs.get("results", [])
+             if r.get("path") == path and isinstance(r.get("ratio"), (int, float)) and r["ratio"] == r["ratio"]]
+    if not parts:
+        return ""
+    return (f"{', '.join(parts)} the native time (hicache bench native, {costs.get('date', '?')}, "
+            f"{costs.get('machine', '?')})")
+
+
+def native_checks(paths: dict[str, dict], costs: dict) -> list[Check]:
+    """One check per native path of the daemon (`stats`' `native` section): a warning for
+    each that runs in Python, with what that costs."""
+    checks = []
+    for path, entry in paths.items():
+        name = f"native {path.replace('_', ' ')}"
+        if entry["runs"] == "python":
+            cost = cost_line(path, costs) or "its cost is not measured"
+            checks.append(Check(name, "warn", f"runs in Python ({entry['reason']}): {cost}"))
+        else:
+            checks.append(Check(name, "ok", entry["reason"]))
+    return checks
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from hicache.client.connection import RpcConnection
 
@@ -255,11 +291,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             os.close(fd)
         checks.append(arena_check(hello))
         facts = conn.call("doctor")
+        native = conn.call("stats").get("native") or {}  # an older daemon reports none
     finally:
         conn.close()
     reported = daemon_checks(facts)
     # socket, daemon, memlock, arena, shared memory, then the disk: the order an operator reads
-    checks = [checks[0], *reported[:2], checks[1], *host_checks(facts["host"]["capacity_bytes"]), *reported[2:]]
+    checks = [checks[0], *reported[:2], checks[1], *host_checks(facts["host"]["capacity_bytes"]), *reported[2:],
+              *native_checks(native, measured_costs())]
     failures = sum(c.status == "fail" for c in checks)
     warnings = sum(c.status == "warn" for c in checks)
     if args.json:

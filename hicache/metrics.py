@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from typing import TypeVar
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, ProcessCollector
 from prometheus_client import generate_latest, start_http_server
 
 from hicache.errors import ConfigError, HiCacheError
@@ -40,6 +40,9 @@ RPC_METHODS = (
     "evict", "release", "stats", "flush", "evict_tier", "ls", "subscribe",
 )
 OTHER_METHOD = "other"
+# The daemon's native paths and what each can run as (hicache/daemon/serve/native_paths.py).
+NATIVE_PATHS = ("index", "frame_loop", "disk_writer", "copy")
+NATIVE_STATES = ("native", "python", "unused")
 MAX_NAMESPACE_SERIES = 256  # namespaces with per-namespace series; the largest are kept
 MAX_MODEL_LABEL = 64  # characters of a model name in a label
 # Unix-socket round trips take 10-60 us (LIMITS.md); big loads take longer.
@@ -167,6 +170,10 @@ class Metrics:
         self._ns_bytes = gauge("hicache_namespace_bytes", "Bytes of a namespace's cached pages in a tier.",
                                ns_labels)
         self._ns_series: set[tuple[str, str, str]] = set()
+        native = Enum("hicache_native_path", "Whether a hot path runs in C (native), in Python (the fallback, "
+                      "slower) or not at all; `hicache stats` says why.", ["path"], states=list(NATIVE_STATES),
+                      registry=reg)
+        self._native_children = {p: native.labels(p) for p in NATIVE_PATHS}
 
         # Pre-resolved children: every series exists (at 0) from the start,
         # and hot-path updates skip prometheus-client's labels() lookup.
@@ -273,6 +280,14 @@ class Metrics:
             self._remote_backend.labels(backend).set(1)
 
     # --- daemon state -----------------------------------------------------
+
+    def set_native(self, paths: dict[str, str]) -> None:
+        """Each native path's state ("native", "python" or "unused"), as `stats` reports it."""
+        bad = {p: s for p, s in paths.items() if p not in self._native_children or s not in NATIVE_STATES}
+        if bad:
+            raise MetricsError(f"unknown native paths or states: {bad}")
+        for path, state in paths.items():
+            self._native_children[path].state(state)
 
     def set_engines(self, count: int) -> None:
         self._engines.set(_count(count))

@@ -13,15 +13,11 @@ bash scripts/setup_core.sh
 # redis-server is a benchmark baseline and the remote tier's store: its tests start a
 # real Redis Cluster; libibverbs1: Mooncake's store module links it even for TCP).
 # Best effort: tests skip what is missing, except under CI=true, where the remote
-# tier's tests fail without redis-server or a loadable Mooncake. A C compiler and this
-# Python's headers: the native copy, the radix index's C loops (hicache/index/native_index.py)
-# and the native echo servers of `bench rpc --servers` are built on first use (their tests
-# run under CI=true, skip elsewhere without them).
+# tier's tests fail without redis-server or a loadable Mooncake. (The C compiler and
+# Python's headers the native modules need come with setup_core.sh; under CI=true every
+# test fails if a native module did not build, see tests/conftest.py.)
 if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     need=()
-    command -v cc >/dev/null 2>&1 || need+=(gcc libc6-dev)
-    "$PY" -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
-        || need+=(python3-dev)
     command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
     command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
     ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' || need+=(libibverbs1)

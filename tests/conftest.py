@@ -8,8 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from hicache.bench import native_echo
 from hicache.daemon.serve.launcher import LocalDaemon
+from hicache.index import native_index
+from hicache.kernels import native_build, native_copy
 from hicache.rpc import native_conn
+from hicache.tiers import disk_native
 
 # Daemons, engine workers and CLI runs are child processes: they must import the
 # tree under test, not whatever `hicache` is installed (e.g. an editable install of
@@ -22,6 +26,32 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--long", action="store_true", default=False,
                      help="run tests/robustness at full length (>= 100k fuzzed frames, >= 20 kill -9 "
                           "rounds, a soak of minutes) instead of CI's short run")
+
+
+NATIVE_MODULES = (native_index.EXTENSION, native_conn.EXTENSION, disk_native.LIBRARY, native_copy.LIBRARY,
+                  native_echo.EXTENSION)
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    lines = [f"{m.name}: {m.unavailable_reason() or m.build_info()}" for m in NATIVE_MODULES]
+    return ["native modules (tests of a path that did not load skip, except under CI=true):", *lines]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def native_modules_loaded() -> None:
+    """Under CI=true every native module must have loaded (setup builds them), and under
+    HICACHE_SANITIZE (scripts/test_sanitized.sh) each must be the build with those
+    sanitizers: otherwise every test fails, so a silent fallback to Python, or to the
+    plain build, cannot pass."""
+    sanitize = os.environ.get("HICACHE_SANITIZE", "")
+    if os.environ.get("CI") != "true" and not sanitize:
+        return
+    wrong = [f"{m.name}: {m.unavailable_reason()}" for m in NATIVE_MODULES if m.load() is None]
+    wrong += [f"{m.name}: built with sanitize={native_build.sanitizers(m.build_info()) or 'none'}, not {sanitize}"
+              for m in NATIVE_MODULES if sanitize and m.load() is not None
+              and native_build.sanitizers(m.build_info()) != sanitize]
+    if wrong:
+        pytest.fail("native modules not loaded as this run requires:\n" + "\n".join(wrong))
 
 
 class DaemonProcess(LocalDaemon):

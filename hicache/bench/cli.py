@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 import time
@@ -42,6 +43,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--servers", nargs="+", default=[], choices=[f"native-{v}" for v in NATIVE_ECHO_VARIANTS],
                    help="native echo servers timed beside the others (C epoll loop; C reader callback on uvloop "
                         "answering in C, or calling a Python handler per frame: identity / msgpack echo)")
+
+    b = bench("native", "each native (C) path against its Python fallback: what `hicache doctor` quotes")
+    b.add_argument("--paths", nargs="+", choices=["index", "frame_loop", "disk_writer", "copy"],
+                   default=["index", "frame_loop", "disk_writer", "copy"])
+    b.add_argument("--index-pages", type=int, default=1 << 20, help="pages in the index the match walks")
+    b.add_argument("--requests", type=int, default=2000, help="operations per round (index, frame loop)")
+    b.add_argument("--disk-pages", type=int, default=512, help="64 KiB pages put per round")
+    b.add_argument("--repeats", type=int, default=5, help="rounds of each side, taking turns")
 
     b = bench("transfer", "per-layer load and all-layer backup vs a contiguous copy")
     b.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -196,6 +205,10 @@ def run(args: argparse.Namespace) -> int:
         if "handlers" in args.calls:
             from hicache.bench.handler_bench import run as in_process
             rows += in_process(args.prompt_tokens, args.requests, args.repeats)
+    elif args.bench == "native":
+        from hicache.bench.native_bench import run as go
+        rows = go(tuple(args.paths), index_pages=args.index_pages, requests=args.requests,
+                  disk_pages=args.disk_pages, repeats=args.repeats)
     elif args.bench == "transfer" and args.device == "cuda":
         from hicache.bench.device_transfer_bench import run as go
         rows = go(tuple(args.page_sizes), device="cuda", repeats=args.repeats,
@@ -254,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
     else:  # pragma: no cover - argparse restricts the choices
         raise SystemExit(f"unknown bench {args.bench}")
     meta = {"machine": f"{platform.machine()} {platform.node()}", "seconds": round(time.time() - t0, 1),
-            "date": time.strftime("%Y-%m-%d")}
+            "date": time.strftime("%Y-%m-%d"), "load_average": [round(x, 2) for x in os.getloadavg()]}
     print_rows(args.bench, rows, args.json, meta)
     if chart:
         plot(args.bench, rows, chart)

@@ -16,10 +16,9 @@ Two single-threaded variants, both run as their own process like the daemon:
 Replies are the request's bytes, so a hicache client reading one sees its own
 request id and no error: `RpcConnection.call` accepts it (its result is None).
 
-The C source is hicache/bench/native_echo_source.py, compiled on first use with the
-system C compiler against this Python's headers (hicache/kernels/native_build.py).
-Without a compiler, or with `HICACHE_NATIVE_ECHO=0`, `load()` returns None and
-`unavailable_reason()` says why.
+The C is hicache/bench/native_echo.c, compiled by the build (setup.py) into
+`hicache.bench._native_echo`. Where it was not built, or with `HICACHE_NATIVE_ECHO=0`,
+`load()` returns None and `unavailable_reason()` says why.
 """
 
 from __future__ import annotations
@@ -28,15 +27,14 @@ import asyncio
 import socket
 from collections.abc import Callable
 
-from hicache.bench.native_echo_source import SOURCE
 from hicache.kernels import native_build
 
 MAX_FRAME_BYTES = 64 << 20  # as the Python echo server's decoder
 VARIANTS = ("epoll", "uvloop", "uvloop-py", "uvloop-msgpack")
 
-EXTENSION = native_build.Extension("hicache_native_echo", SOURCE, "HICACHE_NATIVE_ECHO",
-                                     "no native echo servers")
-load = EXTENSION.load  # the compiled extension, or None where it cannot be built here
+EXTENSION = native_build.NativeModule("hicache.bench._native_echo", "HICACHE_NATIVE_ECHO",
+                                      "no native echo servers")
+load = EXTENSION.load  # the compiled extension, or None where it was not built
 unavailable_reason = EXTENSION.unavailable_reason
 
 

@@ -307,7 +307,7 @@ class ChunkCopier:
         self.min_split_bytes = min_split_bytes
         self.min_chunk_bytes = min_chunk_bytes
         self._native: native_copy.NativeChunkCopy | None = None
-        self._native_tried = not native  # built on first use: CUDA engines never need it
+        self._native_tried = not native  # loaded on first use: CUDA engines never need it
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 

@@ -1,126 +1,128 @@
-"""Small C libraries compiled on first use with the system C compiler and loaded
-with ctypes, or imported as CPython extension modules (`load_extension`): no build
-step at install, and every caller keeps a pure-Python path for machines without a
-compiler.
+"""Loading hicache's native modules: C compiled at build time by setup.py (the list:
+native_modules.py), shipped in the platform wheel and, for an editable install, built
+into the source tree. Nothing is compiled at run time.
 
-A library is built once per (source, compiler, flags, machine) into a per-user
-cache directory (`$HICACHE_NATIVE_DIR`, else `$XDG_CACHE_HOME/hicache` or
-`~/.cache/hicache`, mode 0700; one that another user owns or could write is
-passed over for a fresh temporary directory), under a name that hashes all of
-those, so a changed source never loads a stale build.
+`NativeModule(name, switch, fallback).load()` is the module (an imported extension, or a
+ctypes library for `kind="cdll"` / `"pydll"`), or None where it cannot run here; its
+caller then runs the same path in Python, and `unavailable_reason()` says why (logged
+once, as a warning):
+
+- the environment switch (`HICACHE_NATIVE_INDEX=0`, ...) turns it off;
+- not built: an install from an sdist on a machine without a C compiler or Python's
+  headers, or a source tree nobody built (`pip install -e .`, or `python setup.py
+  build_ext --inplace`);
+- stale: a source tree whose C changed after the module was built (each module carries
+  the SHA-256 of its sources, native_build.h; the check runs only where the sources sit
+  beside the module, so never in an installed wheel).
+
+`build_info()` is what the module was built with: "sha256=<hex> sanitize=<list or none>".
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.machinery
+import ctypes
+import importlib
 import importlib.util
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import sysconfig
-import tempfile
 import threading
-from collections.abc import Sequence
 from pathlib import Path
-from types import ModuleType
+from typing import Any
+
+from hicache.kernels import native_modules
 
 log = logging.getLogger(__name__)
 
-
-def cache_dir() -> Path:
-    if env := os.environ.get("HICACHE_NATIVE_DIR"):
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "hicache"
+_ROOT = Path(__file__).resolve().parents[2]  # the directory holding hicache/ (a checkout or site-packages)
+KINDS = ("extension", "cdll", "pydll")
 
 
-def build(name: str, source: str, flags: Sequence[str] = ()) -> Path:
-    """The compiled shared library of C `source`; raises OSError (no compiler) or
-    subprocess.SubprocessError (it did not compile)."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise OSError("no C compiler (cc / gcc / $CC)")
-    key = hashlib.sha256("\0".join([source, cc, *flags, platform.machine()]).encode()).hexdigest()[:16]
-    out_dir = cache_dir()
-    try:
-        out_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        check_private(out_dir)
-    except OSError as e:
-        log.debug("native cache %s not usable (%s): building in a private temporary directory", out_dir, e)
-        out_dir = Path(tempfile.mkdtemp(prefix="hicache-native-"))
-    lib = out_dir / f"{name}-{key}.so"
-    if lib.exists():
-        check_private(lib)
-        return lib
-    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        src = Path(tmp) / f"{name}.c"
-        src.write_text(source)
-        built = Path(tmp) / f"{name}.so"
-        subprocess.run([cc, "-O2", "-shared", "-fPIC", *flags, "-o", str(built), str(src)],
-                       check=True, capture_output=True, timeout=120)
-        os.replace(built, lib)  # atomic: a concurrent builder's result is the same file
-    log.debug("built %s", lib)
-    return lib
+class NativeModule:
+    """One built module, loaded once per process (thread-safe)."""
 
-
-def check_private(path: Path) -> None:
-    """Refuse (OSError) a cache entry another user could have written: the libraries
-    are loaded into engine and daemon processes."""
-    st = path.stat()
-    if st.st_uid != os.getuid() or st.st_mode & 0o022:
-        raise OSError(f"{path} is not private to this user (owner {st.st_uid}, mode {st.st_mode & 0o777:o})")
-
-
-def load_extension(name: str, source: str) -> ModuleType:
-    """Build (cached, as `build`) and import the CPython extension module `name` from C
-    `source`, against this Python's headers; raises OSError (no compiler or headers),
-    subprocess.SubprocessError (it did not compile) or ImportError."""
-    include = sysconfig.get_paths()["include"]
-    if not os.path.exists(os.path.join(include, "Python.h")):
-        raise OSError(f"no Python.h in {include} (the Python development headers)")
-    path = build(name, source, [f"-I{include}"])
-    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
-    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
-    assert spec is not None
-    mod = importlib.util.module_from_spec(spec)
-    loader.exec_module(mod)
-    return mod
-
-
-class Extension:
-    """A CPython extension built from C `source` on first use, once per process.
-
-    `load()` is the module, or None where it cannot be built here (no compiler or
-    headers, a failed build, or the environment switch `switch=0`): the caller then
-    runs its Python path, and `unavailable_reason()` says why (logged once).
-    """
-
-    def __init__(self, name: str, source: str, switch: str, fallback: str) -> None:
+    def __init__(self, name: str, switch: str, fallback: str, kind: str = "extension") -> None:
+        if name not in native_modules.BY_NAME or kind not in KINDS:
+            raise ValueError(f"unknown native module {name!r} or kind {kind!r}")
         self.name = name
-        self.source = source
-        self.switch = switch  # environment variable; "0" turns the extension off
+        self.spec = native_modules.BY_NAME[name]
+        self.switch = switch  # environment variable; "0" turns the module off
         self.fallback = fallback  # what runs instead, for the log line
+        self.kind = kind
         self._lock = threading.Lock()
-        self._loaded: list[tuple[ModuleType | None, str | None]] = []  # [] = not tried yet
+        self._loaded: list[tuple[Any, str | None, str]] = []  # [(module, reason, build info)]; [] = not tried
 
-    def load(self) -> ModuleType | None:
+    def load(self) -> Any:
+        """The module or library, or None (see the module docstring)."""
+        return self._result()[0]
+
+    def unavailable_reason(self) -> str | None:
+        """Why `load()` is None; None when it loaded."""
+        return self._result()[1]
+
+    def build_info(self) -> str:
+        """What the loaded module was built with ("" when none loaded)."""
+        return self._result()[2]
+
+    def reset(self) -> None:
+        """Forget the outcome: the next `load()` tries again (tests change the switch)."""
+        with self._lock:
+            self._loaded.clear()
+
+    def _result(self) -> tuple[Any, str | None, str]:
         with self._lock:
             if not self._loaded:
                 self._loaded.append(self._load())
-            return self._loaded[0][0]
+            return self._loaded[0]
 
-    def unavailable_reason(self) -> str | None:
-        self.load()
-        return self._loaded[0][1]
-
-    def _load(self) -> tuple[ModuleType | None, str | None]:
+    def _load(self) -> tuple[Any, str | None, str]:
         if os.environ.get(self.switch, "1") == "0":
-            return None, f"disabled by {self.switch}=0"
-        try:
-            return load_extension(self.name, self.source), None
-        except (OSError, subprocess.SubprocessError, ImportError) as e:
-            log.warning("%s unavailable, %s: %s", self.name, self.fallback, e)
-            return None, f"not built: {e}"
+            return None, f"disabled by {self.switch}=0", ""
+        why, info, mod = None, "", None
+        spec = importlib.util.find_spec(self.name)
+        if spec is None or not spec.origin:
+            why = ("not built: this source tree's C was never compiled (pip install -e ., or python setup.py "
+                   "build_ext --inplace)" if native_modules.source_hash(_ROOT, self.spec) is not None else
+                   f"not built: this install has no compiled {self.name} (installed from the sdist "
+                   "without a C compiler or Python's headers?)")
+        else:
+            try:
+                info = read_build_info(spec.origin)
+                why = stale_reason(self.spec, info)
+                if why is None:
+                    loader = {"extension": importlib.import_module, "cdll": ctypes.CDLL, "pydll": ctypes.PyDLL}
+                    mod = loader[self.kind](self.name if self.kind == "extension" else spec.origin)
+            except (OSError, ImportError) as e:
+                why = f"not loadable: {e}"
+        if why is not None:
+            log.warning("%s %s; %s", self.name, why, self.fallback)
+        return mod, why, info
+
+
+def read_build_info(path: str) -> str:
+    """The `hicache_build_info` string compiled into the library at `path`."""
+    lib = ctypes.CDLL(path)  # for a module already imported: the same handle, nothing runs twice
+    try:
+        first = ctypes.c_char.in_dll(lib, "hicache_build_info")
+    except ValueError:
+        return "unknown"
+    return ctypes.string_at(ctypes.addressof(first)).decode(errors="replace")
+
+
+def stale_reason(spec: native_modules.NativeSpec, info: str) -> str | None:
+    """Why a module built with `info` is older than the C beside it, or None when it is
+    not, or there is no C beside it (an installed wheel)."""
+    current = native_modules.source_hash(_ROOT, spec)
+    if current is None or _field(info, "sha256") == current:
+        return None
+    return (f"stale build: {', '.join(spec.sources)} (or a header) changed since it was compiled; rebuild "
+            "with pip install -e . (or python setup.py build_ext --inplace)")
+
+
+def _field(info: str, key: str) -> str:
+    return dict(part.split("=", 1) for part in info.split() if "=" in part).get(key, "")
+
+
+def sanitizers(info: str) -> str:
+    """The sanitizers named in build info `info` ("" for a plain build)."""
+    value = _field(info, "sanitize")
+    return "" if value in ("", "none") else value

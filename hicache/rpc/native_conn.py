@@ -1,6 +1,6 @@
 """The daemon's connections served by a native (C) frame loop.
 
-Each accepted connection gets a C `NativeConn` (hicache/rpc/native_conn_source.py) as
+Each accepted connection gets a C `NativeConn` (hicache/rpc/native_conn.c) as
 its event loop reader callback: it receives, splits frames and sends in C, and calls
 the same Python dispatch as the asyncio path (`Connection._handle`) once per whole
 frame, on the loop's thread. A blocking client's round trip then runs no Python but the
@@ -20,15 +20,17 @@ A teardown (abort, end of stream, a failed send) stops watching the descriptor b
 closes it, once, and runs `connection_lost` on a later loop turn, never under a handler.
 
 The fast path: `match` and `release` frames of the shape the client sends are parsed in C
-(native_fast_source.py) and go to `_fast`, which makes `_handle`'s checks (hello, draining,
+(native_fast_parse.c) and go to `_fast`, which makes `_handle`'s checks (hello, draining,
 requests in flight) and calls the method's fast handler (`handler.fast`, see
 `RpcServer.fast_handler`: the daemon's in hicache/daemon/serve/handlers.py); C encodes its
 answer, byte for byte the packer's. What a check refuses or the handler declines (before
 changing anything) and every other frame go to `_handle` unchanged, so errors, their order
 and the counters and metrics (`requests`, `observe`) are the Python path's.
 
-Without a C compiler or Python's headers, or with HICACHE_NATIVE_RPC=0, `load()`
-returns None and the server keeps the asyncio Protocol path (server.py).
+The extension `hicache.rpc._native_conn` is compiled by the build (setup.py; the C:
+native_conn.c, native_frames.h, native_fast_parse.c, native_fast_reply.c). Where it was not
+built, or with HICACHE_NATIVE_RPC=0, `load()` returns None and the server keeps the
+asyncio Protocol path (server.py).
 """
 
 from __future__ import annotations
@@ -44,7 +46,6 @@ from types import ModuleType
 from typing import Any
 
 from hicache.kernels import native_build
-from hicache.rpc.native_conn_source import SOURCE
 from hicache.rpc.protocol import Code
 from hicache.rpc.server import FRAMES_PER_TURN, HIGH_WATER_BYTES, Connection, RpcServer
 
@@ -53,9 +54,9 @@ log = logging.getLogger(__name__)
 ACCEPTS_PER_TURN = 64  # connections accepted per loop turn (the rest on the next)
 ACCEPT_RETRY_S = 1.0  # after running out of descriptors, accepting pauses this long (as asyncio)
 
-EXTENSION = native_build.Extension("hicache_native_rpc", SOURCE, "HICACHE_NATIVE_RPC",
-                                     "serving connections with asyncio")
-load = EXTENSION.load  # the compiled extension, or None where it cannot be built here
+EXTENSION = native_build.NativeModule("hicache.rpc._native_conn", "HICACHE_NATIVE_RPC",
+                                      "serving connections with asyncio")
+load = EXTENSION.load  # the compiled extension, or None where it was not built
 unavailable_reason = EXTENSION.unavailable_reason
 
 
@@ -88,7 +89,7 @@ class NativeConnection(Connection):
         self.server.connections.add(self)
         self._update_reading()
 
-    # -- the fast path (native_fast_source.py) ------------------------------
+    # -- the fast path (native_fast_parse.c) -------------------------------
     def _fast(self, kind: int, req_id: int, arg: int, keys: bytes | None) -> Any:
         """A match or release frame C parsed: its method's fast handler, behind the checks
         `_handle` makes. None sends the frame to `_handle` (what a check refuses, or the

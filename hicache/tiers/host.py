@@ -11,7 +11,7 @@ engine maps them into its reservation of the arena (`HostArena.reserve`,
 
 Copy backends, chosen once per `HostKVCache`:
 - "memcpy": CPU pools; one copy per contiguous chunk, each batch of chunks one
-  call into a small C loop built on first use (kernels/copy.py, native_copy.py).
+  call into a small C loop (kernels/copy.py, native_copy.py).
 - "triton": CUDA pools when Triton imports (or CPU under TRITON_INTERPRET).
 - "torch": the twin, any device; the reference the others are tested against.
 

@@ -1,4 +1,4 @@
-"""The native frame loop's fast path (hicache/rpc/native_fast_source.py) answers exactly
+"""The native frame loop's fast path (hicache/rpc/native_fast_parse.c) answers exactly
 as the Python path does: one random sequence of match / release / insert frames, well-formed
 and not, goes to a daemon on each frame loop, and every answer must be the same bytes and
 the daemons' state the same afterwards."""

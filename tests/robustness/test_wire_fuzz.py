@@ -9,6 +9,7 @@ machine; `--long` runs >= 100k frames.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections import Counter
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 
 from hicache.daemon.serve.handlers import build_handlers
+from hicache.kernels.native_build import sanitizers
 
 from tests.robustness.contracts import HELLO_REQUIRED, INTERNAL, error_code
 from tests.robustness.fuzz_frames import METHODS, Context, Frame, FrameFuzzer
@@ -124,11 +126,15 @@ class FuzzRun:
                 f"{rss[1]['RssAnon']}); codes={dict(self.codes.most_common())}; kinds={dict(self.kinds)}")
 
 
-def test_fuzzed_frames_never_crash_stall_or_reach_a_handler_unvalidated(daemon_factory, long_mode):
+def test_fuzzed_frames_never_crash_stall_or_reach_a_handler_unvalidated(daemon_factory, long_mode, frame_loop):
     target = LONG_FRAMES if long_mode else CI_FRAMES
     d = daemon_factory("--host-capacity", "32MiB", "--disk-capacity", "64MiB").start()
     assert d.proc is not None
     cap_address_space(d.proc.pid)
+    loop = served_stats(d.socket)["native"]["frame_loop"]
+    assert loop["runs"] == ("native" if frame_loop == "native" else "python"), loop
+    if frame_loop == "native":  # under scripts/test_sanitized.sh: the build with the sanitizers
+        assert sanitizers(loop["build"]) == os.environ.get("HICACHE_SANITIZE", ""), loop
     run = FuzzRun(d.socket, SEED)
     rss_before = memory_kib(d.proc.pid)
     t0 = time.monotonic()

@@ -1,4 +1,4 @@
-"""The native frame loop's fast path in-process (hicache/rpc/native_fast_source.py): the
+"""The native frame loop's fast path in-process (hicache/rpc/native_fast_reply.c): the
 reply C encodes from a fast handler's tuple is byte for byte what the packer makes of the
 Python handler's dict, over the int formats, page-id dtypes and request ids; what the
 fast handler declines, and what comes before hello, takes the Python path."""

@@ -226,9 +226,14 @@ def test_native_meta_records_are_pack_meta_byte_for_byte(native_ok, tmp_path):
 
 def test_disabled_by_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("HICACHE_NATIVE_DISK", "0")
+    disk_native.reset()
     env = lmdb.open(str(tmp_path), max_dbs=2, map_size=1 << 20)
     try:
-        assert disk_native._load(env) is None
+        assert disk_native.loop(env) is None
+        assert disk_native.unavailable_reason() == "disabled by HICACHE_NATIVE_DISK=0"
+        monkeypatch.delenv("HICACHE_NATIVE_DISK")
+        disk_native.reset()  # on again: loaded where it was built
+        assert (disk_native.loop(env) is None) == (disk_native.LIBRARY.load() is None)
     finally:
         env.close()
 

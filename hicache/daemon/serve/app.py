@@ -27,6 +27,7 @@ import numpy.ma  # noqa: F401
 
 from hicache import __version__
 from hicache.config import Config, format_size, private_socket_dir
+from hicache.daemon.serve import native_paths
 from hicache.daemon.serve.gc_steward import GcSteward
 from hicache.daemon.serve.handlers import ADMIN_METHODS, build_handlers
 from hicache.daemon.core.fetch_or_recompute import FETCH_TIERS, FetchOrRecompute
@@ -165,7 +166,7 @@ class Daemon:
                                       timeout_s=cfg.remote_timeout_s)
             remote_auth = RecordAuth.from_file(cfg.remote_secret_file) if cfg.remote_secret_file else None
         self.host = HostTier(cfg.host_capacity, mlock=cfg.mlock)
-        native_index.load()  # the index's C loops: built (once per machine) now, not in a first request
+        native_index.load()  # the index's C loops: loaded now, not in a first request
         log.info("host tier: %s arena (%s slabs of %s), mlock=%s", format_size(self.host.capacity_bytes),
                  self.host.num_slabs, format_size(self.host.slab_bytes), self.host.arena.locked)
         self.service = CacheService(self.host, write_policy=WritePolicy(cfg.write_policy),
@@ -320,6 +321,7 @@ class Daemon:
             for tier in FETCH_TIERS:
                 m.add_recomputed(tier, delta(f"recompute.{tier}", skipped[tier]))
             m.set_engines(len(st["engines"]))
+            m.set_native({path: entry["runs"] for path, entry in st["native"].items()})
             m.set_namespaces(self._namespace_usage())
             m.add_dropped_subscribers(delta("dropped_subscribers", st["events"]["dropped_subscribers"]))
             for reason in ("output_overflows", "input_overflows"):
@@ -433,6 +435,7 @@ class Daemon:
                 "fetch_or_recompute": svc.fetch_cost.stats(list(svc.engines.values()))
                 if svc.fetch_cost is not None else None,
                 "gc": self.gc.stats() if self.gc is not None else {"managed": False},
+                "native": native_paths.report(self.server.frame_loop if self.server else "", self.disk is not None),
                 **self._rpc_stats()}
 
     def _rpc_stats(self) -> dict:

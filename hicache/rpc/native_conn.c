@@ -1,140 +1,31 @@
-"""The C source of the daemon's native frame loop (hicache/rpc/native_conn.py builds and
-loads it): a CPython extension module `hicache_native_rpc`.
+/* The daemon's native frame loop (hicache/rpc/native_conn.py loads it): a CPython extension
+   module `hicache.rpc._native_conn`.
 
-`FRAMES_C` is the framing part (byte buffers, one non-blocking recv, a flush, splitting
-whole frames: a 4-byte big-endian length, then the body; hicache/rpc/framing.py); the
-bench's echo servers (hicache/bench/native_echo_source.py) build on it too.
+   `NativeConn(fd, handle, turn_end, closed, max_frame_bytes, frames_per_turn, flush_at)` is one
+   connection, installed as the event loop's reader callback (`loop.add_reader(fd, conn)`). A
+   call receives once, then `run()`s a turn: each whole frame's body (bytes) goes to
+   `handle(body)`, at most `frames_per_turn` of them and none while `paused`; the replies the
+   handlers queued (`send_body`, `write`) go out with one send at the turn's end. Python hears
+   of a turn only when there is something to do: `turn_end(more, pending, buffered)` when frames
+   remain for another turn, output is left unsent, or the bytes of partial frames held changed;
+   `closed(reason, value)` at end of stream (CLOSED_EOF, errno or 0) or on a length over the cap
+   (CLOSED_OVERSIZED, the length). Python owns the policy (caps, pausing, watching the
+   descriptor); C owns the descriptor, closed once by `close()` or at collection.
 
-`NativeConn(fd, handle, turn_end, closed, max_frame_bytes, frames_per_turn, flush_at)`
-is one connection, installed as the event loop's reader callback (`loop.add_reader(fd,
-conn)`). A call receives once, then `run()`s a turn: each whole frame's body (bytes)
-goes to `handle(body)`, at most `frames_per_turn` of them and none while `paused`; the
-replies the handlers queued (`send_body`, `write`) go out with one send at the turn's
-end. Python hears of a turn only when there is something to do:
-`turn_end(more, pending, buffered)` when frames remain for another turn, output is left
-unsent, or the bytes of partial frames held changed; `closed(reason, value)` at end of
-stream (CLOSED_EOF, errno or 0) or on a length over the cap (CLOSED_OVERSIZED, the
-length). Python owns the policy (caps, pausing, watching the descriptor); C owns the
-descriptor, closed once by `close()` or at collection.
+   With `fast` set, a `match` or `release` frame of the client's shape goes to `fast(kind, id,
+   arg, keys)` instead (native_fast_parse.h), and its answer is encoded here
+   (native_fast_reply.h); None from it sends the frame to `handle` after all.
 
-With `fast` set, a `match` or `release` frame of the client's shape goes to `fast(kind,
-id, arg, keys)` instead, and its answer is encoded here (`FAST_C`,
-hicache/rpc/native_fast_source.py); None from it sends the frame to `handle` after all.
-"""
-
-from __future__ import annotations
-
-from hicache.rpc.native_fast_source import FAST_C
-
-FRAMES_C = r"""
+   The framing (buffers, recv, flush, frame splitting) is native_frames.h.
+*/
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <errno.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
-#define RECV_CHUNK 65536
-enum { IO_OK = 0, IO_PENDING = 1, IO_CLOSED = -1, IO_RAISED = -2 };
-
-/* A byte buffer: [start, end) holds data, room after end. */
-typedef struct { char *p; size_t start, end, cap; } buf_t;
-
-static int buf_room(buf_t *b, size_t want) {
-    if (b->start == b->end) b->start = b->end = 0;
-    if (b->cap - b->end >= want) return 0;
-    if (b->start) {
-        memmove(b->p, b->p + b->start, b->end - b->start);
-        b->end -= b->start;
-        b->start = 0;
-        if (b->cap - b->end >= want) return 0;
-    }
-    size_t cap = b->cap ? b->cap : RECV_CHUNK;
-    while (cap - b->end < want) cap *= 2;
-    char *p = realloc(b->p, cap);
-    if (!p) return -1;
-    b->p = p;
-    b->cap = cap;
-    return 0;
-}
-
-static void buf_free(buf_t *b) { free(b->p); memset(b, 0, sizeof *b); }
-
-static int buf_put(buf_t *b, const char *data, size_t n) {
-    if (buf_room(b, n)) return -1;
-    memcpy(b->p + b->end, data, n);
-    b->end += n;
-    return 0;
-}
-
-static int buf_put_frame(buf_t *b, const char *body, size_t n) {
-    if (n > UINT32_MAX || buf_room(b, n + 4)) return -1;
-    unsigned char *h = (unsigned char *)b->p + b->end;
-    h[0] = (unsigned char)(n >> 24); h[1] = (unsigned char)(n >> 16);
-    h[2] = (unsigned char)(n >> 8); h[3] = (unsigned char)n;
-    memcpy(b->p + b->end + 4, body, n);
-    b->end += n + 4;
-    return 0;
-}
-
-static uint32_t be32(const char *p) {
-    const unsigned char *h = (const unsigned char *)p;
-    return ((uint32_t)h[0] << 24) | ((uint32_t)h[1] << 16) | ((uint32_t)h[2] << 8) | h[3];
-}
-
-/* One recv (level-triggered: the loop calls again while bytes remain), with room for
-   the whole frame being assembled when its length is within `max` (a length over it
-   reserves nothing: next_frame breaks the stream). IO_CLOSED on end of stream, error,
-   or no memory; *err is the errno (0 at end of stream). */
-static int conn_recv(int fd, buf_t *in, uint32_t max, int *err) {
-    size_t want = RECV_CHUNK, have = in->end - in->start;
-    *err = 0;
-    if (have >= 4) {
-        size_t need = (size_t)be32(in->p + in->start) + 4;
-        if (need <= (size_t)max + 4 && need > have && need - have > want) want = need - have;
-    }
-    if (buf_room(in, want)) { *err = ENOMEM; return IO_CLOSED; }
-    for (;;) {
-        ssize_t k = recv(fd, in->p + in->end, in->cap - in->end, 0);
-        if (k > 0) { in->end += (size_t)k; return IO_OK; }
-        if (k == 0) return IO_CLOSED;
-        if (errno == EINTR) continue;
-        if (errno == EAGAIN || errno == EWOULDBLOCK) return IO_OK;
-        *err = errno;
-        return IO_CLOSED;
-    }
-}
-
-static int conn_flush(int fd, buf_t *out) {
-    while (out->start < out->end) {
-        ssize_t k = send(fd, out->p + out->start, out->end - out->start, MSG_NOSIGNAL);
-        if (k >= 0) { out->start += (size_t)k; continue; }
-        if (errno == EINTR) continue;
-        return errno == EAGAIN || errno == EWOULDBLOCK ? IO_PENDING : IO_CLOSED;
-    }
-    out->start = out->end = 0;
-    return IO_OK;
-}
-
-/* The next whole frame's body, consumed from `in`: 1; 0 if none yet; -1 if its
-   length exceeds the cap (the stream is broken, as in the daemon). */
-static int next_frame(buf_t *in, uint32_t max, const char **body, uint32_t *n) {
-    size_t have = in->end - in->start;
-    if (have < 4) return 0;
-    uint32_t len = be32(in->p + in->start);
-    if (len > max) return -1;
-    if (have - 4 < len) return 0;
-    *body = in->p + in->start + 4;
-    *n = len;
-    in->start += 4 + (size_t)len;
-    return 1;
-}
-"""
-
-CONN_C = r"""
 #include <structmember.h>
+
+#include "hicache/kernels/native_build.h"
+#include "hicache/rpc/native_fast_parse.h"
+#include "hicache/rpc/native_fast_reply.h"
+#include "hicache/rpc/native_frames.h"
 
 #define KEEP_BYTES (1u << 20)  /* an empty buffer larger than this is given back */
 enum { CLOSED_EOF = 0, CLOSED_OVERSIZED = 1 };
@@ -173,7 +64,7 @@ static PyObject *report_closed(NativeConn *c, int reason, long value) {
     return r;
 }
 
-/* A match or release frame through `fast(kind, id, arg, keys)` (native_fast_source.py):
+/* A match or release frame through `fast(kind, id, arg, keys)` (native_fast_parse.h):
    1 answered (the reply queued here, or Python answered an error itself), 0 the fast
    handler declined before changing anything (the frame goes to `handle`), -1 raised. */
 static int run_fast(NativeConn *c, const fast_req_t *q) {
@@ -250,7 +141,7 @@ static PyObject *run_turn(NativeConn *c) {
 }
 
 /* The reader callback: the loop calls it with no arguments when fd is readable. */
-static PyObject *conn_readable(PyObject *self, PyObject *args, PyObject *kw) {
+static PyObject *conn_readable(PyObject *self, PyObject *Py_UNUSED(args), PyObject *Py_UNUSED(kw)) {
     NativeConn *c = (NativeConn *)self;
     if (c->fd < 0 || c->paused) Py_RETURN_NONE;
     int err;
@@ -258,7 +149,7 @@ static PyObject *conn_readable(PyObject *self, PyObject *args, PyObject *kw) {
     return run_turn(c);
 }
 
-static PyObject *conn_run(PyObject *self, PyObject *unused) {
+static PyObject *conn_run(PyObject *self, PyObject *Py_UNUSED(unused)) {
     NativeConn *c = (NativeConn *)self;
     if (c->fd < 0) Py_RETURN_NONE;
     return run_turn(c);
@@ -281,13 +172,13 @@ static PyObject *queue(NativeConn *c, PyObject *arg, int framed) {
 
 static PyObject *conn_send_body(PyObject *self, PyObject *body) { return queue((NativeConn *)self, body, 1); }
 static PyObject *conn_write(PyObject *self, PyObject *data) { return queue((NativeConn *)self, data, 0); }
-static PyObject *conn_flush_py(PyObject *self, PyObject *unused) {
+static PyObject *conn_flush_py(PyObject *self, PyObject *Py_UNUSED(unused)) {
     return PyLong_FromSsize_t(flush_out((NativeConn *)self));
 }
 
 /* Close the descriptor (once) and drop buffers and callbacks; the caller has stopped
    watching it. Safe from within a handler: the turn stops after that frame. */
-static PyObject *conn_close(PyObject *self, PyObject *unused) {
+static PyObject *conn_close(PyObject *self, PyObject *Py_UNUSED(unused)) {
     NativeConn *c = (NativeConn *)self;
     if (c->fd >= 0) close(c->fd);
     c->fd = -1;
@@ -300,12 +191,12 @@ static PyObject *conn_close(PyObject *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-static PyObject *conn_fd(PyObject *self, void *unused) { return PyLong_FromLong(((NativeConn *)self)->fd); }
-static PyObject *conn_pending(PyObject *self, void *unused) {
+static PyObject *conn_fd(PyObject *self, void *Py_UNUSED(unused)) { return PyLong_FromLong(((NativeConn *)self)->fd); }
+static PyObject *conn_pending(PyObject *self, void *Py_UNUSED(unused)) {
     NativeConn *c = (NativeConn *)self;
     return PyLong_FromSize_t(c->out.end - c->out.start);
 }
-static PyObject *conn_buffered(PyObject *self, void *unused) {
+static PyObject *conn_buffered(PyObject *self, void *Py_UNUSED(unused)) {
     NativeConn *c = (NativeConn *)self;
     return PyLong_FromSize_t(c->in.end - c->in.start);
 }
@@ -341,7 +232,7 @@ static int conn_init(PyObject *self, PyObject *args, PyObject *kw) {
     return 0;
 }
 
-static PyObject *conn_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+static PyObject *conn_new(PyTypeObject *type, PyObject *Py_UNUSED(args), PyObject *Py_UNUSED(kw)) {
     NativeConn *c = (NativeConn *)type->tp_alloc(type, 0);
     if (c) c->fd = -1;
     return (PyObject *)c;
@@ -398,7 +289,7 @@ static PyGetSetDef conn_getset[] = {
 
 static PyTypeObject NativeConnType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "hicache_native_rpc.NativeConn",
+    .tp_name = "hicache.rpc._native_conn.NativeConn",
     .tp_basicsize = sizeof(NativeConn),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "NativeConn(fd, handle, turn_end, closed, max_frame_bytes, frames_per_turn, flush_at)",
@@ -413,9 +304,11 @@ static PyTypeObject NativeConnType = {
     .tp_getset = conn_getset,
 };
 
-static struct PyModuleDef mod_def = {PyModuleDef_HEAD_INIT, "hicache_native_rpc", NULL, -1, NULL};
+static struct PyModuleDef mod_def = {PyModuleDef_HEAD_INIT, .m_name = "hicache.rpc._native_conn", .m_size = -1};
 
-PyMODINIT_FUNC PyInit_hicache_native_rpc(void) {
+HICACHE_BUILD_INFO_SYMBOL;
+
+PyMODINIT_FUNC PyInit__native_conn(void) {
     if (PyType_Ready(&NativeConnType) < 0) return NULL;
     PyObject *m = PyModule_Create(&mod_def);
     if (!m) return NULL;
@@ -430,6 +323,3 @@ PyMODINIT_FUNC PyInit_hicache_native_rpc(void) {
     }
     return m;
 }
-"""
-
-SOURCE = FRAMES_C + FAST_C + CONN_C

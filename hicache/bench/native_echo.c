@@ -1,27 +1,25 @@
-"""The C source of the native echo servers (hicache/bench/native_echo.py builds and loads
-it): a CPython extension module `hicache_native_echo` with
+/* The native echo servers of `hicache bench rpc --servers` (hicache/bench/native_echo.py loads
+   them): a CPython extension module `hicache.bench._native_echo` with
 
-- `serve_epoll(listen_fd, max_frame_bytes)`: a single-threaded epoll loop, GIL released,
-  answering every frame with the same bytes until an error or a Python signal handler
-  raises;
-- `FrameConn(loop, fd, handler=None, max_frame_bytes)`: one connection, installed as the
-  event loop's reader callback (`loop.add_reader(fd, conn)`). A call receives once,
-  answers every whole frame (in C, or with `handler(body)`'s bytes; None answers
-  nothing) and sends; while a reply cannot all be sent it swaps its reader for a writer
-  (`on_writable`) and reads again once it has drained. End of stream, an oversized frame
-  or a handler that raises closes the connection (the exception goes to the loop).
+   - `serve_epoll(listen_fd, max_frame_bytes)`: a single-threaded epoll loop, GIL released,
+     answering every frame with the same bytes until an error or a Python signal handler
+     raises;
+   - `FrameConn(loop, fd, handler=None, max_frame_bytes)`: one connection, installed as the
+     event loop's reader callback (`loop.add_reader(fd, conn)`). A call receives once,
+     answers every whole frame (in C, or with `handler(body)`'s bytes; None answers
+     nothing) and sends; while a reply cannot all be sent it swaps its reader for a writer
+     (`on_writable`) and reads again once it has drained. End of stream, an oversized frame
+     or a handler that raises closes the connection (the exception goes to the loop).
 
-Frames are hicache's: a 4-byte big-endian length, then the body (hicache/rpc/framing.py);
-the buffers, recv, flush and frame splitting are the daemon's own (FRAMES_C in
-hicache/rpc/native_conn_source.py).
-"""
-
-from __future__ import annotations
-
-from hicache.rpc.native_conn_source import FRAMES_C
-
-SOURCE = FRAMES_C + r"""
+   Frames are hicache's: a 4-byte big-endian length, then the body (hicache/rpc/framing.py);
+   the buffers, recv, flush and frame splitting are the daemon's own (hicache/rpc/native_frames.h).
+*/
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
 #include <sys/epoll.h>
+
+#include "hicache/kernels/native_build.h"
+#include "hicache/rpc/native_frames.h"
 
 static int echo_frames(buf_t *in, buf_t *out, uint32_t max) {
     const char *body;
@@ -48,7 +46,7 @@ static void econn_watch(int ep, econn_t *c, uint32_t events) {
     epoll_ctl(ep, EPOLL_CTL_MOD, c->fd, &ev);
 }
 
-static PyObject *serve_epoll(PyObject *mod, PyObject *args) {
+static PyObject *serve_epoll(PyObject *Py_UNUSED(mod), PyObject *args) {
     int lfd;
     unsigned int max;
     if (!PyArg_ParseTuple(args, "iI", &lfd, &max)) return NULL;
@@ -172,7 +170,7 @@ static PyObject *conn_after(FrameConn *c, int r) {
 }
 
 /* The reader callback: FrameConn objects are called by the loop with no arguments. */
-static PyObject *conn_readable(PyObject *self, PyObject *args, PyObject *kw) {
+static PyObject *conn_readable(PyObject *self, PyObject *Py_UNUSED(args), PyObject *Py_UNUSED(kw)) {
     FrameConn *c = (FrameConn *)self;
     if (c->fd < 0 || c->writing) Py_RETURN_NONE;
     int err, r = conn_recv(c->fd, &c->in, c->max, &err);
@@ -181,7 +179,7 @@ static PyObject *conn_readable(PyObject *self, PyObject *args, PyObject *kw) {
     return conn_after(c, r);
 }
 
-static PyObject *conn_writable(PyObject *self, PyObject *unused) {
+static PyObject *conn_writable(PyObject *self, PyObject *Py_UNUSED(unused)) {
     FrameConn *c = (FrameConn *)self;
     if (c->fd < 0 || !c->writing) Py_RETURN_NONE;
     int r = conn_flush(c->fd, &c->out);
@@ -192,13 +190,13 @@ static PyObject *conn_writable(PyObject *self, PyObject *unused) {
     return conn_after(c, r);
 }
 
-static PyObject *conn_close_py(PyObject *self, PyObject *unused) {
+static PyObject *conn_close_py(PyObject *self, PyObject *Py_UNUSED(unused)) {
     conn_close((FrameConn *)self);
     if (PyErr_Occurred()) return NULL;
     Py_RETURN_NONE;
 }
 
-static PyObject *conn_fd(PyObject *self, void *unused) { return PyLong_FromLong(((FrameConn *)self)->fd); }
+static PyObject *conn_fd(PyObject *self, void *Py_UNUSED(unused)) { return PyLong_FromLong(((FrameConn *)self)->fd); }
 
 static int conn_init(PyObject *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"loop", "fd", "handler", "max_frame_bytes", NULL};
@@ -224,7 +222,7 @@ static int conn_init(PyObject *self, PyObject *args, PyObject *kw) {
     return 0;
 }
 
-static PyObject *conn_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+static PyObject *conn_new(PyTypeObject *type, PyObject *Py_UNUSED(args), PyObject *Py_UNUSED(kw)) {
     FrameConn *c = (FrameConn *)type->tp_alloc(type, 0);
     if (c) c->fd = -1;
     return (PyObject *)c;
@@ -261,7 +259,7 @@ static PyGetSetDef conn_getset[] = {{"fd", conn_fd, NULL, "the descriptor, -1 on
 
 static PyTypeObject FrameConnType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "hicache_native_echo.FrameConn",
+    .tp_name = "hicache.bench._native_echo.FrameConn",
     .tp_basicsize = sizeof(FrameConn),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "FrameConn(loop, fd, handler=None, max_frame_bytes=64 MiB): call it when fd is readable",
@@ -279,9 +277,13 @@ static PyMethodDef mod_methods[] = {
     {"serve_epoll", serve_epoll, METH_VARARGS, "serve_epoll(listen_fd, max_frame_bytes): echo frames forever"},
     {NULL}
 };
-static struct PyModuleDef mod_def = {PyModuleDef_HEAD_INIT, "hicache_native_echo", NULL, -1, mod_methods};
+static struct PyModuleDef mod_def = {
+    PyModuleDef_HEAD_INIT, .m_name = "hicache.bench._native_echo", .m_size = -1, .m_methods = mod_methods,
+};
 
-PyMODINIT_FUNC PyInit_hicache_native_echo(void) {
+HICACHE_BUILD_INFO_SYMBOL;
+
+PyMODINIT_FUNC PyInit__native_echo(void) {
     if (PyType_Ready(&FrameConnType) < 0) return NULL;
     PyObject *m = PyModule_Create(&mod_def);
     if (!m) return NULL;
@@ -293,4 +295,3 @@ PyMODINIT_FUNC PyInit_hicache_native_echo(void) {
     }
     return m;
 }
-"""

@@ -1,25 +1,24 @@
-"""The C source of the radix index's hot loops (hicache/index/native_index.py builds and
-loads it): a CPython extension module `hicache_native_index` working on the index's own
-TreeNode objects through the C API, step for step as the Python it stands in for:
+/* The radix index's hot loops (hicache/index/native_index.py loads this module): a CPython
+   extension module `hicache.index._native_index` working on the index's own TreeNode objects
+   through the C API, step for step as the Python it stands in for:
 
-- `walk(root, blob, lane, seg, now)`: RadixIndex.match's walk (tree_walk.walk_path);
-- `lock_path(path, tier, engine, protected)` and `unlock_path(path, tier, engine,
-  protected, maybe_queue)`: ResidencyLedger.lock_path / unlock_path (policy.py);
-- `lock_segments(nodes, n_dev, n_host, engine, protected)`: RadixIndex.lock_match's locks;
-- `walk_lock(root, blob, engine, now, protected)`: walk, then lock_segments when no split
-  is needed: RadixIndex.match_locked in one call;
-- `unlock_node(node, tier, key, root, protected, maybe_queue)`: RadixIndex.unlock after its
-  argument checks (the path up and the held check here; a refusal is a small int for the
-  caller to raise, with nothing changed).
-"""
+   - `walk(root, blob, lane, seg, now)`: RadixIndex.match's walk (tree_walk.walk_path);
+   - `lock_path(path, tier, engine, protected)` and `unlock_path(path, tier, engine,
+     protected, maybe_queue)`: ResidencyLedger.lock_path / unlock_path (policy.py);
+   - `lock_segments(nodes, n_dev, n_host, engine, protected)`: RadixIndex.lock_match's locks;
+   - `walk_lock(root, blob, engine, now, protected)`: walk, then lock_segments when no split
+     is needed: RadixIndex.match_locked in one call;
+   - `unlock_node(node, tier, key, root, protected, maybe_queue)`: RadixIndex.unlock after its
+     argument checks (the path up and the held check here; a refusal is a small int for the
+     caller to raise, with nothing changed).
+*/
 
-from __future__ import annotations
-
-SOURCE = r"""
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <limits.h>
 #include <string.h>
+
+#include "hicache/kernels/native_build.h"
 
 #define KEY_BYTES 16
 
@@ -148,7 +147,7 @@ fail:
     return NULL;
 }
 
-static PyObject *walk(PyObject *self, PyObject *args) {
+static PyObject *walk(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *root, *lane, *now;
     Py_buffer buf;
     int seg;
@@ -310,7 +309,7 @@ static int check_tier(long tier) {
 }
 
 /* lock_path(path, tier, engine, protected): ResidencyLedger.lock_path. */
-static PyObject *lock_path(PyObject *self, PyObject *args) {
+static PyObject *lock_path(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *path, *engine, *prot;
     long tier;
     if (!PyArg_ParseTuple(args, "O!lOO!", &PyList_Type, &path, &tier, &engine, &PyDict_Type, &prot)) return NULL;
@@ -320,7 +319,7 @@ static PyObject *lock_path(PyObject *self, PyObject *args) {
 
 /* lock_segments(nodes, n_dev, n_host, engine, protected): RadixIndex.lock_match's locks,
    the first n_dev nodes on `engine`'s device, the first n_dev + n_host in HOST. */
-static PyObject *lock_segments(PyObject *self, PyObject *args) {
+static PyObject *lock_segments(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *nodes, *engine, *prot;
     Py_ssize_t n_dev, n_host;
     if (!PyArg_ParseTuple(args, "O!nnOO!", &PyList_Type, &nodes, &n_dev, &n_host, &engine, &PyDict_Type, &prot))
@@ -338,7 +337,7 @@ static PyObject *lock_segments(PyObject *self, PyObject *args) {
    the device segment of `engine`, then, when no node needs splitting (j == -1), the locks
    of lock_segments on what it matched; with j >= 0 nothing is locked (the caller splits
    the last node first, then locks). One call for RadixIndex.match_locked. */
-static PyObject *walk_lock(PyObject *self, PyObject *args) {
+static PyObject *walk_lock(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *root, *engine, *now, *prot;
     Py_buffer buf;
     Py_ssize_t out[3];
@@ -353,8 +352,6 @@ static PyObject *walk_lock(PyObject *self, PyObject *args) {
     }
     return Py_BuildValue("(Nnnn)", path, out[0], out[1], out[2]);
 }
-
-
 
 /* maybe_queue(x, lane) unless the lane already has an entry in x.queued; -1 on error. */
 static int queue_if_new(PyObject *maybe_queue, PyObject *x, PyObject *lane) {
@@ -434,7 +431,7 @@ static PyObject *unlock_nodes(PyObject *path, long tier, PyObject *engine, PyObj
 }
 
 /* unlock_path(path, tier, engine, protected, maybe_queue) -> doomed: ResidencyLedger.unlock_path. */
-static PyObject *unlock_path(PyObject *self, PyObject *args) {
+static PyObject *unlock_path(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *path, *engine, *prot, *maybe_queue;
     long tier;
     if (!PyArg_ParseTuple(args, "O!lOO!O", &PyList_Type, &path, &tier, &engine, &PyDict_Type, &prot,
@@ -447,7 +444,7 @@ static PyObject *unlock_path(PyObject *self, PyObject *args) {
    argument checks, the path back to `root` walked here. Returns the doomed node or None;
    without changing anything, 1 when `node` is no live node, 2 when it is not under
    `root`, 3 when the unlock would go below zero (the caller raises the error). */
-static PyObject *unlock_node(PyObject *self, PyObject *args) {
+static PyObject *unlock_node(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *node, *key, *root, *prot, *maybe_queue;
     long tier;
     if (!PyArg_ParseTuple(args, "OlOOO!O", &node, &tier, &key, &root, &PyDict_Type, &prot, &maybe_queue)) return NULL;
@@ -497,9 +494,13 @@ static PyMethodDef mod_methods[] = {
      "unlock_node(node, tier, key, root, protected, maybe_queue) -> doomed | None | error code"},
     {NULL}
 };
-static struct PyModuleDef mod_def = {PyModuleDef_HEAD_INIT, "hicache_native_index", NULL, -1, mod_methods};
+static struct PyModuleDef mod_def = {
+    PyModuleDef_HEAD_INIT, .m_name = "hicache.index._native_index", .m_size = -1, .m_methods = mod_methods,
+};
 
-PyMODINIT_FUNC PyInit_hicache_native_index(void) {
+HICACHE_BUILD_INFO_SYMBOL;
+
+PyMODINIT_FUNC PyInit__native_index(void) {
     if (!(s_children = PyUnicode_InternFromString("children"))) return NULL;
     if (!(s_device = PyUnicode_InternFromString("device"))) return NULL;
     if (!(s_host = PyUnicode_InternFromString("host"))) return NULL;
@@ -516,4 +517,3 @@ PyMODINIT_FUNC PyInit_hicache_native_index(void) {
     if (!(disk_lane = PyLong_FromLong(-2))) return NULL;  /* node.DISK_LANE */
     return PyModule_Create(&mod_def);
 }
-"""
