@@ -11,6 +11,7 @@ on a connection that stays usable."""
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -140,3 +141,47 @@ def test_a_probe_the_stopped_store_never_answers_ends_at_the_op_timeout(redis_st
     assert load_exact(eb, toks) == 8
     ea.close()
     eb.close()
+
+
+def test_the_scene_through_the_vllm_connectors_scheduler_side(redis_cluster, daemon_factory):
+    """The same scene as vLLM's scheduler side makes its lookups, with the connector's
+    defaults: each request asks again until its match, then its remote part, are in; B offers
+    vLLM all 60 pages."""
+    vllm_scheduler = pytest.importorskip("hicache.integrations.vllm.scheduler", reason="vLLM is not installed")
+    from hicache.integrations.vllm.layout import EngineShape, expected_arrangement
+    from hicache.integrations.vllm.metadata import HiCacheWorkerMeta
+    from hicache.layout import KVLayout
+    from tests.integrations.test_vllm_step_puts import ask as vllm_ask
+
+    layout = KVLayout("mha", 2, 16, "float32", num_kv_heads=2, head_dim=32)
+    shape = EngineShape("m", layout, 1, "cpu", expected_arrangement(False, 16, 2, 32, "float32"))
+    flags = ("--host-capacity", "16MiB", "--disk-capacity", "64MiB")
+    a = daemon_factory(*flags, env={"HICACHE_REMOTE_URL": redis_cluster.url}).start()
+    wait_remote_up(a.socket)
+    prompts = [[int(t) for t in p] + [7] for p in scene_prompts(4300)]  # 20 full pages and one token
+    sa = vllm_scheduler.SchedulerSide(shape, 64, a.socket)
+    for p in prompts:  # A computed them (the bytes do not matter to the lookups)
+        c = sa.clients[0]
+        assert c.put_done(c.put(p)) is not None
+    wait_written(a.socket, PREFIX_PAGES + PROMPTS * OWN_PAGES, 60)
+    sa.close()
+    b = daemon_factory(*flags, env={"HICACHE_REMOTE_URL": redis_cluster.url}).start()
+    wait_remote_up(b.socket)
+    sb = vllm_scheduler.SchedulerSide(shape, 64, b.socket)
+    try:
+        offered = []
+        for i, p in enumerate(prompts):
+            req = SimpleNamespace(request_id=f"r{i}", all_token_ids=p, prompt_embeds=None, lora_request=None,
+                                  cache_salt=None, mm_features=[], num_prompt_tokens=len(p))
+            n = vllm_ask(sb, req)
+            offered.append(n // 16)
+            sb.after_alloc(req, (list(range(1, 22)),), n)
+            sb.build_meta(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}, preempted_req_ids=None,
+                                          scheduled_cached_reqs=SimpleNamespace(
+                                              req_ids=[], num_computed_tokens=[], new_block_ids=[],
+                                              resumed_req_ids=set())))
+            sb.on_output(HiCacheWorkerMeta(loaded={req.request_id}))  # loaded: the pins go
+        assert offered == [PREFIX_PAGES + OWN_PAGES] * PROMPTS, offered  # 60 of 60
+        assert sb.lookups.given_up == 0
+    finally:
+        sb.close()
