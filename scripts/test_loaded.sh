@@ -17,6 +17,6 @@ done
 trap 'kill "${hogs[@]}" 2>/dev/null || true' EXIT
 "$PY" -m pytest -q -p no:cacheprovider \
     tests/remote/test_faults.py tests/remote/test_busy_host.py tests/remote/test_remote_lookups.py \
-    tests/client/test_breaker.py \
+    tests/client/test_breaker.py tests/client/test_late_answers.py tests/integrations/test_vllm_step_puts.py \
     tests/robustness tests/daemon/test_lifecycle.py tests/daemon/test_robustness.py \
     tests/engine/test_daemon_away_reclaim.py tests/tiers/test_disk_map_budget.py "$@"

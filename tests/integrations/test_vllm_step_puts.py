@@ -74,10 +74,14 @@ def answered_saves(sched: SchedulerSide, so: SimpleNamespace) -> list:
     return metas[-1].saves
 
 
+SHAPE = EngineShape("m", LAYOUT, 1, "cpu", expected_arrangement(False, PS, 2, 32, "float32"))
+
+
 @pytest.fixture
 def sched(daemon):
-    shape = EngineShape("m", LAYOUT, 1, "cpu", expected_arrangement(False, PS, 2, 32, "float32"))
-    s = SchedulerSide(shape, NUM_BLOCKS, daemon.socket)
+    """A scheduler side that waits for every answer as long as a loaded machine may need: its
+    declared prefill rate makes each lookup worth waiting for (the tests count hits)."""
+    s = SchedulerSide(SHAPE, NUM_BLOCKS, daemon.socket, prefill_tokens_per_s=1.0)
     yield s
     s.close()
 
@@ -144,24 +148,28 @@ def test_a_stopped_daemon_costs_no_step_a_wait_nor_the_connection(sched, daemon)
     c = sched.clients[0]
     tokens = list(range(1, 4 * PS + 1))
     assert c.put_done(c.put(tokens)) == 4
+    hasty = SchedulerSide(SHAPE, NUM_BLOCKS, daemon.socket)  # the defaults: waits at most what a hit saves
+    h = hasty.clients[0]
     reqs = [(request("a", list(range(1000, 1100))), [1, 2, 3, 4])]
-    admit(sched, reqs[0][0], [1, 2, 3, 4])
+    admit(hasty, reqs[0][0], [1, 2, 3, 4])
     daemon.proc.send_signal(signal.SIGSTOP)
     try:
         t0 = time.monotonic()
-        assert ask(sched, request("hit", tokens + [5])) == 0  # a hit, but its answer never came
-        sched.build_meta(step(reqs))  # the put of a's pages: sent
-        assert not sched.build_meta(IDLE).saves  # not answered
+        assert ask(hasty, request("hit", tokens + [5])) == 0  # a hit, but its answer never came
+        hasty.build_meta(step(reqs))  # the put of a's pages: sent
+        assert not hasty.build_meta(IDLE).saves  # not answered
         assert time.monotonic() - t0 < 10.0  # hang guard only: each ask returned at once
-        assert sched.lookups.given_up == 1 and c.connected and c.outages == 0
+        assert hasty.lookups.given_up == 1 and h.connected and h.outages == 0
     finally:
         daemon.proc.send_signal(signal.SIGCONT)
-    saves = answered_saves(sched, IDLE)
+    saves = answered_saves(hasty, IDLE)
     assert [(s.req_id, s.block_ids) for s in saves] == [("a", [[1, 2, 3]])]
-    sched.on_output(HiCacheWorkerMeta(saved={s.put_id: True for s in saves}))
-    assert c.connected and c.outages == 0 and c.epoch == 1
-    wait_until(lambda: c.stats()["pins"] == 0, 30, "the late match's pin released")
+    hasty.on_output(HiCacheWorkerMeta(saved={s.put_id: True for s in saves}))
+    assert h.connected and h.outages == 0 and h.epoch == 1
+    wait_until(lambda: h.poll() and h.stats()["pins"] == 0, 30, "the late match's pin released")
+    hasty.close()
     assert ask(sched, request("hit2", tokens + [5])) == 4 * PS
+    assert c.match(list(range(1000, 1100))).host_len == 3  # the late put was planned, copied, finished
 
 
 def test_a_finished_request_keeps_its_blocks_until_its_puts_are_answered_and_copied(sched):

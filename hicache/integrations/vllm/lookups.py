@@ -35,7 +35,7 @@ from hicache.client.prefill_rate import PrefillRate
 
 log = logging.getLogger(__name__)
 
-MIN_WAIT_S = 0.05  # a lookup may always wait this long (a few steps of a busy engine)
+MIN_WAIT_S = 0.25  # a lookup may always wait this long: a daemon answering a loaded host's engine
 DEFAULT_TOKENS_PER_S = 10_000.0  # until the scheduler has timed a step
 
 
