@@ -39,7 +39,7 @@ from hicache.state_layout import StateLayout
 from hicache.rpc.framing import BlobRequest
 from hicache.client.connection import RpcConnection, _close_fd
 from hicache.client.deadlines import CallDeadlines
-from hicache.client.late import ENDS_ON_LATE, undo_late
+from hicache.client.late import ENDS_ON_LATE, HELD, undo_late
 from hicache.client.peer import trusted_daemon_uids
 from hicache.client.prefill_rate import PrefillRate
 from hicache.client.reconnect import Reconnector
@@ -346,7 +346,8 @@ class HiCacheClient(CycleCalls, ReportCalls, RetentionCalls, AskCalls):
         self.round_trips += 1
         self.calls[method] += 1
         try:
-            reply = self.conn.call(method, params, timeout_s, on_late=undo_late(method, self.engine_id))
+            reply = self.conn.call(method, params, timeout_s, on_late=undo_late(method, self.engine_id),
+                                   probe=method not in HELD)
         except (DaemonUnavailable, ClientError) as e:
             self._failed(method, e)
         if map_slabs:
@@ -384,6 +385,8 @@ class HiCacheClient(CycleCalls, ReportCalls, RetentionCalls, AskCalls):
         self.late += count
         if method in ENDS_ON_LATE:  # see late.py: the engine and the daemon would disagree on device pages
             self._open(f"{method}: {e.message}")
+        elif method in HELD:  # the daemon holds it for a read: a miss of that part, nothing more
+            log.debug("hicache: %s", e.message)
         elif self._slow_since is None:
             self._slow_since = time.monotonic()
             log.warning("hicache daemon slow (%s): answering misses and skipping stores until it answers "

@@ -159,15 +159,16 @@ class RpcConnection:
 
     # -- waited calls ------------------------------------------------------------
     def call(self, method: str, params: dict[str, Any] | None = None, timeout_s: float | None = None, *,
-             fds: list[int] | None = None, on_late: LateHandler | None = None) -> Any:
+             fds: list[int] | None = None, on_late: LateHandler | None = None, probe: bool = True) -> Any:
         """One request; its result within `timeout_s` (the connection's default when None).
         A refusal raises ClientError; no answer in time raises DaemonSlow and keeps the
         connection (`on_late` gets the answer when it comes). With `fds`, descriptors that
-        come with the answer (SCM_RIGHTS) are appended there; the caller owns them."""
+        come with the answer (SCM_RIGHTS) are appended there; the caller owns them. `probe`
+        False: a late answer sends no liveness probe (a call the daemon may rightly hold)."""
         self._check_open()
         req_id = next(self._ids)
         body = self._packer.pack({"id": req_id, "method": method, "params": params or {}})
-        return self._exchange(HEADER.pack(len(body)) + body, req_id, method, timeout_s, fds, on_late)
+        return self._exchange(HEADER.pack(len(body)) + body, req_id, method, timeout_s, fds, on_late, probe)
 
     def call_blob(self, request: BlobRequest, blob: bytes, timeout_s: float | None = None, *,
                   on_late: LateHandler | None = None) -> Any:
@@ -175,10 +176,10 @@ class RpcConnection:
         spliced from a prebuilt template (rpc/framing.py): the engine's `match`."""
         self._check_open()
         req_id = next(self._ids)
-        return self._exchange(request.frame(req_id, blob), req_id, request.method, timeout_s, None, on_late)
+        return self._exchange(request.frame(req_id, blob), req_id, request.method, timeout_s, None, on_late, True)
 
     def _exchange(self, frame: bytes, req_id: int, method: str, timeout_s: float | None,
-                  fds: list[int] | None, on_late: LateHandler | None) -> Any:
+                  fds: list[int] | None, on_late: LateHandler | None, probe: bool) -> Any:
         """Send a request's frame, read up to its answer: the result, or its refusal raised.
         Every waited call's round trip, so the common case (one send; the whole answer
         alone in one recv, nothing else buffered) takes few calls and no copies."""
@@ -195,7 +196,7 @@ class RpcConnection:
         if msg is None:
             msg = self._await(req_id, deadline, fds)
         if msg is None:
-            self._give_up(req_id, method, on_late)
+            self._give_up(req_id, method, on_late, probe)
             raise DaemonSlow(f"no answer to {method} in {t:g}s (the daemon is busy or hung); a miss, the "
                              "connection is kept")
         self.ledger.answered(req_id)
@@ -241,7 +242,7 @@ class RpcConnection:
                     results.append(p.outcome)
                 else:
                     del self.ledger.pending[p.req_id]
-                    self._give_up(p.req_id, p.method, on_late)
+                    self._give_up(p.req_id, p.method, on_late, True)
                     results.append(DaemonSlow(f"no answer to {p.method} in time"))
             if not all(p.done for p in sent):
                 results += [DaemonSlow("not sent: the batch's deadline passed")] * (len(todo) - len(results))
@@ -383,10 +384,11 @@ class RpcConnection:
         self.close()
         raise DaemonUnavailable(why) from exc
 
-    def _give_up(self, req_id: int, method: str, on_late: LateHandler | None) -> None:
+    def _give_up(self, req_id: int, method: str, on_late: LateHandler | None, probe: bool) -> None:
         """A call's deadline passed: its answer goes to `on_late`; the daemon is probed."""
         self.ledger.give_up(req_id, method, on_late)
-        self._start_probe()
+        if probe:
+            self._start_probe()
 
     def _start_probe(self) -> None:
         if self.ledger.probe is None and not self.closed:

@@ -20,6 +20,7 @@ from hicache.rpc.framing import BlobRequest, bytes_to_ids, ids_to_bytes
 
 if TYPE_CHECKING:
     from hicache.client.deadlines import CallDeadlines
+    from hicache.client.prefill_rate import PrefillRate
     from hicache.layout import KVLayout
 
 
@@ -33,6 +34,7 @@ class CycleCalls:
         epoch: int
         deadlines: CallDeadlines
         misses_while_away: int
+        prefill_rate: PrefillRate
 
         def _adopt_ready(self) -> bool: ...
         def _call(self, method: str, params: dict, timeout_s: float, *, map_slabs: bool = True) -> Any: ...
@@ -61,16 +63,20 @@ class CycleCalls:
                   int(r["disk_len"]), self.epoch, 0, None if state is None else StateMatch.parse(state),
                   bool(r.get("pending", False)))
         if m.disk_len or m.pending or (state is not None and state["pending"]):
-            self.refresh(m)
+            # worth waiting for as long as computing the pages beyond host would take
+            beyond = (len(keys) - m.device_len - m.host_len) * self.layout.page_size
+            self.refresh(m, min(self.deadlines.load_s, self.prefill_rate.worth_waiting_s(beyond)))
         return m
 
-    def refresh(self, match: Match) -> Match:
-        """Fold into `match` what the daemon brought from disk to host since (asking for
-        the plan waits per the daemon's load policy). Unchanged when the daemon is away."""
+    def refresh(self, match: Match, timeout_s: float | None = None) -> Match:
+        """Fold into `match` what the daemon brought from disk or the remote store to host
+        since (asking for the plan waits for a running remote lookup, then per the daemon's
+        load policy; at most `timeout_s`, default load_s). Unchanged when the daemon is away
+        or the wait is over first (what comes later is the next request's)."""
         if match.pin is None or match.epoch != self.epoch:
             return match
         try:
-            ld = self._call("load", {"pin": match.pin}, self.deadlines.load_s)
+            ld = self._call("load", {"pin": match.pin}, self.deadlines.load_s if timeout_s is None else timeout_s)
         except DaemonUnavailable:
             return match
         host_pages = bytes_to_ids(ld["host_pages"])

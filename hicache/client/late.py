@@ -11,7 +11,9 @@ Calls that move the engine's own device pages (insert, evict, a waited backup_do
 load_done) cannot be undone this way: the engine has already reused pages the daemon
 would then think it holds. For those a late answer ends the connection (ENDS_ON_LATE):
 the daemon forgets the engine's device residency when it sees the close, and the
-client reconnects, as for a dead daemon.
+client reconnects, as for a dead daemon. Calls the daemon holds on purpose (HELD: a
+`load` waiting for the disk or the remote store) may come late without the connection
+turning suspect.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from hicache.client.ledger import LateHandler
 
 # calls whose late answer leaves the engine and the daemon disagreeing on device pages
 ENDS_ON_LATE = frozenset({"insert", "evict", "backup_done", "load_done", "state_backup_done"})
+# calls the daemon may rightly hold (a disk read, a remote lookup or fetch): their lateness
+# says nothing of the daemon's health, so it sends no liveness probe
+HELD = frozenset({"load", "fetch"})
 
 
 def _release_pin(outcome: Any) -> list[tuple[str, dict]] | None:

@@ -7,7 +7,9 @@ fast the engine computes is the engine's to say. Either the user configures a ra
 token-weighted moving average (the sums of tokens and of seconds, each decayed by
 `ALPHA` per prefill), so a long prefill weighs more than a short one. The daemon hears
 it at `register` and, as it moves by more than `REPORT_CHANGE`, through a posted
-`report` call: a few calls in an engine's life, none per request.
+`report` call: a few calls in an engine's life, none per request. The engine's own
+client bounds its waits for a lookup's disk or remote part by the same rate
+(`worth_waiting_s`): waiting longer than computing the tokens would cost more.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ from hicache.rpc.protocol import MAX_PREFILL_RATE
 
 ALPHA = 0.1
 REPORT_CHANGE = 0.1  # a relative change of the rate worth telling the daemon
+# How long waiting for a lookup is worth (`worth_waiting_s`): at least MIN_WAIT_S (a daemon
+# answering on a loaded host), at DEFAULT_TOKENS_PER_S while the engine's rate is unknown.
+MIN_WAIT_S = 0.25
+DEFAULT_TOKENS_PER_S = 10_000.0
 
 
 class PrefillRate:
@@ -47,6 +53,11 @@ class PrefillRate:
         a = 1.0 if self._seconds <= 0 else ALPHA
         self._tokens += a * (tokens - self._tokens)
         self._seconds += a * (seconds - self._seconds)
+
+    def worth_waiting_s(self, tokens: int) -> float:
+        """How long a lookup whose answer covers `tokens` is worth waiting for: as long as
+        computing them takes (never less than MIN_WAIT_S). Past it, computing is faster."""
+        return max(MIN_WAIT_S, tokens / (self.tokens_per_s or DEFAULT_TOKENS_PER_S))
 
     def sent(self, rate: float | None) -> None:
         """The daemon was told `rate` (at register, or by `report`)."""

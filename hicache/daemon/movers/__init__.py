@@ -5,7 +5,8 @@ disk_mover.py (write-through, demotion, prefetch, the rebuild at startup), disk_
 disk_namespaces.py (the namespaces file the rebuild reads), disk_startup.py
 (opening the LMDB tier, quarantining a damaged one), state_dir.py (the daemon's
 private state directory), remote_mover.py (the shared remote tier, Redis / Valkey
-or Mooncake Store: write-through, probe + fetch at match, fold at load),
+or Mooncake Store: write-through, flush), remote_lookup.py (its lookups: a probe
+started at match and run in the background, the fetch, the fold at load),
 remote_publish.py (offers the store the pages held only on disk, each time it
 comes up), remote_admission.py (which pages a full store is still sent).
 """

@@ -35,8 +35,6 @@ from hicache.client.prefill_rate import PrefillRate
 
 log = logging.getLogger(__name__)
 
-MIN_WAIT_S = 0.25  # a lookup may always wait this long: a daemon answering a loaded host's engine
-DEFAULT_TOKENS_PER_S = 10_000.0  # until the scheduler has timed a step
 
 
 @dataclass(slots=True, eq=False)
@@ -68,9 +66,8 @@ class StepRate:
             self.rate.add(last[1], now - last[0])
 
     def seconds(self, tokens: int) -> float:
-        """How long computing `tokens` takes (at least MIN_WAIT_S)."""
-        rate = self.rate.tokens_per_s or DEFAULT_TOKENS_PER_S
-        return max(MIN_WAIT_S, tokens / rate)
+        """How long a lookup covering `tokens` is worth waiting for (PrefillRate.worth_waiting_s)."""
+        return self.rate.worth_waiting_s(tokens)
 
 
 class Lookups:
