@@ -6,5 +6,6 @@ collector run on the daemon's terms), context.py (what handlers see of the daemo
 handlers.py (decode, call, encode: every wire method), keyed_rpc.py (SGLang's keyed
 pages' methods), pin_rpc.py (pin / unpin / prioritize: pinned and prioritized
 prefixes), portable.py (export / import sessions), quota_rpc.py (the tenant
-quotas' admin methods), tree_view.py (the `tree` view of a namespace's index).
+quotas' admin methods), tree_view.py (the `tree` view of a namespace's index),
+native_paths.py (which hot paths run in C, for stats and the doctor).
 """
