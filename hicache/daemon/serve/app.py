@@ -49,6 +49,8 @@ from hicache.transfer.policy import WritePolicy
 
 log = logging.getLogger(__name__)
 
+SHUTDOWN_SETTLE_S = 120.0  # the longest a stop waits for the disk writes accepted before it
+
 
 def prepare_socket_path(path: Path) -> None:
     """Create the socket's directory (private when we create it), check that no other user
@@ -369,6 +371,10 @@ class Daemon:
         if self.disk is not None:
             if self.notifier is not None:
                 self.notifier.status("flushing the disk tier")
+            # the write-through backlog first: it reaches the tier's queue only from this loop
+            if not await self.disk.settle(SHUTDOWN_SETTLE_S):
+                log.warning("shutting down with %d disk writes still pending after %.0fs",
+                            len(self.disk.writes), SHUTDOWN_SETTLE_S)
             await asyncio.to_thread(self.disk.close)
         if self._bound_path is not None:
             try:
