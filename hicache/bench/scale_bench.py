@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                     "distinct pages stored", note=f"skipped_writes {disk0['skipped_writes']}, "
                                                   f"evicted from disk {disk0['evicted_pages']}, "
                                                   f"puts refused for want of host room {st['puts']['skipped_no_space']}"))
-    rows.append(row("disk pages restored after kill -9", disk1["pages"], "pages", disk0["pages"],
+    rows.append(row("disk pages restored after kill -9", disk1["restored_pages"], "pages", disk0["pages"],
                     "counted on disk before the kill",
                     note=f"orphans_dropped {disk1['orphans_dropped']}, log: {h['log']}"))
     rows.append(row("restart to answering", h["restart_s"], "s", redis.restart_s if redis else None,

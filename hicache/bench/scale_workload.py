@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hicache.client.client import HiCacheClient
+from hicache.client.client import CallDeadlines, HiCacheClient
 from hicache.index.keys import page_keys
 from hicache.layout import KVLayout
 
@@ -48,7 +48,7 @@ class _Conversation:
     turns_left: int
     tokens: np.ndarray  # the prompt so far (whole pages)
     keys: list[bytes]
-    new_pages: int = 0  # of the current turn
+    stored: int = 0  # of its pages after the system prompt, how many a put stored (once at least)
 
 
 @dataclass(slots=True)
@@ -61,7 +61,8 @@ class FillReport:
     distinct_pages: int = 0  # of them, pages never stored before (a page the host evicted may be put again)
     seconds: float = 0.0
     match_s: list[float] = field(default_factory=list)  # every lookup's round trip during the fill
-    skipped_puts: int = 0  # puts answered None: the daemon away, late, or without room
+    skipped_puts: int = 0  # puts not answered: the daemon away or late
+    refused_puts: int = 0  # puts the daemon answered without pages: no host room for them
     uncovered: int = 0  # plans whose slabs could not be mapped (reported failed)
     outages: int = 0  # times the client's breaker opened
     misses_while_away: int = 0
@@ -86,9 +87,11 @@ class _Reasons(logging.Handler):
 class Engine:
     """A connector-like engine filling the daemon (see the module docstring)."""
 
-    def __init__(self, socket_path: str, workload: Workload) -> None:
+    def __init__(self, socket_path: str, workload: Workload, deadlines: CallDeadlines | None = None) -> None:
+        """`deadlines`: the client's (default: the connector's own, so a late answer is an
+        outage the report counts)."""
         self.w = workload
-        self.client = HiCacheClient(LAYOUT, 1 << 16, model=MODEL, socket_path=socket_path)
+        self.client = HiCacheClient(LAYOUT, 1 << 16, model=MODEL, socket_path=socket_path, deadlines=deadlines)
         self.rng = np.random.default_rng(workload.seed)
         ps = LAYOUT.page_size
         self.systems = self.rng.integers(1, 1 << 30, (workload.system_prompts, SYSTEM_PAGES * ps), dtype=np.int32)
@@ -119,8 +122,7 @@ class Engine:
     def _next_turn(self, c: _Conversation) -> None:
         lo, hi = self.w.turn_pages
         ps = LAYOUT.page_size
-        c.new_pages = int(self.rng.integers(lo, hi + 1))
-        new = self.rng.integers(1, 1 << 30, c.new_pages * ps, dtype=np.int32)
+        new = self.rng.integers(1, 1 << 30, int(self.rng.integers(lo, hi + 1)) * ps, dtype=np.int32)
         c.keys = c.keys + page_keys(self.client.salt, new, ps, parent=c.keys[-1])
         c.tokens = np.concatenate([c.tokens, new])
         c.turns_left -= 1
@@ -156,6 +158,7 @@ class Engine:
                 r.skipped_puts += 1
                 continue
             if plan.put is None:
+                r.refused_puts += plan.present < len(c.keys)
                 continue
             slots = plan.host_pages
             if arena is None or not arena.covers(slots, LAYOUT.page_bytes):
@@ -166,7 +169,9 @@ class Engine:
             rows[slots] = self.pattern[slots % len(self.pattern)]  # the copies of the step's new blocks
             client.put_done(plan, True, wait=False)
             stored += len(slots)
-            r.distinct_pages += c.new_pages  # never seen before: they are in this put
+            own = len(c.keys) - SYSTEM_PAGES  # the put stored all of them (or had them on host)
+            r.distinct_pages += own - c.stored
+            c.stored = own
             if c.system not in self._systems_stored and plan.present < SYSTEM_PAGES:
                 self._systems_stored.add(c.system)
                 r.distinct_pages += SYSTEM_PAGES

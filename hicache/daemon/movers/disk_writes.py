@@ -254,11 +254,27 @@ class HostToDisk:
             # covers the node even if it was split meanwhile (its lower part keeps the identity)
             index.set_disk(node, True, w.n_pages)
             self.service.emit_nodes("stored", Tier.DISK, None, [node], w.ns)
-        elif not node.on_disk:
-            self.tier.delete_async(w.keys)  # the pages committed before the one that failed
+        elif not node.removed:
+            self.tier.delete_async(self._unclaimed(w))  # the pages committed before the one that failed
         index.unlock(node, Tier.DISK)
         index.unlock(node, Tier.HOST)
         self.service.reap(w.ns)
+
+    def _unclaimed(self, w: DiskWrite) -> list[bytes]:
+        """The keys of a failed write that nothing else holds on disk: its pages are the
+        last n of the path ending at its node, and a node split off above it meanwhile
+        may have been written (or be on its way) by another write, whose pages must stay:
+        deleting them would leave that node's children on disk without their parent
+        (orphans, dropped at the next start)."""
+        keys: list[bytes] = []
+        left, x = w.n_pages, w.node
+        while left > 0 and x is not None and x.keys:
+            take = min(left, len(x.keys))
+            if not x.on_disk and id(x) not in self._writing:
+                keys.extend(x.keys[len(x.keys) - take:])
+            left -= take
+            x = x.parent
+        return keys
 
     # -- demotion ---------------------------------------------------------------------------
     def demote(self, ns: NamespaceState, num_pages: int) -> None:
