@@ -261,16 +261,18 @@ class HostToDisk:
         self.service.reap(w.ns)
 
     def _unclaimed(self, w: DiskWrite) -> list[bytes]:
-        """The keys of a failed write that nothing else holds on disk: its pages are the
-        last n of the path ending at its node, and a node split off above it meanwhile
-        may have been written (or be on its way) by another write, whose pages must stay:
-        deleting them would leave that node's children on disk without their parent
-        (orphans, dropped at the next start)."""
+        """The keys of a failed write that nothing else holds on disk. Its pages are the last
+        n of the path ending at its node (a split keeps the lower part's identity), and a
+        node split off above it meanwhile may be on disk, or on its way there by another
+        write: a write in flight DISK-locks its path, and one queued before the split
+        covers the pages above its node too. Those stay: deleting them would leave that
+        node's children on disk without their parent (orphans, dropped at the next start).
+        Still under this write's own DISK lock (one ref on each node of its path)."""
         keys: list[bytes] = []
         left, x = w.n_pages, w.node
         while left > 0 and x is not None and x.keys:
             take = min(left, len(x.keys))
-            if not x.on_disk and id(x) not in self._writing:
+            if not x.on_disk and x.lock_ref[Tier.DISK] <= 1:
                 keys.extend(x.keys[len(x.keys) - take:])
             left -= take
             x = x.parent
