@@ -75,6 +75,8 @@ from hicache.tiers.disk_format import footprint
 
 log = logging.getLogger(__name__)
 
+POSTED_SLICE_S = 0.002  # the longest the disk threads' completions hold the event loop at a time
+
 class DiskMover(HostToDisk):
     def __init__(self, config: Config, service: CacheService, tier: DiskTier, loop: asyncio.AbstractEventLoop
                  ) -> None:
@@ -116,11 +118,23 @@ class DiskMover(HostToDisk):
         self.loop.call_soon_threadsafe(self._drain_posted)
 
     def _drain_posted(self) -> None:
+        """Run what the disk threads posted, for at most POSTED_SLICE_S at a time: a commit
+        of hundreds of batches, or completions that piled up while the loop was busy, must
+        not hold every engine's request behind them."""
         with self._post_lock:
             self._drain_scheduled = False  # before draining: a later post schedules again
-        while self._posted:
-            fn, args = self._posted.popleft()
+        posted = self._posted
+        end = time.perf_counter() + POSTED_SLICE_S
+        while posted:
+            fn, args = posted.popleft()
             fn(*args)
+            if posted and time.perf_counter() >= end:
+                with self._post_lock:
+                    if self._drain_scheduled:
+                        return
+                    self._drain_scheduled = True
+                self.loop.call_soon(self._drain_posted)  # the rest after what waits on the loop
+                return
 
     @classmethod
     def start(cls, config: Config, service: CacheService) -> DiskMover:
