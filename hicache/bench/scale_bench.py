@@ -194,8 +194,13 @@ def run(args: argparse.Namespace) -> list[dict]:
     rows.append(row("daemon CPU per page stored", h["fill_cpu_s"] / max(1, committed) * 1e6, "us/page"))
     rows.append(row(f"match p50 at {committed} pages", _ms(h["match_big"], 50), "ms", _ms(h["match_small"], 50),
                     f"at {h['small_pages']} pages"))
+    slow = sum(1 for x in h["fill_match_s"] if x > 0.1)
     rows.append(row("match p99 / max during the fill", _ms(h["fill_match_s"], 99), "ms",
-                    note=f"max {_ms(h['fill_match_s'], 100):.1f} ms"))
+                    note=f"max {_ms(h['fill_match_s'], 100):.1f} ms; {slow} of {len(h['fill_match_s'])} over 100 ms"))
+    gc = st.get("gc") or {}
+    if gc.get("managed"):
+        rows.append(row("gc: longest managed pass", gc["max_pass_ms"], "ms",
+                        note=f"{gc['passes']} passes, start-up pass {gc['startup_pass_ms']:.0f} ms"))
     heap_b = (h["mem1"]["RssAnon"] - h["mem0"]["RssAnon"]) * 1024 / max(1, committed)
     rows.append(row("daemon heap (RssAnon) per page", heap_b, "B/page", redis.bytes_per_key if redis else None,
                     "redis-server used_memory per key beyond the value" if redis else None))
