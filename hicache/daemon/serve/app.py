@@ -328,6 +328,7 @@ class Daemon:
                 m.add_dropped_connections(reason, delta(reason, st["rpc"][reason]))
             if self.disk is not None:
                 self.metrics.set_queue_depth("disk_write", st["tiers"]["disk"].get("queue_depth", 0))
+                self.metrics.set_queue_depth("disk_backlog", st["tiers"]["disk"].get("backlog_pages", 0))
             await asyncio.sleep(1.0)
 
     def _namespace_usage(self) -> list[tuple[str, str, dict[str, tuple[int, int]]]]:
