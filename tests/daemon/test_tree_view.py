@@ -26,7 +26,7 @@ def service_with_branches(n: int) -> CacheService:
     return svc
 
 
-def page(svc: CacheService, depth: int = 2, limit: int = tree_view.MAX_NODES, after=None) -> dict:
+def page(svc: CacheService, depth: int = 2, limit: int = tree_view.DEFAULT_LIMIT, after=None) -> dict:
     return asyncio.run(tree_view.tree_page(svc.namespaces.values(), depth, limit, after))
 
 

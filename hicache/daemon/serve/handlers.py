@@ -29,7 +29,7 @@ from hicache.daemon.serve.pin_rpc import pin_handlers
 from hicache.daemon.serve.portable import portable_handlers
 from hicache.daemon.serve.quota_rpc import QUOTA_METHODS, quota_handlers
 from hicache.daemon.movers.state_dir import allocated_bytes
-from hicache.daemon.serve.tree_view import MAX_DEPTH, MAX_NODES, tree_page
+from hicache.daemon.serve.tree_view import DEFAULT_LIMIT, MAX_DEPTH, MAX_NODES, tree_page
 from hicache.errors import LayoutError
 from hicache.index.keys import KEY_BYTES, Namespace, PackedKeys
 from hicache.index.radix import Tier
@@ -376,7 +376,7 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
     async def ls(conn: Connection, p: dict) -> Any:
         """One page of the prefix trees (tree_view.py); `after`: the `next` of the page before."""
         depth = _int(p, "depth", 0, MAX_DEPTH, 2)
-        limit = _int(p, "limit", 1, MAX_NODES, MAX_NODES)
+        limit = _int(p, "limit", 1, MAX_NODES, DEFAULT_LIMIT)
         after = _get(p, "after", dict, None)
         if after is not None:
             ns_hex, index = after.get("namespace"), after.get("index")
