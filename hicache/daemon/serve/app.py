@@ -49,7 +49,9 @@ from hicache.transfer.policy import WritePolicy
 
 log = logging.getLogger(__name__)
 
-SHUTDOWN_SETTLE_S = 120.0  # the longest a stop waits for the disk writes accepted before it
+# The longest a stop waits for the disk writes accepted before it (the unit's TimeoutStopSec
+# is 120 s); what is still waiting then goes with the host arena, as at a kill
+SHUTDOWN_SETTLE_S = 60.0
 
 
 def prepare_socket_path(path: Path) -> None:
