@@ -57,7 +57,8 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--match-samples", type=int, default=2000, help="`match` round trips timed at each size")
     b.add_argument("--daemon-config", help="a TOML file passed to the daemon (e.g. disk_queue_pages)")
     b.add_argument("--no-redis", action="store_true", help="skip redis-server (no baselines)")
-    b.add_argument("--workdir", help="where the state directories go (default: a temporary directory)")
+    b.add_argument("--workdir", help="where the state directories go, kept (default: a temporary directory, "
+                                     "removed at the end)")
 
 
 def _free_port() -> int:
@@ -178,8 +179,14 @@ def _ms(xs: list[float], q: float) -> float:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="hicache-scale-"))
-    workdir.mkdir(parents=True, exist_ok=True)
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
+        return _run(args, Path(args.workdir))
+    with tempfile.TemporaryDirectory(prefix="hicache-scale-") as tmp:  # the state dirs take GiBs: not left behind
+        return _run(args, Path(tmp))
+
+
+def _run(args: argparse.Namespace, workdir: Path) -> list[dict]:
     load0 = os.getloadavg()[0]
     redis = None if args.no_redis else scale_redis.measure(workdir, args.pages, LAYOUT.page_bytes)
     h = _hicache(args, workdir)
