@@ -315,7 +315,18 @@ def cmd_stats(args: argparse.Namespace) -> int:
 def cmd_ls(args: argparse.Namespace) -> int:
     import time
 
-    tree = _admin_call(args, "ls", {"depth": args.depth})
+    pages = [_admin_call(args, "ls", {"depth": args.depth})]  # the daemon pages it: follow `next`
+    while pages[-1].get("next") is not None:
+        pages.append(_admin_call(args, "ls", {"depth": args.depth, "after": pages[-1]["next"]}))
+    spaces: list[dict] = []
+    for page in pages:  # a namespace split across pages: its entries joined under one header
+        for ns in page["namespaces"]:
+            if spaces and spaces[-1]["namespace"] == ns["namespace"] and ns["first"]:
+                spaces[-1]["tree"] += ns["tree"]
+                spaces[-1]["truncated"] |= ns["truncated"]
+            else:
+                spaces.append(ns)
+    tree = {"namespaces": spaces}
     if args.json:
         print(json.dumps(tree))
         return 0
@@ -328,7 +339,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             for n in nodes:
                 tiers = "".join(t for t, on in (("D", n["engines"]), ("H", n["host"]), ("S", n["disk"])) if on)
                 print(f"{'  ' * indent}- {n['pages']} pages [{tiers or '-'}] hits {n['hits']} "
-                      f"subtree {n['subtree_nodes']} nodes")
+                      f"{n['child_count']} children")
                 show(n["children"], indent + 1)
 
         show(ns["tree"], 1)

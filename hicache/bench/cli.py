@@ -12,6 +12,7 @@ from hicache.bench.native_echo import VARIANTS as NATIVE_ECHO_VARIANTS
 from hicache.bench.pin_bench import add_arguments as pin_arguments
 from hicache.bench.plot import plot, plot_file, require_matplotlib
 from hicache.bench.report import print_rows
+from hicache.bench.scale_bench import add_arguments as scale_arguments
 from hicache.bench.sglang_serve_bench import add_arguments as sglang_serve_arguments
 from hicache.bench.soak_bench import add_arguments as soak_arguments
 from hicache.bench.trace_files import DEFAULT_TRACE
@@ -175,6 +176,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--turns", type=int, default=4)
     _add_plot(b, "prefill tokens computed and TTFT per setup")
 
+    scale_arguments(bench("scale", "a daemon filled to a million pages on the vLLM connector's path: fill rate, "
+                                   "match, loop stalls, memory, kill -9 and restart, next to redis-server"))
+
     b = bench("pins", "pinned prefixes' hit rate under a flood of one-shot prompts, with pins vs without")
     pin_arguments(b)
 
@@ -260,6 +264,9 @@ def run(args: argparse.Namespace) -> int:
         rows = go(args.nodes, args.seconds, args.workdir)
     elif args.bench == "pins":
         from hicache.bench.pin_bench import run as go
+        rows = go(args)
+    elif args.bench == "scale":
+        from hicache.bench.scale_bench import run as go
         rows = go(args)
     elif args.bench == "multiturn":
         from hicache.bench.multiturn_bench import run as go

@@ -106,6 +106,7 @@ class RedisNode:
     cluster: bool = False
     proc: subprocess.Popen | None = None
     stopped: bool = False  # SIGSTOPped
+    extra_args: tuple[str, ...] = ()  # after the defaults, so they win (e.g. "--maxmemory", "0")
 
     def start(self, binary: str) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -114,6 +115,7 @@ class RedisNode:
                 "--maxmemory", "512mb", "--maxmemory-policy", "allkeys-lru", "--logfile", "redis.log"]
         if self.password:
             args += ["--requirepass", self.password, "--masterauth", self.password]
+        args += self.extra_args
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                      "--cluster-node-timeout", "1000", "--cluster-require-full-coverage", "no"]

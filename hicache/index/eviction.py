@@ -87,6 +87,11 @@ class EvictionOps:
         not (its memory went with it). Do not unlock its device locks afterwards."""
         lane = check_engine(engine)
         acc = FreedCollector()
+        if not self._ledger.resident.get(lane) and not self._ledger.protected.get(lane):
+            # nothing of it anywhere (an engine that only puts, as vLLM's connector does): the
+            # walk below would find nothing and cost the event loop the whole tree
+            self._ledger.forget_engine([], lane, acc)
+            return []
         nodes = self._preorder()
         self._ledger.forget_engine(nodes, lane, acc)
         for x in nodes:  # parents first: a removed node takes its subtree along

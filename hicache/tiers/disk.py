@@ -4,7 +4,8 @@ Threads and ownership
 - Every write runs on one writer thread (hicache/tiers/disk_writer.py: batching,
   the budget, error recovery; its queue in disk_queue.py). ``put_async``,
   ``put_many_async`` and ``delete_async`` never block: a full queue is a
-  ``False`` return (for a batch, fewer pages queued than asked).
+  ``False`` return (for a batch, fewer pages queued than asked; the daemon's
+  write-through offers the rest again as the queue drains).
 - ``put_many_async`` queues a run of pages (e.g. a radix node's) as one item,
   read from rows of one buffer, and answers it with one ``on_done(oks)``:
   neither thread runs Python per page (hicache/tiers/disk_batch.py). The
@@ -291,7 +292,7 @@ class DiskTier:
 
     def put_many_async(self, salt: bytes, keys: Sequence[bytes], parent_key: bytes | None, tokens: object,
                        pages: object, on_done: BatchDone | None = None, *, rows: object = None,
-                       chained: bool = True, parent_required: bool = True) -> int:
+                       chained: bool = True, parent_required: bool = True, count_refused: bool = True) -> int:
         """Queue ``len(keys)`` pages as one item (hicache/tiers/disk_batch.py): ``put_async``
         for each, in order, without Python per page on either thread. Returns how many of
         the first pages were queued (the rest did not fit the queue, or writes are disabled
@@ -304,9 +305,11 @@ class DiskTier:
         or one row per page (2-D). With ``chained`` page i > 0 has page i - 1 as parent
         and page 0 ``parent_key``; otherwise every page has ``parent_key``.
         ``on_done(oks)`` fires once, on the writer thread, after the last queued page's
-        commit (or rejection), with one bool per queued page."""
+        commit (or rejection), with one bool per queued page. A caller that offers the
+        pages not queued again later passes ``count_refused=False``: they are then not
+        counted as refused (skipped), the caller counts those it gives up."""
         batch = make_batch(salt, keys, parent_key, tokens, pages, on_done, rows, chained, parent_required)
-        return self._queue.put_many(batch)
+        return self._queue.put_many(batch, count_refused)
 
     def delete_async(self, keys: Iterable[bytes]) -> None:
         """Queue deletions (not bounded by the queue limits: they carry no pages)."""

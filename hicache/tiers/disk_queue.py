@@ -55,29 +55,32 @@ class WriteQueue:
             self._push(op, 1, page.nbytes)
         return True
 
-    def put_many(self, batch: PutBatch) -> int:
+    def put_many(self, batch: PutBatch, count_refused: bool = True) -> int:
         """Queue a (validated) batch, or as many of its first pages as the queue holds:
-        their number (the rest is counted as skipped). One queue item."""
+        their number (the rest is counted as skipped, unless not `count_refused`: a
+        caller that offers them again later counts what it gives up itself). One queue item."""
         n, size = batch.n_pages, batch.page_bytes
         batch.charge = fmt.footprint(size, batch.token_bytes // 4, self._psize)
         with self.cond:
-            room = self._admit(n, size)
+            room = self._admit(n, size, count_refused)
             if room:
                 batch.n_pages = batch.pending = room
                 batch.results = bytearray(room)
                 self._push(BatchPart(batch, 0, room), room, room * size)
         return room
 
-    def _admit(self, n: int, size: int) -> int:
+    def _admit(self, n: int, size: int, count: bool = True) -> int:
         """How many of n pages of `size` bytes the queue takes now, the others counted as
-        skipped (all of them while writes are disabled or the queue closes). Under the lock."""
+        skipped when `count` (all of them while writes are disabled or the queue closes).
+        Under the lock."""
         if self.refuse_until and time.monotonic() < self.refuse_until:
-            self._skipped_disabled += n
+            self._skipped_disabled += n if count else 0
             return 0
         room = 0 if self.closing else max(0, min(n, self.config.max_queue_pages - self._queued_pages,
                                                  (self.config.max_queue_bytes - self._queued_bytes) // size
                                                  if size else n))
-        self._skipped_queue_full += n - room
+        if count:
+            self._skipped_queue_full += n - room
         return room
 
     def _push(self, op: PutOp | BatchPart, n: int, nbytes: int) -> None:

@@ -54,7 +54,8 @@ def test_passing_descriptors_to_a_full_socket_never_blocks_the_loop(daemon_facto
 def test_a_connection_over_its_output_cap_is_aborted(daemon_factory):
     d = daemon_factory("--host-capacity", "16MiB", "--no-disk",
                        env={"HICACHE_MAX_OUTPUT_BYTES": "64KiB"}).start()
-    # a tree whose `ls` reply (~500 KiB) is larger than the socket holds (~200 KiB) plus the cap
+    # a tree whose `ls` replies (two pages of 5,000 entries: ~600 KiB) are larger than the socket
+    # holds (~200 KiB) plus the cap
     conn = RpcConnection.connect(d.socket)
     conn.hello()
     reg = conn.call("register", {"model": "m", "layout": LAYOUT.to_dict(), "device_pages": 8192})
@@ -62,7 +63,8 @@ def test_a_connection_over_its_output_cap_is_aborted(daemon_factory):
     assert conn.call("stats")["requests"]["inserts"] == 8000
     s = raw(d.socket)
     greet(s)
-    s.sendall(pack_frame({"id": 1, "method": "ls", "params": {"depth": 1}}))  # and never read it
+    for i, after in enumerate((None, {"namespace": reg["salt"].hex(), "index": 5000})):  # and never read them
+        s.sendall(pack_frame({"id": 1 + i, "method": "ls", "params": {"depth": 1, "limit": 5000, "after": after}}))
     assert hung_up(s, 20)  # aborted (the defect: the reply waits forever, holding memory)
     assert conn.call("stats")["rpc"]["output_overflows"] == 1
     assert conn.call("stats")["connections"] == 1  # the reading client is still served

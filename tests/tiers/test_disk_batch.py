@@ -148,3 +148,23 @@ def test_close_answers_what_was_queued(tmp_path):
     assert answers.calls == [[True] * 300]
     with DiskTier.open(tmp_path / "disk", 64 << 20) as again:
         assert again.num_pages == 300
+
+
+def test_a_caller_that_offers_the_rest_again_is_not_counted_as_refused(tier):
+    """count_refused=False (the daemon's write-through backlog): what the full queue did not
+    take is offered again once it drains, and only then written; nothing counts as skipped."""
+    gate = Gate(tier)
+    answers = Answers()
+    store = arena(24, 4 * KiB)
+    keys = [key(i) for i in range(24)]
+    assert tier.put_many_async(SALT, keys, None, np.zeros(96, np.int32), store, answers,
+                               count_refused=False) == 16
+    assert tier.stats()["skipped_queue_full"] == 0
+    gate.open.set()
+    assert tier.flush(timeout_s=60)
+    assert tier.put_many_async(SALT, keys[16:], keys[15], np.zeros(32, np.int32), store[16:], answers,
+                               count_refused=False) == 8
+    assert tier.flush(timeout_s=60)
+    assert answers.calls == [[True] * 16, [True] * 8]
+    assert tier.stats()["skipped_queue_full"] == 0
+    assert {r.key for r in tier.iter_meta()} == set(keys) | {key(99_999)}

@@ -1,7 +1,8 @@
 """The tier movers: pages between the host tier and the tiers below it.
 
-disk_mover.py (write-through, demotion, prefetch, the rebuild at startup), disk_jobs.py
-(its writes and prefetches in flight),
+disk_mover.py (the disk tier's hooks, budget, prefetch, the rebuild at startup),
+disk_writes.py (its writes: write-through, the backlog a full queue leaves, demotion),
+disk_jobs.py (its writes and prefetches in flight),
 disk_namespaces.py (the namespaces file the rebuild reads), disk_startup.py
 (opening the LMDB tier, quarantining a damaged one), state_dir.py (the daemon's
 private state directory), remote_mover.py (the shared remote tier, Redis / Valkey

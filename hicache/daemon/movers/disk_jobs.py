@@ -31,17 +31,23 @@ class PageViews:
 
 @dataclass(slots=True, eq=False)
 class DiskWrite:
-    """One node's pages on their way to disk (write-through or demotion)."""
+    """One node's pages on their way to disk (write-through or demotion), from its
+    acceptance (in the backlog, hicache/daemon/movers/disk_writes.py) to its commit."""
 
+    wid: int
     ns: NamespaceState
-    node: TreeNode  # write-through: HOST- and DISK-locked while the write is in flight
-    keys: list[bytes]  # the node's keys when queued (a split may shorten node.keys)
-    start: int
-    end: int
-    remaining: int
+    node: TreeNode  # write-through: HOST- and DISK-locked until the write commits
+    keys: list[bytes]  # the node's keys when accepted (a split may shorten node.keys)
+    parent: bytes | None  # the key of the page above the first one (None: the namespace's root)
+    tokens: np.ndarray  # the pages' tokens, page after page
+    slots: np.ndarray | None  # write-through: the pages' host slots (locked: they stay the pages')
+    rows: np.ndarray | None  # demotion: a copy of the pages (their slots are reused at once)
+    n_pages: int
+    remaining: int  # pages not reported committed or refused yet
     ok: bool = True
     started: float = 0.0
     demote: bool = False  # flagged on disk when queued; not locked (its host copy is going)
+    handed: int = 0  # the first pages handed to the tier's queue so far
 
 
 @dataclass(slots=True, eq=False)

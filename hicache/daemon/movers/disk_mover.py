@@ -5,12 +5,10 @@ event-loop thread, where the index lives; the DiskTier's writer thread and
 reader pool only move bytes and report back through `post` (batched
 `call_soon_threadsafe`).
 
-- Write-through: once pages become host-resident (a backup finished) they are
-  queued for disk straight from their arena slots (no copy); the node is
-  HOST-locked until the write commits, so its slots cannot be reused under
-  the writer. A full queue skips the write (counted); nothing waits.
-- Demotion: before host eviction, victims not yet on disk are copied out and
-  queued (their slots are about to be reused, so the bytes must be taken now).
+- Writes (hicache/daemon/movers/disk_writes.py): pages are written through as they
+  become host-resident, straight from their arena slots; a full queue delays a
+  write (it waits in the backlog, its host copy locked), it never drops it.
+  Victims not on disk yet are copied out before host eviction (demotion).
 - Budget: the index's disk LRU is the tier's: before queueing, disk leaves are
   evicted until the tier's bytes plus the bytes in flight fit the budget.
 - Prefetch: a match whose prefix continues on disk starts reading that part
@@ -63,10 +61,11 @@ from typing import Any
 import numpy as np
 
 from hicache.config import Config
-from hicache.daemon.core.service import CacheService, NamespaceState, Pin, path_with_offsets
-from hicache.daemon.movers.disk_jobs import DiskWrite, PageViews, Prefetch
+from hicache.daemon.core.service import CacheService, NamespaceState, Pin
+from hicache.daemon.movers.disk_jobs import PageViews, Prefetch
 from hicache.daemon.movers.disk_namespaces import NAMESPACES_FILE, NamespaceFile
 from hicache.daemon.movers.disk_startup import Quarantine, open_tier
+from hicache.daemon.movers.disk_writes import HostToDisk
 from hicache.daemon.movers.state_dir import prepare_state_dir
 from hicache.index.admission import admission_key
 from hicache.index.node import DISK_LANE
@@ -76,7 +75,9 @@ from hicache.tiers.disk_format import footprint
 
 log = logging.getLogger(__name__)
 
-class DiskMover:
+POSTED_SLICE_S = 0.002  # the longest the disk threads' completions hold the event loop at a time
+
+class DiskMover(HostToDisk):
     def __init__(self, config: Config, service: CacheService, tier: DiskTier, loop: asyncio.AbstractEventLoop
                  ) -> None:
         self.config = config
@@ -86,10 +87,7 @@ class DiskMover:
         self.capacity_bytes = config.disk_capacity
         self.inflight_bytes = 0
         self.inflight_by_ns: dict[bytes, int] = {}  # write-through bytes in flight per salt (quotas count them)
-        self.writes: dict[int, DiskWrite] = {}
-        self._wid = 0
-        self.skipped_writes = 0
-        self.demoted_pages = 0
+        self._init_writes()
         self.prefetched_pages = 0
         self.prefetch_misses = 0
         self.promoted_pages = 0  # exclusive placement: disk copies dropped as they were read back
@@ -120,11 +118,23 @@ class DiskMover:
         self.loop.call_soon_threadsafe(self._drain_posted)
 
     def _drain_posted(self) -> None:
+        """Run what the disk threads posted, for at most POSTED_SLICE_S at a time: a commit
+        of hundreds of batches, or completions that piled up while the loop was busy, must
+        not hold every engine's request behind them."""
         with self._post_lock:
             self._drain_scheduled = False  # before draining: a later post schedules again
-        while self._posted:
-            fn, args = self._posted.popleft()
+        posted = self._posted
+        end = time.perf_counter() + POSTED_SLICE_S
+        while posted:
+            fn, args = posted.popleft()
             fn(*args)
+            if posted and time.perf_counter() >= end:
+                with self._post_lock:
+                    if self._drain_scheduled:
+                        return
+                    self._drain_scheduled = True
+                self.loop.call_soon(self._drain_posted)  # the rest after what waits on the loop
+                return
 
     @classmethod
     def start(cls, config: Config, service: CacheService) -> DiskMover:
@@ -217,164 +227,6 @@ class DiskMover:
         nbytes = node.n_pages * ns.page_class.page_bytes
         room = self._used_bytes() + self.inflight_bytes + nbytes <= self._page_budget(ns)
         return adm.admit(admission_key(node.keys[0]), node.n_pages, room)
-
-    def write_through(self, ns: NamespaceState, nodes: list[TreeNode]) -> None:
-        if self.config.disk_placement != "inclusive":
-            return  # (non-)exclusive: pages go down as the host evicts them (demote)
-        todo = [n for n in nodes if not n.on_disk and n.host is not None]
-        todo = [n for n in todo if self._admit(ns, n)]  # a page turned away may still go down on eviction
-        if not todo:
-            return
-        if not self._remember(ns):
-            self.skipped_writes += sum(n.n_pages for n in todo)
-            return
-        view = self._host_view(ns)
-        writing = self._nodes_in_flight()
-        for node in todo:  # parents before children: the order the tier must commit them in
-            self._write_path(ns, node, view, writing)
-
-    def write_pinned(self, ns: NamespaceState, node: TreeNode) -> None:
-        """A disk pin (hicache/index/pins.py) on pages not on disk yet: written now, whatever
-        the placement and the admission say."""
-        if node.on_disk or node.host is None or not self._remember(ns):
-            return
-        self._write_path(ns, node, self._host_view(ns), self._nodes_in_flight())
-
-    def _nodes_in_flight(self) -> set[int]:
-        return {id(w.node) for w in self.writes.values()}
-
-    def _unwritten_above(self, node: TreeNode, writing: set[int]) -> list[TreeNode] | None:
-        """The ancestors of `node` that must be written before it, top first: the tier
-        commits a page only under a committed parent, and a parent's disk copy may have
-        been evicted (or its write skipped) while its host copy stayed. None when one of
-        them is on no tier the daemon can write from (only on a device)."""
-        chain: list[TreeNode] = []
-        x = node.parent
-        while x is not None and x.keys and not x.on_disk and id(x) not in writing:
-            if x.host is None:
-                return None
-            chain.append(x)
-            x = x.parent
-        chain.reverse()
-        return chain
-
-    def _write_path(self, ns: NamespaceState, node: TreeNode, view: PageViews, writing: set[int]) -> bool:
-        """Queue `node` (host-resident, not on disk) for writing through, after whatever
-        of its path above is not on disk yet; False when it could not be queued."""
-        if id(node) in writing:  # queued already (as the parent of an earlier one)
-            return True
-        above = self._unwritten_above(node, writing)
-        if above is None:
-            self.skipped_writes += node.n_pages
-            return False
-        page_bytes = ns.page_class.page_bytes
-        for x in [*above, node]:
-            nbytes = x.n_pages * page_bytes
-            if not self._make_room(ns, nbytes):
-                self.skipped_writes += node.n_pages if x is not node else x.n_pages
-                return False
-            pos = path_with_offsets(x)[-1][1]
-            write = DiskWrite(ns, x, x.keys, pos, pos + x.n_pages, x.n_pages, started=time.monotonic())
-            ns.index.lock(x, Tier.HOST)  # its slots stay put under the writer
-            ns.index.lock(x, Tier.DISK)  # no ancestor leaves the disk before this commits
-            self._queue(write, view, page_bytes, copy=False)
-            writing.add(id(x))
-        return True
-
-    def _queue(self, write: DiskWrite, view: PageViews, page_bytes: int, copy: bool) -> int:
-        """Queue the node's pages as one batch (DiskTier.put_many_async: one queue item, one
-        completion), straight from their arena slots or, with `copy`, from one copy of them.
-        When the tier's queue holds only the first pages, the rest are refused (a page is
-        never written without the one before it; the tier counts them as skipped)."""
-        self._wid += 1
-        wid = self._wid
-        self.writes[wid] = write
-        ns, node = write.ns, write.node
-        n = node.n_pages
-        parent = node.parent.keys[-1] if node.parent is not None and node.parent.keys else None
-        self.inflight_bytes += n * page_bytes
-        if not write.demote:  # a demoted page counts on disk from its queueing (set_disk)
-            self.inflight_by_ns[ns.salt] = self.inflight_by_ns.get(ns.salt, 0) + n * page_bytes
-        slots = np.asarray(node.host[:n], dtype=np.int64)
-        rows = view.rows()
-        if copy:  # the victims' slots are reused right after this
-            rows, slots = rows[slots], None
-        queued = self.tier.put_many_async(ns.salt, node.keys[:n], parent, node.tokens[:n * ns.index.page_size], rows,
-                                          lambda oks: self.post(self._pages_written, wid, oks, page_bytes),
-                                          rows=slots)
-        if queued < n:
-            self.post(self._pages_written, wid, [False] * (n - queued), page_bytes)
-        return queued
-
-    def _pages_written(self, wid: int, oks: list[bool], page_bytes: int) -> None:
-        write = self.writes.get(wid)
-        if write is None:
-            return
-        nbytes = len(oks) * page_bytes
-        self.inflight_bytes -= nbytes
-        if not write.demote:
-            left = self.inflight_by_ns.get(write.ns.salt, 0) - nbytes
-            if left > 0:
-                self.inflight_by_ns[write.ns.salt] = left
-            else:
-                self.inflight_by_ns.pop(write.ns.salt, None)
-        write.ok &= all(oks)
-        write.remaining -= len(oks)
-        if write.remaining:
-            return
-        del self.writes[wid]
-        if len(self._latencies) < 10000:
-            self._latencies.append(("demote" if write.demote else "write", time.monotonic() - write.started))
-        index, node = write.ns.index, write.node
-        if write.demote:
-            if write.ok and node.on_disk and not node.removed:
-                self.service.emit_nodes("stored", Tier.DISK, None, [node], write.ns)
-            return  # a failed one is a disk miss at prefetch, which clears the flag
-        if write.ok and not node.removed:
-            # covers the node even if it was split meanwhile (its lower part keeps the identity)
-            index.set_disk(node, True, write.end - write.start)
-            self.service.emit_nodes("stored", Tier.DISK, None, [node], write.ns)
-        elif not node.on_disk:
-            self.tier.delete_async(write.keys)  # the pages committed before the one that failed
-        index.unlock(node, Tier.DISK)
-        index.unlock(node, Tier.HOST)
-        self.service.reap(write.ns)
-
-    def demote(self, ns: NamespaceState, num_pages: int) -> None:
-        """Before host eviction: copy victims that are not on disk yet into the write queue."""
-        victims = [v for v in ns.index.select_victims(Tier.HOST, num_pages) if not v.on_disk]
-        victims = [v for v in victims if self._admit(ns, v)]  # the rest leave the cache
-        if not victims or not self._remember(ns):
-            self.skipped_writes += sum(v.n_pages for v in victims)
-            return
-        view = self._host_view(ns)
-        page_bytes = ns.page_class.page_bytes
-        writing = self._nodes_in_flight()
-        for node in victims:
-            if id(node) in writing:  # written through just now, as a parent of an earlier victim
-                continue
-            above = self._unwritten_above(node, writing)
-            if above is None:
-                self.skipped_writes += node.n_pages
-                continue
-            if above and not self._write_path(ns, above[-1], view, writing):  # they stay on host
-                self.skipped_writes += node.n_pages
-                continue
-            if not self._make_room(ns, node.n_pages * page_bytes):
-                self.skipped_writes += node.n_pages
-                continue
-            pos = path_with_offsets(node)[-1][1]
-            write = DiskWrite(ns, node, node.keys, pos, pos + node.n_pages, node.n_pages, started=time.monotonic(),
-                           demote=True)
-            queued = self._queue(write, view, page_bytes, copy=True)  # the slots are reused right after this
-            if queued == node.n_pages:
-                # Flagged now so the node survives losing its host copy; acknowledged (a `stored`
-                # event) once committed. A write that fails shows up as a disk miss at prefetch,
-                # which clears the flag.
-                ns.index.set_disk(node, True)
-                self.demoted_pages += queued
-            elif queued:
-                self.tier.delete_async(node.keys[:queued])  # the node goes: nothing would own them
 
     def delete(self, ns: NamespaceState, keys: list[bytes]) -> None:
         self.tier.delete_async(keys)
@@ -506,7 +358,8 @@ class DiskMover:
         q = self.quarantine
         degraded = "; ".join(x for x in (st["write_fault"], self.namespaces.fault) if x)
         return {"capacity_bytes": self.capacity_bytes, "used_bytes": st["used_bytes"], "pages": st["num_pages"],
-                "queue_depth": st["queue_depth"],
+                "queue_depth": st["queue_depth"], "backlog_pages": self.backlog_pages,
+                "backlogged_writes": self.backlogged_writes,
                 "skipped_writes": self.skipped_writes + st["skipped_queue_full"] + st["skipped_disabled"],
                 "demoted_pages": self.demoted_pages, "placement": self.config.disk_placement,
                 "promoted_pages": self.promoted_pages,

@@ -29,7 +29,7 @@ from hicache.daemon.serve.pin_rpc import pin_handlers
 from hicache.daemon.serve.portable import portable_handlers
 from hicache.daemon.serve.quota_rpc import QUOTA_METHODS, quota_handlers
 from hicache.daemon.movers.state_dir import allocated_bytes
-from hicache.daemon.serve.tree_view import MAX_DEPTH, tree_summary
+from hicache.daemon.serve.tree_view import DEFAULT_LIMIT, MAX_DEPTH, MAX_NODES, tree_page
 from hicache.errors import LayoutError
 from hicache.index.keys import KEY_BYTES, Namespace, PackedKeys
 from hicache.index.radix import Tier
@@ -388,10 +388,20 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
         return {"bytes": done}
 
     async def ls(conn: Connection, p: dict) -> Any:
+        """One page of the prefix trees (tree_view.py); `after`: the `next` of the page before."""
         depth = _int(p, "depth", 0, MAX_DEPTH, 2)
+        limit = _int(p, "limit", 1, MAX_NODES, DEFAULT_LIMIT)
+        after = _get(p, "after", dict, None)
+        if after is not None:
+            ns_hex, index = after.get("namespace"), after.get("index")
+            if type(ns_hex) is not str or len(ns_hex) != 2 * KEY_BYTES or type(index) is not int or index < 0:
+                raise RpcError(Code.BAD_PARAMS, "after must be the `next` of an earlier ls reply")
+            after = (ns_hex, index)
         spaces = [ns for ns in svc.namespaces.values() if conn.admin or ns.salt.hex() in conn.namespaces]
-        out = await tree_summary(spaces, depth)
-        for ns, entry in zip(spaces, out["namespaces"]):
+        out = await tree_page(spaces, depth, limit, after)
+        by_hex = {ns.salt.hex(): ns for ns in spaces}
+        for entry in out["namespaces"]:
+            ns = by_hex[entry["namespace"]]
             entry["pins"] = daemon.retention.listing(ns.salt)
             entry["priorities"] = daemon.retention.priority_listing(ns.salt)
         return out
