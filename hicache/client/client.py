@@ -40,6 +40,7 @@ from hicache.rpc.framing import BlobRequest
 from hicache.client.connection import RpcConnection, _close_fd
 from hicache.client.deadlines import CallDeadlines
 from hicache.client.late import ENDS_ON_LATE, HELD, undo_late
+from hicache.client.ledger import LateHandler
 from hicache.client.peer import trusted_daemon_uids
 from hicache.client.prefill_rate import PrefillRate
 from hicache.client.reconnect import Reconnector
@@ -328,15 +329,18 @@ class HiCacheClient(CycleCalls, ReportCalls, RetentionCalls, AskCalls):
                 self._open(e.message)
                 raise
             if conn.suspect:
-                raise DaemonSlow("the daemon has not answered since a call went late; not waiting")
+                raise DaemonSlow("the daemon has not answered since a call went late; not waiting", sent=False)
         if self._slow_since is not None:
             log.info("hicache daemon answering again after %.2f s", time.monotonic() - self._slow_since)
             self._slow_since = None
 
-    def _call(self, method: str, params: dict, timeout_s: float, *, map_slabs: bool = True) -> Any:
+    def _call(self, method: str, params: dict, timeout_s: float, *, map_slabs: bool = True,
+              on_late: LateHandler | None = None) -> Any:
         """One RPC within `timeout_s`; raises DaemonUnavailable when the daemon is away, hung
         or refused the call. Slabs the reply says we lack are mapped first, unless not
-        `map_slabs` (the caller maps them when it needs them, `_check_slabs`).
+        `map_slabs` (the caller maps them when it needs them, `_check_slabs`). A late answer
+        goes to `on_late` when given (the caller takes it, and the connection stays even
+        for a call that moves device pages), else to late.py's handler for the method.
 
         A refusal (ClientError) on the engine cycle means a bug on one side; the engine
         must keep serving, so it is logged and treated like an absent daemon: a miss,
@@ -346,10 +350,10 @@ class HiCacheClient(CycleCalls, ReportCalls, RetentionCalls, AskCalls):
         self.round_trips += 1
         self.calls[method] += 1
         try:
-            reply = self.conn.call(method, params, timeout_s, on_late=undo_late(method, self.engine_id),
-                                   probe=method not in HELD)
+            reply = self.conn.call(method, params, timeout_s, probe=method not in HELD,
+                                   on_late=on_late or undo_late(method, self.engine_id))
         except (DaemonUnavailable, ClientError) as e:
-            self._failed(method, e)
+            self._failed(method, e, ends=on_late is None)
         if map_slabs:
             self._check_slabs(reply)
         return reply
@@ -367,12 +371,13 @@ class HiCacheClient(CycleCalls, ReportCalls, RetentionCalls, AskCalls):
         self._check_slabs(reply)
         return reply
 
-    def _failed(self, method: str, e: HiCacheError) -> NoReturn:
+    def _failed(self, method: str, e: HiCacheError, ends: bool = True) -> NoReturn:
         """A call that failed: DaemonUnavailable raised. No answer in time (DaemonSlow) keeps
         the connection (hicache/client/late.py gives back what the late answer grants),
-        except for calls that move device pages; a dead connection opens the breaker."""
+        except for calls that move device pages whose caller does not take the late answer
+        (`ends`); a dead connection opens the breaker."""
         if isinstance(e, DaemonSlow):
-            self._late(method, e)
+            self._late(method, e, ends=ends)
             raise e
         if isinstance(e, DaemonUnavailable):
             self._open(e.message)
@@ -381,9 +386,9 @@ class HiCacheClient(CycleCalls, ReportCalls, RetentionCalls, AskCalls):
         log.error("hicache daemon refused %s: %s", method, e)
         raise DaemonUnavailable(f"{method} refused: {e}") from e
 
-    def _late(self, method: str, e: DaemonSlow, count: int = 1) -> None:
+    def _late(self, method: str, e: DaemonSlow, count: int = 1, ends: bool = True) -> None:
         self.late += count
-        if method in ENDS_ON_LATE:  # see late.py: the engine and the daemon would disagree on device pages
+        if method in ENDS_ON_LATE and ends:  # see late.py: the engine and the daemon would disagree on device pages
             self._open(f"{method}: {e.message}")
         elif method in HELD:  # the daemon holds it for a read: a miss of that part, nothing more
             log.debug("hicache: %s", e.message)
