@@ -276,7 +276,7 @@ MODE_DEFAULTS = {
 
 def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the options left unset with the defaults of the mode they run in."""
-    mode = "concurrency" if getattr(args, "concurrency", None) else args.arrivals
+    mode = "concurrency" if getattr(args, "concurrency", None) is not None else args.arrivals
     for key, value in MODE_DEFAULTS[mode].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
@@ -285,7 +285,7 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> list[dict]:
     resolve_defaults(args)
-    if args.concurrency:
+    if args.concurrency is not None:
         if args.arrivals != "turns" or getattr(args, "plot", None):
             raise SystemExit("--concurrency is a mode of its own: without --arrivals and --plot")
         from hicache.bench.vllm_steps import run as run_steps
