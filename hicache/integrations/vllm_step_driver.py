@@ -7,7 +7,8 @@ SPEC: the engine keys of vllm_engine.engine_kwargs ("model", "connector", "block
 "kv_cache_bytes", "max_num_batched_tokens", ...) and "socket" (a hicache daemon's: after each
 phase the driver waits until it has no put in flight). The engine runs in this process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni" executor), so the scheduler, the worker and
-both of a connector's roles are here, where `CallClock` times every connector call.
+both of a connector's roles are here, where `CallClock` times every connector call; the
+process is bound to the CPUs vLLM would give its engine process (`bind_like_a_worker`).
 
 Commands arrive one JSON object a line on stdin; each gets one JSON line on RESULT_FD
 (the first, before any command: {"ready": true, "init_s": ..., "timed": {role: [methods]}}):
@@ -159,13 +160,36 @@ class StepDriver:
         return {"seconds": time.perf_counter() - t0, "steps": steps, "connector_s": connector_s}
 
 
+def bind_like_a_worker() -> list[int] | None:
+    """Put this process where vLLM's CPU executor puts its engine process: OpenMP bound to the
+    CPUs left after the last `VLLM_CPU_NUM_OF_RESERVED_CPU` (vLLM writes these variables when it
+    spawns the engine; in one process nobody would, and the forward pass would float over every
+    core). libgomp binds the main thread as torch loads, so this runs before any import of it;
+    the connector's threads find the binding in the same variables (hicache moves its copy thread
+    to the reserved CPUs). One NUMA node assumed, as on the machines this bench runs on. The
+    worker's CPUs, or None where the environment already chose (OMP_PLACES, an explicit
+    VLLM_CPU_OMP_THREADS_BIND) or nothing is left to reserve."""
+    if "OMP_PLACES" in os.environ or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
+        return None
+    reserved = int(os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU") or 0)
+    cpus = sorted(os.sched_getaffinity(0))
+    if not 0 < reserved < len(cpus):
+        return None
+    worker = cpus[:len(cpus) - reserved]
+    os.environ.update(OMP_PLACES="{" + ",".join(map(str, worker)) + "}", OMP_PROC_BIND="true",
+                      OMP_NUM_THREADS=str(len(worker)))
+    return worker
+
+
 def main() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # before vLLM is imported
+    worker_cpus = bind_like_a_worker()
     with open(sys.argv[1]) as f:
         spec = json.load(f)
     results = os.fdopen(int(sys.argv[2]), "w", buffering=1)
     driver = StepDriver(spec)
-    results.write(json.dumps({"ready": True, "init_s": driver.init_s, "timed": driver.timed}) + "\n")
+    results.write(json.dumps({"ready": True, "init_s": driver.init_s, "timed": driver.timed,
+                              "worker_cpus": worker_cpus}) + "\n")
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "quit":
