@@ -5,7 +5,8 @@ configuration and phase, medians over the repeats of
 - TTFT mean / p90: from a request's `add_request` to the step that returned its first token;
 - step p50 / p90: the `step()` calls that ran the model (steps that scheduled nothing, while a
   connector looks up asynchronously, are counted apart); decode step p50: those whose every
-  request computed one token;
+  request computed one token; step CPU p50: the engine thread's CPU time in those steps (the
+  step's own work; the rest of its wall time it waited, for a core or for a daemon);
 - connector ms per step, mean / p50 / p99: the sum of the connector calls inside one `step()`
   (hicache/integrations/vllm_call_clock.py), over every step of the phase;
 - prefill computed: prompt tokens vLLM computed (prompt length - `num_cached_tokens`, summed);
@@ -37,7 +38,7 @@ class PhaseRun:
     phase: str
     requests: list[dict[str, Any]]  # outputs, cached, prompt_tokens, ttft (s)
     wall_s: float
-    steps: list[list[float]]  # [seconds, connector seconds, tokens scheduled, requests scheduled]
+    steps: list[list[float]]  # [seconds, connector seconds, tokens scheduled, requests scheduled, CPU seconds]
     calls: dict[str, list[float]]  # "role.method" -> seconds per call
 
     @classmethod
@@ -66,6 +67,8 @@ def _metrics() -> dict[str, tuple[str, Callable[[PhaseRun], float], bool]]:
         "step p50": ("ms", lambda r: pct([s[0] * 1e3 for s in model_steps(r)], 50), True),
         "step p90": ("ms", lambda r: pct([s[0] * 1e3 for s in model_steps(r)], 90), True),
         "decode step p50": ("ms", lambda r: pct([s[0] * 1e3 for s in model_steps(r) if s[2] == s[3]], 50), True),
+        # the engine thread's CPU time in those steps: their work, without the waits for a core
+        "step CPU p50": ("ms", lambda r: pct([s[4] * 1e3 for s in model_steps(r)], 50), True),
         "steps that ran the model": ("steps", lambda r: float(len(model_steps(r))), True),
         "steps that scheduled nothing": ("steps", lambda r: float(len(r.steps) - len(model_steps(r))), True),
         "connector ms per step, mean": ("ms", lambda r: statistics.fmean(s[1] * 1e3 for s in r.steps), False),

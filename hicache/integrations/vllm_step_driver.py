@@ -107,14 +107,16 @@ class StepDriver:
         add_s = time.perf_counter() - t0
         self.clock.take_step()  # add_request makes no connector call today; if it did, not a step's
         first: dict[str, float] = {}
-        steps: list[list[float]] = []  # [seconds, connector seconds, tokens scheduled, requests scheduled]
+        # [seconds, connector seconds, tokens scheduled, requests scheduled, this thread's CPU seconds]
+        steps: list[list[float]] = []
         last = t0
         while self.engine.has_unfinished_requests():
             self._scheduled = (0, 0)
+            cpu = time.thread_time()
             ts = time.perf_counter()
             outs = self.engine.step()
             now = time.perf_counter()
-            steps.append([now - ts, self.clock.take_step(), *self._scheduled])
+            steps.append([now - ts, self.clock.take_step(), *self._scheduled, time.thread_time() - cpu])
             for o in outs:
                 rid = o.request_id
                 if rid not in first and o.outputs and o.outputs[0].token_ids:

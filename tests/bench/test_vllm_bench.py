@@ -327,10 +327,11 @@ def _phase_run(config: str, repeat: int, phase: str, wall_s: float, step_s: floa
 
     reqs = [{"outputs": outputs or [1, 2], "cached": cached, "prompt_tokens": 100, "ttft": 0.1 * (i + 1)}
             for i in range(4)]
-    steps = [[step_s, connector_s, 400, 4], [step_s / 2, connector_s, 4, 4], [0.001, connector_s, 0, 0]]
+    steps = [[step_s, connector_s, 400, 4, step_s / 2], [step_s / 2, connector_s, 4, 4, step_s / 4],
+             [0.001, connector_s, 0, 0, 0.001]]
     calls = {"scheduler.get_num_new_matched_tokens": [connector_s] * 3, "worker.save_kv_layer": [connector_s / 1000]}
     if config == "none":
-        steps = [[s[0], 0.0, s[2], s[3]] for s in steps]
+        steps = [[s[0], 0.0, *s[2:]] for s in steps]
         calls = {}
     return PhaseRun(config, repeat, phase, reqs, wall_s, steps, calls)
 
@@ -354,6 +355,7 @@ def test_rows_of_the_concurrent_mode_are_medians_over_repeats_against_vllm_alone
     assert table["reuse: prefill computed [none]"]["value"] == 400
     assert table["no reuse: step p50 [hicache]"]["value"] == pytest.approx(20.0)  # the steps that ran the model
     assert table["no reuse: decode step p50 [hicache]"]["value"] == pytest.approx(20.0)
+    assert table["no reuse: step CPU p50 [hicache]"]["value"] == pytest.approx(10.0)
     assert table["no reuse: steps that scheduled nothing [hicache]"]["value"] == 1
     assert table["no reuse: connector ms per step, p50 [hicache]"]["value"] == pytest.approx(2.0)
     assert "no reuse: connector ms per step, p50 [none]" not in table  # vLLM alone has no connector
@@ -469,6 +471,7 @@ def test_the_concurrent_mode_steps_real_engines_and_times_the_connector_inside_t
         assert len(r.requests) == 8 and all(len(q["outputs"]) == 32 for q in r.requests)
         assert all(0 < q["ttft"] <= r.wall_s for q in r.requests)
         assert all(0 <= s[1] <= s[0] for s in r.steps)  # the connector's calls are inside the step
+        assert all(0 < s[4] <= s[0] + 0.01 for s in r.steps if s[2])  # its thread's CPU within it (clock ticks)
         if config == "none":
             assert not r.calls and all(s[1] == 0 for s in r.steps)
         else:
