@@ -106,6 +106,9 @@ def start_peer(name: str, workdir: Path, block_size: int) -> Iterator[PeerRun]:
                 daemon.stop()
                 if group is not None:
                     group.remove()
+                # its disk tier is an LMDB file allocated whole (2 GiB): a run's leftovers would fill
+                # the disk of whoever benches often; the log stays
+                shutil.rmtree(Path(daemon.state_dir), ignore_errors=True)
     elif base.startswith("lmcache"):
         chunk = 256 if base == "lmcache-chunk256" else block_size
         flags = ["--chunk-size", str(chunk), "--l1-size-gb", "1", "--eviction-policy", "LRU"]

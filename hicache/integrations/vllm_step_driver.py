@@ -45,7 +45,7 @@ def _tolerate_foreign_dicts() -> None:
     object, which LMCache's imports load into this process (with a separate engine process they
     stay in the front end), answers every attribute, `__dict__` too, with a function wrapper,
     and the scan fails on it. Values whose `vars()` is no dict hold no kernel: the scan skips them."""
-    import vllm.triton_utils.dispatcher as dispatcher
+    from vllm.triton_utils import dispatcher
 
     def dict_vars(value: Any) -> dict:
         d = vars(value)
@@ -56,6 +56,7 @@ def _tolerate_foreign_dicts() -> None:
 
 class StepDriver:
     def __init__(self, spec: dict[str, Any]) -> None:
+        from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group, has_kv_transfer_group
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -67,10 +68,8 @@ class StepDriver:
         self.core = self.engine.engine_core.engine_core  # InprocClient's EngineCore
         self.clock = CallClock()
         self.timed: dict[str, list[str]] = {}
-        connectors = {"scheduler": getattr(self.core.scheduler, "connector", None)}
-        from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group, has_kv_transfer_group
-
-        connectors["worker"] = get_kv_transfer_group() if has_kv_transfer_group() else None
+        connectors = {"scheduler": getattr(self.core.scheduler, "connector", None),
+                      "worker": get_kv_transfer_group() if has_kv_transfer_group() else None}
         for role, conn in connectors.items():
             if conn is not None:
                 self.timed[role] = self.clock.install(conn, role)

@@ -14,6 +14,7 @@ import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -288,7 +289,7 @@ def test_nice_reaches_every_thread_of_the_daemon_and_the_threads_it_starts_later
     from hicache.bench.vllm_placement import DaemonPlacement
 
     def nice_of(pid: int, tid: str) -> int:  # field 19 of stat, after the command's parentheses
-        stat = open(f"/proc/{pid}/task/{tid}/stat").read()
+        stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
         return int(stat.rsplit(")", 1)[1].split()[16])
 
     go = tmp_path / "go"
