@@ -114,7 +114,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     rounds = []
     for i, prompts in enumerate(spec["rounds"]):
         if i and spec.get("socket") and spec.get("settle", True):
-            _settle(spec["socket"])
+            settle_puts(spec["socket"])
         if i and spec.get("reset_between_rounds", True):
             llm.reset_prefix_cache(reset_connector=False)
         if i in spec.get("pause_before_rounds", ()):
@@ -145,7 +145,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     return {"init_s": init_s, "rounds": rounds, "counters": counters(), "hybrid_kv_cache_manager": hma}
 
 
-def _settle(socket: str, timeout_s: float = 30.0) -> None:
+def settle_puts(socket: str, timeout_s: float = 30.0) -> None:
     """Wait until the daemon has no put in flight: what the last round computed is stored
     (vLLM's generate returns before its last saves are committed). A daemon that is gone
     or hung has nothing to settle."""
