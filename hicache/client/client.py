@@ -127,6 +127,8 @@ class HiCacheClient(CycleCalls, ReportCalls, RetentionCalls, AskCalls):
         # False for a client that never touches host pages itself (the vLLM scheduler: its workers
         # copy): the slab versions answers name are only recorded, never mapped
         self.map_arena = True
+        # True: calls wait in the connection's outbox until `flush` (RpcConnection.corked)
+        self.corked = False
 
     # -- connection management -------------------------------------------------
     @property
@@ -226,6 +228,7 @@ class HiCacheClient(CycleCalls, ReportCalls, RetentionCalls, AskCalls):
         self.conn = conn
         conn.on_close = self._closing
         conn.liveness_s = self.deadlines.liveness_s
+        conn.corked = self.corked
         self.instance = hello.get("instance")
         self.engine_id = int(reply["engine"])
         self.prefill_rate.sent(hs.prefill_rate)
@@ -472,6 +475,20 @@ class HiCacheClient(CycleCalls, ReportCalls, RetentionCalls, AskCalls):
             return self._call(method, params, self.deadlines.update_s)
         except DaemonUnavailable:
             return None
+
+    def flush(self) -> None:
+        """Send the calls a corked client queued, in one write."""
+        conn = self.conn
+        if conn is not None and not conn.closed:
+            try:
+                conn.flush()
+            except DaemonUnavailable as e:
+                self._open(e.message)
+
+    @property
+    def unsent(self) -> bool:
+        """Calls queued and not sent yet (a corked client's, until `flush`)."""
+        return self.conn is not None and not self.conn.closed and self.conn.unsent
 
     def wait_posted(self) -> None:
         """Wait until the daemon has handled every call sent without waiting (`_post`)."""

@@ -68,6 +68,9 @@ class RpcConnection:
         self._reader = FrameReader(sock, timeout_s, self._lost)
         self._outbox = bytearray()  # sent frames the socket has not taken yet, in order
         self._poller: select.poll | None = None
+        # corked: frames wait in the outbox until `flush` (or a waited call) sends them all in
+        # one write (an engine step's lookups, puts and reports: one syscall, one daemon wake-up)
+        self.corked = False
         self.ledger = AnswerLedger()
 
     @classmethod
@@ -100,6 +103,11 @@ class RpcConnection:
             return conn.call(method, params or {})
         finally:
             conn.close()
+
+    @property
+    def unsent(self) -> bool:
+        """Frames wait in the outbox (corked, or the socket was full)."""
+        return bool(self._outbox)
 
     @property
     def suspect(self) -> bool:
@@ -282,12 +290,14 @@ class RpcConnection:
         return [self.ledger.track(req_id, method, due) for req_id, method in ids]
 
     def poll(self) -> None:
-        """Read and dispatch whatever has arrived, without waiting; flush queued sends; send
+        """Read and dispatch whatever has arrived, without waiting; flush queued sends (unless
+        corked); send
         a liveness probe when a sent call is overdue. DaemonUnavailable when the
         connection is dead (the peer closed it, or it answered no probe in `liveness_s`)."""
         self._check_open()
         reader = self._reader
-        self._flush()
+        if not self.corked:
+            self._flush()
         while True:
             msg = reader.take()
             if msg is None:
@@ -448,11 +458,12 @@ class RpcConnection:
     def _send_frame(self, data: bytes) -> None:
         """Hand a frame to the socket without waiting; what it cannot take now waits in the
         outbox, in order, and leaves with the next operations."""
-        if self._outbox:
+        if self._outbox or self.corked:
             if len(self._outbox) + len(data) > MAX_OUTBOX_BYTES:
                 self._lost(f"the daemon read nothing of {MAX_OUTBOX_BYTES >> 20} MiB of requests", None)
             self._outbox += data
-            self._flush()
+            if not self.corked:
+                self._flush()
             return
         try:
             sent = self.sock.send(data, socket.MSG_DONTWAIT)
@@ -462,6 +473,12 @@ class RpcConnection:
             self._lost(f"send failed: {e}", e)
         if sent < len(data):
             self._outbox += memoryview(data)[sent:]
+
+    def flush(self) -> None:
+        """Send what waits in the outbox, as far as the socket takes it now (a corked
+        connection's frames)."""
+        if not self.closed:
+            self._flush()
 
     def _flush(self) -> None:
         if not self._outbox:

@@ -180,8 +180,15 @@ class CycleCalls:
         return [None if r is None else self._put_plan(r) for r in replies]
 
     def _put_params(self, tokens: Any, keys: list[bytes] | None) -> dict:
-        toks = as_tokens(tokens)
+        """`tokens` may come packed already (little-endian int32 bytes, with `keys`)."""
         ps = self.layout.page_size
+        if isinstance(tokens, (bytes, bytearray, memoryview)) and keys is not None:
+            n = len(keys)
+            if len(tokens) < n * ps * 4:
+                raise ValueError(f"{n} page keys need {n * ps} tokens, got {len(tokens) // 4}")
+            packed = tokens if len(tokens) == n * ps * 4 else tokens[:n * ps * 4]
+            return {"engine": self.engine_id, "keys": b"".join(keys), "tokens": packed}
+        toks = as_tokens(tokens)
         if keys is None:
             keys = self.page_keys(toks)
         n = len(keys)

@@ -73,7 +73,8 @@ class Saves:
         """Offer the step's pages: per rank, every request's put in one write."""
         if not asks:
             return
-        stored = [a.st.request.all_token_ids[:a.full * self.page_size] for a in asks]
+        # the pages' tokens, packed once as the keys were hashed (the same on every rank)
+        stored = [a.st.keys[next(iter(a.keys))].token_bytes[:a.full * self.page_size * 4] for a in asks]
         if self.wait:
             plans = {r: c.put_many([(s, a.keys[r]) for s, a in zip(stored, asks)]) for r, c in self.clients.items()}
             for i, a in enumerate(asks):

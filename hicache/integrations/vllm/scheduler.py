@@ -108,6 +108,7 @@ class SchedulerSide:
                               tp_rank=tp_rank, tp_size=tp_size, extra_key=shape.extra_key(),
                               deadlines=deadlines, prefill_tokens_per_s=prefill_tokens_per_s)
             c.map_arena = False  # the workers copy; this side only needs the slab versions
+            c.corked = True  # a step's calls leave in one write, at the end of build_meta
             self.clients[r] = c
         for c in self.clients.values():
             c.connect()  # each step bounded by its deadline; if down, the probe keeps trying
@@ -117,6 +118,7 @@ class SchedulerSide:
         self.reqs: dict[str, _Req] = {}
         self.loads_next: list[tuple[str, int, int]] = []  # (request, pages [start, end)) for the next metadata
         self.finishing: dict[str, _Req] = {}  # finished requests kept for their saves
+        self._polled = False  # this step's answers were read (once a step: a recv per client)
         self._events: KVEventBridge | None = None  # set by the connector when vLLM publishes KV events
 
     @property
@@ -171,6 +173,7 @@ class SchedulerSide:
     def _poll(self) -> None:
         for c in self.clients.values():
             c.poll()
+        self._polled = True
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond vLLM's local hit that every rank holds on host (0 on any doubt);
@@ -191,7 +194,8 @@ class SchedulerSide:
             st.pinned_at = lk.started
             return None, False
         if lk.asks:
-            self._poll()
+            if not self._polled:
+                self._poll()
             if not self.lookups.advance(lk, local):
                 return None, False
             if self.events is not None and not lk.miss:
@@ -253,6 +257,9 @@ class SchedulerSide:
         self.loads_next = []
         meta.delayed = self._announce_finished()
         self._expire_pins()
+        for c in self.clients.values():  # the step's lookups, puts and reports: one write
+            c.flush()
+        self._polled = False
         return meta
 
     def _load_spec(self, req_id: str, start: int, end: int) -> LoadSpec:
@@ -341,9 +348,10 @@ class SchedulerSide:
         return False
 
     def has_pending_saves(self) -> bool:
-        """Puts not answered or whose copies are not reported: vLLM keeps stepping so they
+        """Puts not answered or whose copies are not reported, or reports not sent yet (the
+        clients are corked until the next step's build_meta): vLLM keeps stepping so they
         get finished."""
-        return self.saves.pending()
+        return self.saves.pending() or any(c.unsent for c in self.clients.values())
 
     def stats(self) -> dict[str, Any]:
         return {**self.lookups.stats(), "late": sum(c.late for c in self.clients.values()),
@@ -356,4 +364,5 @@ class SchedulerSide:
             self._release(st)
         self.saves.close()
         for c in self.clients.values():
+            c.flush()
             c.close()
