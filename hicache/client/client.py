@@ -29,7 +29,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-import numpy as np
 
 from hicache.config import default_socket_path
 from hicache.errors import ClientError, DaemonSlow, DaemonUnavailable, HiCacheError
@@ -49,13 +48,13 @@ from hicache.client.replies import (  # re-exported: the engine cycle's answers
 )
 from hicache.client.asks import AskCalls
 from hicache.client.cycle import CycleCalls
+from hicache.client.slabs import SlabCalls
 from hicache.client.reports import ReportCalls
 from hicache.client.retention import RetentionCalls
 from hicache.tiers.arena import HostArena
 
 log = logging.getLogger(__name__)
 
-SLAB_SYNC_TRIES = 3  # map_slabs answers BUSY while replies (events) are unread; reading them clears it
 
 
 @dataclass(slots=True)
@@ -75,7 +74,7 @@ class _Handshake:
         self.fds = []
 
 
-class HiCacheClient(CycleCalls, ReportCalls, RetentionCalls, AskCalls):
+class HiCacheClient(SlabCalls, CycleCalls, ReportCalls, RetentionCalls, AskCalls):
     """`deadlines` (default CallDeadlines()): seconds per call kind; `timeout_s` is a shorthand
     for the same deadline on every call. `backoff_s`: (first, longest) pause between background
     reconnect attempts. `daemon_uids`: uids (or user names) trusted to serve the socket besides
@@ -240,58 +239,6 @@ class HiCacheClient(CycleCalls, ReportCalls, RetentionCalls, AskCalls):
             cb(self.epoch)
         if old_arena is not None:  # a restarted daemon has a new arena; the callbacks left the old one
             old_arena.close()
-
-    def _check_slabs(self, reply: Any) -> None:
-        """Map the slabs our namespace gained, when a reply says the daemon's are newer."""
-        if type(reply) is dict and reply.get("slabs", self.slab_version) != self.slab_version:
-            if self.map_arena:
-                self.sync_slabs()
-            else:
-                self.slab_version = max(self.slab_version, int(reply["slabs"]))
-
-    def sync_slabs(self) -> bool:
-        """Map every slab the daemon holds our namespace's pages in (fds for those we lack
-        come with the answer) and drop those it no longer does. False when it failed: host
-        pages in unmapped slabs are then not copied (`arena.covers`), never touched."""
-        arena, conn = self.arena, self.conn
-        if arena is None or conn is None:
-            return False
-        for _ in range(SLAB_SYNC_TRIES):
-            have = [[s, arena.slab_gen(s)] for s in np.flatnonzero(arena.backed).tolist()]
-            fds: list[int] = []
-            try:
-                r = conn.call("map_slabs", {"engine": self.engine_id, "have": have},
-                              self.deadlines.update_s, fds=fds)
-                if len(fds) != len(r["sent"]):
-                    raise ClientError("BAD_REPLY", f"{len(fds)} slab fds for {len(r['sent'])} slabs")
-                for (slab, gen), fd in zip(r["sent"], fds):
-                    arena.map_slab(int(slab), fd, int(gen), prefault=False)  # takes the fd, even when it fails
-                fds = []
-                for slab, _ in r["sent"]:  # once all are mapped: an mmap waits for a pre-fault in progress
-                    arena.prefault_async(int(slab))
-                owned = {int(s) for s, _ in r["owned"]}
-                for slab in np.flatnonzero(arena.backed).tolist():
-                    if slab not in owned:
-                        arena.unmap_slab(slab)
-            except DaemonSlow as e:  # slabs unmapped: their pages are not touched (a miss, a skip)
-                for fd in fds:
-                    _close_fd(fd)
-                self._late("map_slabs", e)
-                return False
-            except DaemonUnavailable as e:
-                self._open(e.message)
-                return False
-            except (ClientError, HiCacheError, OSError) as e:
-                for fd in fds:
-                    _close_fd(fd)
-                if isinstance(e, ClientError) and e.code == "BUSY":  # events were unread: they are now
-                    continue
-                log.warning("could not map the host slabs of our namespace: %s", e)
-                return False
-            self.slab_version = int(r["version"])
-            return True
-        log.warning("could not map the host slabs of our namespace: the daemon stayed busy")
-        return False
 
     def _closing(self) -> None:
         for cb in list(self.on_disconnect):
