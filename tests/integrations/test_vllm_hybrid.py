@@ -63,7 +63,7 @@ def prompts() -> list[list[int]]:
 
 
 def full_blocks(p: list[int]) -> int:
-    return (len(p) - 1) // BLOCK * BLOCK
+    return min(len(p) // BLOCK * BLOCK, len(p) - 1)  # every full block, short of the last token
 
 
 MODEL_DIR: Path = Path()
