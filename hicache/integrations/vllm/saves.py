@@ -62,8 +62,10 @@ class Saves:
 
     def ask(self, st: _Req, computed_after: int) -> PutAsk | None:
         """The full blocks this step completes beyond those offered, if any."""
+        if computed_after // self.page_size <= st.saved_pages:  # most decode steps: no block completed
+            return None
         tokens = st.request.all_token_ids
-        held = min((len(b) for b in st.blocks), default=0)
+        held = min(map(len, st.blocks)) if st.blocks else 0
         full = min(computed_after, len(tokens), held * self.page_size) // self.page_size
         if full <= st.saved_pages:
             return None

@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+FLUSH_ASKS = 8  # lookups sent in one write when a step starts many (a burst of requests)
+
 
 @dataclass(slots=True, eq=False)
 class _Req:
@@ -119,6 +121,8 @@ class SchedulerSide:
         self.loads_next: list[tuple[str, int, int]] = []  # (request, pages [start, end)) for the next metadata
         self.finishing: dict[str, _Req] = {}  # finished requests kept for their saves
         self._polled = False  # this step's answers were read (once a step: a recv per client)
+        self._asked = 0  # lookups started this step
+        self._expiry_check = 0.0  # when to look for pins held past lease_s next
         self._events: KVEventBridge | None = None  # set by the connector when vLLM publishes KV events
 
     @property
@@ -188,10 +192,16 @@ class SchedulerSide:
             self._release(st)
             return 0, False
         lk = st.lookup
-        if lk is None or (not lk.asks and not lk.matches and not lk.miss):
+        if lk is not None and lk.miss:  # asked again (no room this step): the same answer
+            return 0, False
+        if lk is None or (not lk.asks and not lk.matches):
             lk = st.lookup = self.lookups.start({r: st.keys[r].upto(tokens, n_pages) for r in self.clients},
                                                 n_pages, local)
             st.pinned_at = lk.started
+            self._asked += 1
+            if self._asked % FLUSH_ASKS == 0:  # a burst of new requests: the daemon starts on them now
+                for c in self.clients.values():
+                    c.flush()
             return None, False
         if lk.asks:
             if not self._polled:
@@ -204,7 +214,7 @@ class SchedulerSide:
         offered, start, end = self.lookups.offer(lk, len(tokens), local)
         if not offered:
             self._release(st)
-            st.lookup = Lookup(lk.started, n_pages, miss=True)  # asked again: the same answer
+            st.lookup = Lookup(lk.started, n_pages, miss=True)  # kept until vLLM schedules it
             return 0, False
         st.load = (start, end)
         return offered, self.load_async
@@ -260,6 +270,7 @@ class SchedulerSide:
         for c in self.clients.values():  # the step's lookups, puts and reports: one write
             c.flush()
         self._polled = False
+        self._asked = 0
         return meta
 
     def _load_spec(self, req_id: str, start: int, end: int) -> LoadSpec:
@@ -308,8 +319,12 @@ class SchedulerSide:
         return out
 
     def _expire_pins(self) -> None:
-        """Pins a load never reported (a worker that died, a request vLLM dropped) go after lease_s."""
+        """Pins a load never reported (a worker that died, a request vLLM dropped) go after
+        lease_s (looked for once a second: a step need not walk every request)."""
         now = time.monotonic()
+        if now < self._expiry_check:
+            return
+        self._expiry_check = now + 1.0
         for st in self.reqs.values():
             lk = st.lookup
             if lk is not None and lk.matches and now - st.pinned_at > self.lease_s:
