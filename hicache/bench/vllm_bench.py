@@ -22,16 +22,13 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hicache.bench.report import row
-from hicache.bench.tiny_llama import build_tiny_llama
-from hicache.bench.vllm_peers import INSTALL_HINT, PeerRun, lmcache_available, lmcache_transfers, parse_compare, \
+from hicache.bench.vllm_peers import PeerRun, bench_setup, lmcache_transfers, parse_compare, \
     start_peer
 from hicache.bench.vllm_workload import conversations, poisson_gaps
 from hicache.integrations.vllm_driver import run_in_process
@@ -134,14 +131,7 @@ def _step_seconds(peer: PeerRun, out: dict[str, Any]) -> list[float] | None:
 def measure(args: argparse.Namespace) -> dict[str, Measured]:
     """Run every configuration of args.compare on one workload; refuse unequal outputs."""
     resolve_defaults(args)
-    names = args.compare if isinstance(args.compare, list) else parse_compare(args.compare)
-    if any(n.startswith("lmcache") for n in names) and not lmcache_available():
-        print(INSTALL_HINT, file=sys.stderr)
-        raise SystemExit(2)
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hicache-bench-vllm-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    model = build_tiny_llama(workdir / "model", layers=args.layers, hidden=args.hidden, heads=args.heads,
-                             kv_heads=args.kv_heads)
+    names, workdir, model = bench_setup(args, "hicache-bench-vllm-")
     rounds = conversations(args.conversations, args.turns, args.system_tokens, args.user_tokens,
                            args.reply_tokens)
     poisson = args.arrivals == "poisson"

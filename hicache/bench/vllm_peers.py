@@ -31,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -193,3 +194,20 @@ def lmcache_transfers(log_path: Path) -> dict[str, float]:
         out[tokens_key] += float(tokens)
         out[seconds_key] += float(seconds)
     return out
+
+
+def bench_setup(args: Any, prefix: str) -> tuple[list[str], Path, Path]:
+    """What every `bench vllm` mode starts from: the configurations of `--compare` (LMCache's
+    install hint and exit 2 where it is asked for and missing), the work directory, and the
+    tiny Llama built there."""
+    from hicache.bench.tiny_llama import build_tiny_llama
+
+    names = args.compare if isinstance(args.compare, list) else parse_compare(args.compare)
+    if any(n.startswith("lmcache") for n in names) and not lmcache_available():
+        print(INSTALL_HINT, file=sys.stderr)
+        raise SystemExit(2)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix=prefix))
+    workdir.mkdir(parents=True, exist_ok=True)
+    model = build_tiny_llama(workdir / "model", layers=args.layers, hidden=args.hidden, heads=args.heads,
+                             kv_heads=args.kv_heads)
+    return names, workdir, model

@@ -33,16 +33,14 @@ import select
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hicache.bench.tiny_llama import build_tiny_llama
 from hicache.bench.vllm_bench import BASE, EQUAL_CPUS, OutputsDiffer
-from hicache.bench.vllm_peers import INSTALL_HINT, PeerRun, lmcache_available, parse_compare, start_peer
+from hicache.bench.vllm_peers import PeerRun, bench_setup, start_peer
 from hicache.bench.vllm_placement import CpuHogs
 from hicache.bench.vllm_steps_report import PhaseRun, rows, summary_table
 from hicache.bench.vllm_workload import shared_prefix_prompts
@@ -179,14 +177,7 @@ def check_outputs(runs: list[PhaseRun]) -> None:
 def measure(args: argparse.Namespace) -> tuple[list[PhaseRun], dict[str, dict[str, float]], dict[str, float]]:
     """Every configuration's phases in every repeat, the daemons' counters, and the run's facts
     (load averages, hogs)."""
-    names = args.compare if isinstance(args.compare, list) else parse_compare(args.compare)
-    if any(n.startswith("lmcache") for n in names) and not lmcache_available():
-        print(INSTALL_HINT, file=sys.stderr)
-        raise SystemExit(2)
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hicache-bench-vllm-steps-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    model = build_tiny_llama(workdir / "model", layers=args.layers, hidden=args.hidden, heads=args.heads,
-                             kv_heads=args.kv_heads)
+    names, workdir, model = bench_setup(args, "hicache-bench-vllm-steps-")
     setup = Setup(str(model), args.block_size, args.kv_cache_mib << 20, args.max_model_len,
                   args.max_num_batched_tokens, args.concurrency, args.prefixes, args.prefix_tokens,
                   args.prompt_tokens, args.max_tokens, args.seed)
