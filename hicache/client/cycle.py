@@ -69,9 +69,14 @@ class CycleCalls:
                   int(r["disk_len"]), self.epoch, 0, None if state is None else StateMatch.parse(state),
                   bool(r.get("pending", False)))
         if m.disk_len or m.pending or (state is not None and state["pending"]):
-            # worth waiting for as long as computing the pages beyond host would take
-            beyond = (len(keys) - m.device_len - m.host_len) * self.layout.page_size
-            self.refresh(m, min(self.deadlines.load_s, self.prefill_rate.worth_waiting_s(beyond)))
+            # The disk part: the daemon's load policy says how long (best_effort: not at all). A
+            # remote lookup still running: worth waiting for as long as computing the pages
+            # beyond host would take (a slow or dead store must not hold every request).
+            timeout_s = self.deadlines.load_s
+            if m.pending:
+                beyond = (len(keys) - m.device_len - m.host_len) * self.layout.page_size
+                timeout_s = min(timeout_s, self.prefill_rate.worth_waiting_s(beyond))
+            self.refresh(m, timeout_s)
         return m
 
     def refresh(self, match: Match, timeout_s: float | None = None) -> Match:
