@@ -112,6 +112,16 @@ class RpcConnection:
         self._outbox.corked = on
 
     @property
+    def owed(self) -> bool:
+        """Answers to calls sent by `send` (or a probe) have not all been read."""
+        return bool(self.ledger.pending)
+
+    @property
+    def buffered(self) -> bool:
+        """Bytes from the daemon are read and not dispatched yet (the next `poll` takes them)."""
+        return self._reader.buffered
+
+    @property
     def suspect(self) -> bool:
         """An answer came too late and the daemon has not answered the probe sent after it."""
         return self.ledger.probe is not None

@@ -187,3 +187,25 @@ def test_a_noreply_frame_is_posted_with_its_flag():
     finally:
         daemon_sock.close()
         client_sock.close()
+
+
+def test_an_idle_engine_waits_for_an_answer_without_reading_it(peers):
+    """wait_for_answers (the vLLM scheduler's empty steps): returns when an answer can be
+    read, reads nothing itself, and does not wait when no answer is owed."""
+    from types import SimpleNamespace
+
+    from hicache.client.asks import wait_for_answers
+
+    peer = Holding()
+    conn = RpcConnection(peers(peer).client_sock, timeout_s=10)
+    client = SimpleNamespace(conn=conn)
+    assert not wait_for_answers([client], 30.0)  # nothing owed: at once
+    p = conn.send("match", {"keys": b""})
+    wait_until(lambda: peer.seen, 30)
+    assert not wait_for_answers([client], 0.05)  # held: nothing came
+    peer.release.set()
+    assert wait_for_answers([client], 30.0)  # returns as the answer arrives
+    assert not p.done  # not read: the next poll takes it
+    conn.poll()
+    assert p.done and p.outcome == {"pin": 7}
+    assert not wait_for_answers([client, SimpleNamespace(conn=None)], 30.0)  # nothing owed any more

@@ -31,6 +31,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from hicache.client.asks import wait_for_answers
 from hicache.client.client import HiCacheClient
 from hicache.client.deadlines import CallDeadlines
 from hicache.client.hints import RetainHint
@@ -46,6 +47,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FLUSH_ASKS = 8  # lookups sent in one write when a step starts many (a burst of requests)
+# A step that scheduled nothing while answers are awaited waits this long for one (it returns as
+# soon as one comes) rather than let vLLM spin through empty steps; new requests wait at most this.
+IDLE_WAIT_S = 0.005
 
 
 @dataclass(slots=True, eq=False)
@@ -269,6 +273,8 @@ class SchedulerSide:
         self._expire_pins()
         for c in self.clients.values():  # the step's lookups, puts and reports: one write
             c.flush()
+        if not getattr(so, "total_num_scheduled_tokens", 1):  # nothing to compute until an answer comes
+            wait_for_answers(self.clients.values(), IDLE_WAIT_S)
         self._polled = False
         self._asked = 0
         return meta
