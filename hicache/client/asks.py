@@ -58,8 +58,8 @@ def wait_for_answers(clients: Iterable[AskCalls], timeout_s: float) -> bool:
     """Wait up to `timeout_s` for the daemon to answer any client's Ask, reading nothing:
     for an engine that has nothing to do until an answer comes (vLLM's step scheduled no
     token while its lookups are out), instead of asking again through empty steps that
-    spin it for nothing. True when something waits to be read (at once when an answer is
-    already buffered); False when nothing is owed, or nothing came in time."""
+    spin it for nothing. False when it waited `timeout_s` and nothing came; True when
+    something waits to be read (at once when it is buffered already) or nothing is owed."""
     poller = None
     for c in clients:
         conn = c.conn
@@ -70,7 +70,7 @@ def wait_for_answers(clients: Iterable[AskCalls], timeout_s: float) -> bool:
         if poller is None:
             poller = select.poll()
         poller.register(conn.sock, select.POLLIN)
-    return poller is not None and bool(poller.poll(timeout_s * 1000))
+    return poller is None or bool(poller.poll(timeout_s * 1000))
 
 
 class AskCalls:

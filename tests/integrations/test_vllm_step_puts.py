@@ -180,6 +180,32 @@ def test_a_stopped_daemon_costs_no_step_a_wait_nor_the_connection(sched, daemon)
     assert c.match(list(range(1000, 1100))).host_len == 3  # the late put was planned, copied, finished
 
 
+def test_an_empty_step_waits_for_an_owed_answer_longer_while_none_comes(sched, daemon):
+    """A step that scheduled nothing while a lookup is out waits for its answer instead of
+    letting vLLM spin through empty steps (the workers' rounds starve the daemon on a small
+    host): up to IDLE_WAIT_MAX_S, doubling while nothing comes, back to the least once an
+    answer comes or a step computes."""
+    from hicache.integrations.vllm.scheduler import IDLE_WAIT_MAX_S, IDLE_WAIT_MIN_S
+
+    empty = SimpleNamespace(**vars(IDLE), total_num_scheduled_tokens=0)
+    req = request("r", list(range(1, 4 * PS + 1)))
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert sched.num_new_matched_tokens(req, 0)[0] is None  # asked
+        waits = []
+        for _ in range(8):
+            sched.build_meta(empty)
+            waits.append(sched._idle_wait_s)
+        assert waits[0] == 2 * IDLE_WAIT_MIN_S and waits[-1] == IDLE_WAIT_MAX_S  # nothing came
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    wait_until(lambda: sched.build_meta(empty) is not None and sched._idle_wait_s == IDLE_WAIT_MIN_S, 30,
+               "the answer ending an empty step's wait")
+    assert sched.num_new_matched_tokens(req, 0)[0] == 0  # read on the next ask: a miss
+    sched.build_meta(empty)  # nothing owed: no wait, and the next starts from the least
+    assert sched._idle_wait_s == IDLE_WAIT_MIN_S
+
+
 def test_a_finished_request_keeps_its_blocks_until_its_puts_are_answered_and_copied(sched):
     req = request("a", list(range(1000, 1100)))
     admit(sched, req, [1, 2, 3, 4])

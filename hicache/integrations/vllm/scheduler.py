@@ -47,9 +47,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FLUSH_ASKS = 8  # lookups sent in one write when a step starts many (a burst of requests)
-# A step that scheduled nothing while answers are awaited waits this long for one (it returns as
-# soon as one comes) rather than let vLLM spin through empty steps; new requests wait at most this.
-IDLE_WAIT_S = 0.005
+# A step that scheduled nothing while answers are awaited waits for one (returning as soon as it
+# comes) rather than let vLLM spin through empty steps: each empty step is a round of the workers
+# too, and with tensor parallelism on a small host those rounds spin every core and starve the
+# daemon whose answer they wait for (two TP workers on 2 cores froze the machine 15 s). The wait
+# doubles while nothing comes, from IDLE_WAIT_MIN_S to IDLE_WAIT_MAX_S: a request arriving then
+# waits at most that much longer for its first step.
+IDLE_WAIT_MIN_S = 0.001
+IDLE_WAIT_MAX_S = 0.05
 
 
 @dataclass(slots=True, eq=False)
@@ -126,6 +131,7 @@ class SchedulerSide:
         self.finishing: dict[str, _Req] = {}  # finished requests kept for their saves
         self._polled = False  # this step's answers were read (once a step: a recv per client)
         self._asked = 0  # lookups started this step
+        self._idle_wait_s = IDLE_WAIT_MIN_S  # an empty step's wait for an answer (doubles while none comes)
         self._expiry_check = 0.0  # when to look for pins held past lease_s next
         self._events: KVEventBridge | None = None  # set by the connector when vLLM publishes KV events
 
@@ -273,8 +279,12 @@ class SchedulerSide:
         self._expire_pins()
         for c in self.clients.values():  # the step's lookups, puts and reports: one write
             c.flush()
-        if not getattr(so, "total_num_scheduled_tokens", 1):  # nothing to compute until an answer comes
-            wait_for_answers(self.clients.values(), IDLE_WAIT_S)
+        if getattr(so, "total_num_scheduled_tokens", 1):
+            self._idle_wait_s = IDLE_WAIT_MIN_S
+        elif wait_for_answers(self.clients.values(), self._idle_wait_s):  # an answer came, or none is owed
+            self._idle_wait_s = IDLE_WAIT_MIN_S
+        else:
+            self._idle_wait_s = min(self._idle_wait_s * 2, IDLE_WAIT_MAX_S)
         self._polled = False
         self._asked = 0
         return meta
