@@ -10,7 +10,8 @@
      is needed: RadixIndex.match_locked in one call;
    - `unlock_node(node, tier, key, root, protected, maybe_queue)`: RadixIndex.unlock after its
      argument checks (the path up and the held check here; a refusal is a small int for the
-     caller to raise, with nothing changed).
+     caller to raise, with nothing changed);
+   - the disk admission's frequency sketch: native_sketch.c.
 */
 
 #define PY_SSIZE_T_CLEAN
@@ -19,6 +20,7 @@
 #include <string.h>
 
 #include "hicache/kernels/native_build.h"
+#include "hicache/index/native_sketch.h"
 
 #define KEY_BYTES 16
 
@@ -515,5 +517,7 @@ PyMODINIT_FUNC PyInit__native_index(void) {
     if (!(s_parent = PyUnicode_InternFromString("parent"))) return NULL;
     if (!(host_lane = PyLong_FromLong(-1))) return NULL;  /* node.HOST_LANE */
     if (!(disk_lane = PyLong_FromLong(-2))) return NULL;  /* node.DISK_LANE */
-    return PyModule_Create(&mod_def);
+    PyObject *m = PyModule_Create(&mod_def);
+    if (m && PyModule_AddFunctions(m, hicache_sketch_methods) < 0) Py_CLEAR(m);  /* native_sketch.c */
+    return m;
 }

@@ -47,7 +47,7 @@ from hicache.daemon.ingest.backups import PendingBackup, place_backup, plan_back
 from hicache.daemon.ingest.protocol import Ingest
 from hicache.daemon.core.slab_reclaim import reclaim_slab
 from hicache.daemon.core.validation import check_device_pages
-from hicache.index.admission import DiskAdmission, admission_key
+from hicache.index.admission import DiskAdmission
 from hicache.index.keys import Namespace
 from hicache.index.node import Freed, IndexStateError, Tier, TreeNode
 from hicache.index.policy import EvictionPolicy, LruPolicy
@@ -162,7 +162,7 @@ class CacheService:
         if disk_nodes and self.on_match is not None:
             self.on_match(pin, disk_nodes)
         if self.admission is not None and rec.ns.lookups_feed_admission:
-            self.admission.request([admission_key(k) for k in keys], local + n_disk)
+            self.admission.request_pages(keys, local + n_disk)
         c = self.counters
         c.matches += 1
         c.requested_pages += len(keys)
@@ -312,7 +312,7 @@ class CacheService:
         self.counters.inserts += 1
         self.counters.inserted_pages += len(keys) - res.present_pages
         if self.admission is not None:
-            self.admission.request([admission_key(k) for k in keys], res.present_pages)
+            self.admission.request_pages(keys, res.present_pages)
         if pin is not None and res.nodes:
             ns.index.lock(res.nodes[-1], Tier.DEVICE, rec.engine_id)
             pin.locks.append((res.nodes[-1], Tier.DEVICE, rec.engine_id))
