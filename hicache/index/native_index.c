@@ -11,7 +11,8 @@
    - `unlock_node(node, tier, key, root, protected, maybe_queue)`: RadixIndex.unlock after its
      argument checks (the path up and the held check here; a refusal is a small int for the
      caller to raise, with nothing changed);
-   - the disk admission's frequency sketch: native_sketch.c.
+   - the disk admission's frequency sketch: native_sketch.c;
+   - the restore's record check and chaining: native_restore.c.
 */
 
 #define PY_SSIZE_T_CLEAN
@@ -20,6 +21,7 @@
 #include <string.h>
 
 #include "hicache/kernels/native_build.h"
+#include "hicache/index/native_restore.h"
 #include "hicache/index/native_sketch.h"
 
 #define KEY_BYTES 16
@@ -518,6 +520,7 @@ PyMODINIT_FUNC PyInit__native_index(void) {
     if (!(host_lane = PyLong_FromLong(-1))) return NULL;  /* node.HOST_LANE */
     if (!(disk_lane = PyLong_FromLong(-2))) return NULL;  /* node.DISK_LANE */
     PyObject *m = PyModule_Create(&mod_def);
-    if (m && PyModule_AddFunctions(m, hicache_sketch_methods) < 0) Py_CLEAR(m);  /* native_sketch.c */
+    if (m && (PyModule_AddFunctions(m, hicache_sketch_methods) < 0  /* native_sketch.c */
+              || PyModule_AddFunctions(m, hicache_restore_methods) < 0)) Py_CLEAR(m);  /* native_restore.c */
     return m;
 }

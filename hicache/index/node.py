@@ -11,7 +11,6 @@ is `HOST_LANE`, the disk tier `DISK_LANE`.
 from __future__ import annotations
 
 import operator
-from hashlib import blake2b
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import NamedTuple
@@ -314,80 +313,3 @@ def check_tier(tier: object) -> Tier:
         return Tier(tier)
     except ValueError as err:
         raise IndexInputError(f"no tier {tier!r}") from err
-
-
-@dataclass(slots=True)
-class DiskRun:
-    """Consecutive verified pages of one branch, to hang below the page `parent_key`."""
-
-    parent_key: bytes
-    keys: list[bytes]
-    tokens: np.ndarray
-    last_access: float  # the newest of its pages
-
-
-_LE_I4 = np.dtype("<i4")
-
-
-def disk_runs(records: object, salt: bytes, page_size: int) -> tuple[list[DiskRun], list[bytes]]:
-    """Check per-page disk records (any order) and chain them into runs, each run's
-    parent page in an earlier run (or the salt). A record is kept only if its key is
-    the hash of (parent key, tokens) -- or of (salt, tokens): a keyed engine's named
-    page (hicache.client.keyed), whose name in its tokens already commits to its whole
-    prefix and which the daemon chained by position -- and its parents reach the salt.
-    Returns the runs
-    and the keys of the records left out (orphans, corrupt, malformed), which the
-    caller may delete from disk."""
-    by_parent: dict[bytes, list[tuple[bytes, np.ndarray, float]]] = {}
-    seen: set[bytes] = set()
-    skipped: list[bytes] = []
-    for rec in records:
-        try:
-            key, parent_key, tokens, last_access = rec
-            if type(key) is not bytes or len(key) != KEY_BYTES:
-                continue  # no usable key to report
-            # disk records already hold little-endian int32 arrays: skip the conversion
-            toks = tokens if type(tokens) is np.ndarray and tokens.dtype == _LE_I4 and tokens.ndim == 1 \
-                and tokens.flags.c_contiguous else as_tokens(tokens)
-            la = float(last_access)
-        except (TypeError, ValueError, OverflowError):
-            continue
-        if type(parent_key) is not bytes or len(parent_key) != KEY_BYTES or len(toks) != page_size:
-            skipped.append(key)
-        elif key not in seen:
-            seen.add(key)
-            by_parent.setdefault(parent_key, []).append((key, toks, la))
-    runs: list[DiskRun] = []
-    kept: set[bytes] = set()
-    stack = [salt]
-    while stack:
-        parent_key = stack.pop()
-        for item in by_parent.pop(parent_key, ()):
-            keys: list[bytes] = []
-            toks_list: list[np.ndarray] = []
-            newest = float("-inf")
-            prev = parent_key
-            while True:  # a single-child chain becomes one run
-                key, toks, la = item
-                data = toks.tobytes()  # page_keys' chain step, or a named page's
-                if blake2b(prev + data, digest_size=KEY_BYTES).digest() != key \
-                        and blake2b(salt + data, digest_size=KEY_BYTES).digest() != key:
-                    skipped.append(key)  # corrupt: it and its descendants stay out
-                    break
-                keys.append(key)
-                toks_list.append(toks)
-                newest = max(newest, la)
-                prev = key
-                nxt = by_parent.get(key)
-                if nxt is None or len(nxt) != 1:
-                    break
-                del by_parent[key]
-                item = nxt[0]
-            if keys:
-                runs.append(DiskRun(parent_key, keys, np.concatenate(toks_list), newest))
-                kept.update(keys)
-                stack.append(prev)
-    # A malformed duplicate of a good record must not get the good page deleted.
-    left_out = [k for k in skipped if k not in kept]
-    left_out += [k for items in by_parent.values() for k, _, _ in items]
-    return runs, left_out

@@ -53,35 +53,29 @@ Not thread-safe: one event loop owns an index.
 
 from __future__ import annotations
 
-import gc
 import itertools
-import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
 from hicache.index.eviction import EvictionOps
-from hicache.index import native_index
+from hicache.index import native_index, restore
 from hicache.index.key_map import KeyMap
 from hicache.index.locks import LockOps
 from hicache.index.keys import KEY_BYTES, PackedKeys
 from hicache.index.node import (
     DISK_LANE, EMPTY_PAGES, EMPTY_TOKENS, HOST_LANE, DiskRecord, Freed, FreedCollector, IndexInputError,
     IndexStateError, InsertResult, MatchResult, Tier, TreeNode, check_count, check_engine, check_keys,
-    check_pages, check_tier, check_tokens, concat_pages, disk_runs, not_own, segment_pages,
+    check_pages, check_tier, check_tokens, concat_pages, not_own, segment_pages,
 )
 from hicache.index.policy import EvictionPolicy, LruPolicy, ResidencyLedger
 from hicache.index.tree_walk import (
     check_live, common_pages, path_to_root, preorder, split_node, suffix_chain, walk_path,
 )
 
-__all__ = [
-    "DiskRecord", "Freed", "IndexInputError", "IndexStateError", "InsertResult", "MatchResult",
-    "RadixIndex", "Tier", "TreeNode",
-]
-
-logger = logging.getLogger(__name__)
+__all__ = ["DiskRecord", "Freed", "IndexInputError", "IndexStateError", "InsertResult", "MatchResult",
+           "RadixIndex", "Tier", "TreeNode"]
 
 _NO_LANE = -3  # match without an engine: no device segment
 
@@ -452,29 +446,14 @@ class RadixIndex(LockOps, EvictionOps):
         """Rebuild the disk part of the tree from per-page records (key, parent_key,
         tokens, last_access) in any order, merging into what is there; return the pages
         restored. Records not reachable from the salt through verified parents are
-        skipped; their keys go to `orphans` when given, for the caller to delete."""
-        # A bulk build of millions of small objects: the cyclic GC would rescan them
-        # over and over (a third of the time at 1M pages) and can find nothing to free.
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            runs, left_out = disk_runs(records, self.salt, self.page_size)
-            ends: dict[bytes, TreeNode] = {self.salt: self.root}
-            restored = 0
-            for run in runs:  # each run's parent page ends an earlier run
-                res = self._insert_from(ends[run.parent_key], run.keys, run.tokens, None, None, None,
-                                        True, run.last_access, touch=False)
-                ends[run.keys[-1]] = res.nodes[-1]
-                restored += len(run.keys)
-        finally:
-            if gc_was_enabled:
-                gc.enable()
-        if orphans is not None:
-            orphans.extend(left_out)
-        if left_out:
-            logger.warning("restore_disk: %d records skipped (orphan, corrupt or malformed)", len(left_out))
-        logger.debug("restore_disk: %d pages restored", restored)
-        return restored
+        skipped; their keys go to `orphans` when given, for the caller to delete
+        (restore.py)."""
+        return restore.restore_records(self, records, orphans)
+
+    def restore_packed(self, records: restore.PackedRecords, orphans: list[bytes] | None = None) -> int:
+        """restore_disk of records as arrays (the disk tier's scan), checked and chained
+        in C where the index's module is built (restore.py)."""
+        return restore.restore_packed(self, records, orphans)
 
     # ------------------------------------------------------------------ introspection
 

@@ -5,7 +5,6 @@ hicache/tiers/disk_env.py); any other failure is the caller's one-line error."""
 
 from __future__ import annotations
 
-import gc
 import logging
 from dataclasses import dataclass
 
@@ -16,6 +15,7 @@ from hicache.errors import DiskTierDamaged, DiskTierError
 from hicache.tiers import disk_env
 from hicache.tiers.disk import DiskTier
 from hicache.tiers.disk_config import DiskTierConfig
+from hicache.tiers.disk_scan import MetaScan
 
 log = logging.getLogger(__name__)
 
@@ -28,22 +28,10 @@ class Quarantine:
     reason: str
 
 
-def scan_meta(tier: DiskTier) -> dict[bytes, list[tuple]]:
-    """Every page's (key, parent or salt, tokens, last access), grouped by salt."""
-    by_salt: dict[bytes, list[tuple]] = {}
-    gc.disable()  # a million small tuples: cyclic-GC passes over them would find nothing
-    try:
-        for rec in tier.iter_meta():
-            parent = rec.parent_key if rec.parent_key is not None else rec.salt
-            by_salt.setdefault(rec.salt, []).append((rec.key, parent, rec.tokens, rec.last_access))
-    finally:
-        gc.enable()
-    return by_salt
-
-
-def open_tier(config: Config) -> tuple[DiskTier, dict[bytes, list[tuple]], Quarantine | None]:
-    """Open the tier and scan its metadata; a damaged environment (at open, or in the
-    scan) is moved aside once, with one log line, and an empty one opened instead."""
+def open_tier(config: Config) -> tuple[DiskTier, MetaScan, Quarantine | None]:
+    """Open the tier and scan its metadata (every page's record, as arrays:
+    hicache/tiers/disk_scan.py); a damaged environment (at open, or in the scan) is moved
+    aside once, with one log line, and an empty one opened instead."""
     path = str(config.disk_dir)
     quarantined: Quarantine | None = None
     while True:
@@ -65,7 +53,7 @@ def open_tier(config: Config) -> tuple[DiskTier, dict[bytes, list[tuple]], Quara
                                     "may be taking the space)") from e
             raise
         try:
-            return tier, scan_meta(tier), quarantined
+            return tier, tier.scan_meta(), quarantined
         except lmdb.Error as e:  # the child's verification passed, yet a record cannot be read
             tier.close()
             if quarantined is not None:
