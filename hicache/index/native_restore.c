@@ -19,9 +19,11 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "hicache/index/native_blake2b.h"
 #include "hicache/index/native_restore.h"
@@ -51,6 +53,7 @@ typedef struct {
     int64_t *head, *next;  /* children lists: head[p] (p = n for the salt), next[child] */
     int64_t *stack;
     char *done;  /* kept, or a duplicate: not left out */
+    char *ok;  /* the record's key is the hash of its parent field (or the salt) and its tokens */
 } chain;
 
 static int64_t find(const chain *c, const uint8_t *key) {
@@ -86,14 +89,47 @@ static void link_children(chain *c) {
     }
 }
 
-static int verified(const chain *c, int64_t i, const uint8_t *prev) {
+/* Whether record i's key is the hash of (its parent field || its tokens), or of (salt ||
+   tokens): a named page. Its parent field is the key of the record the walk reaches it
+   from (found by that key) or the salt, so this is the check of restore.disk_runs. */
+static char verified(const chain *c, Py_ssize_t i) {
     uint8_t h[KEY_BYTES];
-    const uint8_t *key = c->keys + i * KEY_BYTES, *data = c->tokens + i * c->tok_bytes;
+    const uint8_t *key = c->keys + i * KEY_BYTES, *prev = c->parents + i * KEY_BYTES,
+                  *data = c->tokens + i * c->tok_bytes;
     hash_of(prev, data, (size_t)c->tok_bytes, h);
     if (memcmp(h, key, KEY_BYTES) == 0) return 1;
     if (memcmp(prev, c->salt, KEY_BYTES) == 0) return 0;
-    hash_of(c->salt, data, (size_t)c->tok_bytes, h);  /* a named page */
+    hash_of(c->salt, data, (size_t)c->tok_bytes, h);
     return memcmp(h, key, KEY_BYTES) == 0;
+}
+
+typedef struct { chain *c; Py_ssize_t lo, hi; } span;
+
+static void *verify_span(void *arg) {
+    span *s = arg;
+    for (Py_ssize_t i = s->lo; i < s->hi; i++) s->c->ok[i] = verified(s->c, i);
+    return NULL;
+}
+
+/* ok[i] for every record, on up to 4 threads (the hashing is most of the work; a record's
+   check needs nothing of the others). */
+static void verify_all(chain *c) {
+    enum { MAX_THREADS = 4 };
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    int t = cpus < 1 ? 1 : cpus > MAX_THREADS ? MAX_THREADS : (int)cpus;
+    if (c->n < 4096) t = 1;
+    span spans[MAX_THREADS];
+    pthread_t threads[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int k = 0; k < t; k++) {
+        spans[k] = (span){c, c->n * k / t, c->n * (k + 1) / t};
+        if (k > 0) started[k] = pthread_create(&threads[k], NULL, verify_span, &spans[k]) == 0;
+    }
+    verify_span(&spans[0]);
+    for (int k = 1; k < t; k++) {
+        if (started[k]) pthread_join(threads[k], NULL);
+        else verify_span(&spans[k]);  /* no thread to be had: here */
+    }
 }
 
 /* The depth-first walk from the salt (restore.disk_runs' loop). */
@@ -106,8 +142,7 @@ static void walk(chain *c, int64_t *order, int64_t *run_ends, int64_t *run_paren
             Py_ssize_t start = n_order;
             int64_t prev = parent, x = item;
             for (;;) {  /* a single-child chain becomes one run */
-                const uint8_t *prev_key = prev == c->n ? c->salt : c->keys + prev * KEY_BYTES;
-                if (!verified(c, x, prev_key)) break;  /* corrupt: it and its descendants stay out */
+                if (!c->ok[x]) break;  /* corrupt: it and its descendants stay out */
                 order[n_order++] = x;
                 c->done[x] = 1;
                 prev = x;
@@ -151,13 +186,14 @@ static PyObject *chain_runs(PyObject *Py_UNUSED(self), PyObject *args) {
     while (cap < 2 * (uint64_t)n) cap <<= 1;
     c = (chain){keys.buf, parents.buf, tokens.buf, salt.buf, n, tok_bytes, calloc(cap, sizeof(int64_t)), cap - 1,
                 malloc((n + 1) * sizeof(int64_t)), malloc((n + 1) * sizeof(int64_t)),
-                malloc((n + 1) * sizeof(int64_t)), calloc(n + 1, 1)};
-    if (!c.table || !c.head || !c.next || !c.stack || !c.done) {
+                malloc((n + 1) * sizeof(int64_t)), calloc(n + 1, 1), malloc(n + 1)};
+    if (!c.table || !c.head || !c.next || !c.stack || !c.done || !c.ok) {
         PyErr_NoMemory();
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i <= n; i++) c.head[i] = c.next[i] = NONE;
+    verify_all(&c);
     index_keys(&c);
     link_children(&c);
     walk(&c, order.buf, ends.buf, rparent.buf, out);
@@ -166,7 +202,7 @@ static PyObject *chain_runs(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_END_ALLOW_THREADS
     result = Py_BuildValue("(nnn)", out[0], out[1], n_left);
 done:
-    free(c.table); free(c.head); free(c.next); free(c.stack); free(c.done);
+    free(c.table); free(c.head); free(c.next); free(c.stack); free(c.done); free(c.ok);
     for (int b = 0; b < 8; b++) PyBuffer_Release(all[b]);
     return result;
 }

@@ -11,14 +11,16 @@ is `HOST_LANE`, the disk tier `DISK_LANE`.
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
+from types import MappingProxyType
 from typing import NamedTuple
 
 import numpy as np
 
 from hicache.errors import HiCacheError
-from hicache.index.keys import KEY_BYTES, PackedKeys, as_tokens
+from hicache.index.keys import KEY_BYTES, KEY_RUN_TYPES, KeyRun, PackedKeys, as_tokens
 
 
 class IndexInputError(HiCacheError, ValueError):
@@ -49,6 +51,13 @@ EMPTY_PAGES = _frozen(np.empty(0, dtype=np.int64))
 EMPTY_TOKENS = _frozen(np.empty(0, dtype=np.int32))
 
 
+# The maps of a node that has no device copy, device lock or child counted (most nodes at a
+# million pages: an engine that stores by puts never has device pages): one shared, read-only
+# empty map instead of three empty dicts a node (~200 B). Whoever writes one first replaces
+# it with a dict (policy.py, tree_walk.py), and puts it back once the dict is empty again.
+NO_ENTRIES: Mapping = MappingProxyType({})
+
+
 @dataclass(slots=True, eq=False)
 class TreeNode:
     """One run of pages. Identity matters (eq=False): callers hold nodes to lock them.
@@ -60,9 +69,9 @@ class TreeNode:
 
     parent: TreeNode | None
     children: dict[bytes, TreeNode]      # keyed by the child's first page key
-    keys: list[bytes]                    # chained 16-byte page key per page
+    keys: KeyRun                         # chained 16-byte page key per page, packed (keys.key_run)
     tokens: np.ndarray                   # int32, n_pages * page_size
-    device: dict[int, np.ndarray] = field(default_factory=dict)  # engine -> device page ids
+    device: Mapping[int, np.ndarray] = field(default_factory=lambda: NO_ENTRIES)  # engine -> device page ids
     host: np.ndarray | None = None       # host page-slot ids (int64) or None
     on_disk: bool = False
     lock_ref: list[int] = field(default_factory=lambda: [0, 0, 0])  # per Tier, this node and below
@@ -71,9 +80,9 @@ class TreeNode:
     state: object | None = None          # hybrid-model state checkpoint at the node's end
     policy_memo: tuple | None = None     # an EvictionPolicy's cached priority (see policy.py)
     # Bookkeeping of RadixIndex and its ResidencyLedger; read-only for everyone else.
-    device_locks: dict[int | None, int] = field(default_factory=dict)  # engine (None = all) -> refs
-    child_lanes: dict[int, int] = field(default_factory=dict)  # lane -> children resident in it
-    queued: set[int] = field(default_factory=set)  # lanes with an entry in an eviction heap
+    device_locks: Mapping[int | None, int] = field(default_factory=lambda: NO_ENTRIES)  # engine (None = all) -> refs
+    child_lanes: Mapping[int, int] = field(default_factory=lambda: NO_ENTRIES)  # lane -> children resident in it
+    queued: tuple[int, ...] = ()  # lanes with an entry in an eviction heap
     removed: bool = False
 
     @property
@@ -254,6 +263,8 @@ def not_own(theirs: np.ndarray, own: np.ndarray) -> np.ndarray:
 def check_keys(keys: object) -> list[bytes]:
     if type(keys) is PackedKeys:
         return keys  # validated when it was built from its blob
+    if isinstance(keys, KEY_RUN_TYPES):  # a node's own keys
+        return PackedKeys(bytes(keys))
     if type(keys) is not list:
         if not isinstance(keys, (list, tuple)):
             raise IndexInputError("keys must be a list of bytes")

@@ -63,13 +63,13 @@ from hicache.index.eviction import EvictionOps
 from hicache.index import native_index, restore
 from hicache.index.key_map import KeyMap
 from hicache.index.locks import LockOps
-from hicache.index.keys import KEY_BYTES, PackedKeys
+from hicache.index.keys import KEY_BYTES, PackedKeys, key_run
 from hicache.index.node import (
     DISK_LANE, EMPTY_PAGES, EMPTY_TOKENS, HOST_LANE, DiskRecord, Freed, FreedCollector, IndexInputError,
     IndexStateError, InsertResult, MatchResult, Tier, TreeNode, check_count, check_engine, check_keys,
     check_pages, check_tier, check_tokens, concat_pages, not_own, segment_pages,
 )
-from hicache.index.policy import EvictionPolicy, LruPolicy, ResidencyLedger
+from hicache.index.policy import EvictionPolicy, LruPolicy, ResidencyLedger, count_child
 from hicache.index.tree_walk import (
     check_live, common_pages, path_to_root, preorder, split_node, suffix_chain, walk_path,
 )
@@ -93,7 +93,7 @@ class RadixIndex(LockOps, EvictionOps):
         self.salt = salt
         self.policy = policy if policy is not None else LruPolicy()
         self.clock = clock
-        self.root = TreeNode(parent=None, children={}, keys=[], tokens=EMPTY_TOKENS)
+        self.root = TreeNode(parent=None, children={}, keys=key_run(b""), tokens=EMPTY_TOKENS)
         # Page key -> hint priority, kept by hicache/index/priorities.py: orders eviction
         # before the policy does (policy.py). Call refresh_order() after lowering any.
         self.hint_priority: dict[bytes, int] = {}
@@ -204,8 +204,9 @@ class RadixIndex(LockOps, EvictionOps):
         new_nodes: list[TreeNode] = []
         if i < n:
             ps = self.page_size
-            leaf = TreeNode(parent=node, children={}, keys=keys[i:],
-                            tokens=tokens[i * ps:].copy(), last_access=now)
+            rest = keys.blob[i * KEY_BYTES:] if type(keys) is PackedKeys else keys[i:]
+            leaf = TreeNode(parent=node, children={}, keys=key_run(rest), tokens=tokens[i * ps:].copy(),
+                            last_access=now)
             node.children[keys[i]] = leaf
             if dev is not None:
                 ledger.add_lane(leaf, lane, dev[i:])
@@ -301,9 +302,8 @@ class RadixIndex(LockOps, EvictionOps):
         node.parent = parent
         parent.children[node.keys[0]] = node
         if parent is not self.root:  # the root keeps no counts; the parent is no leaf of these lanes now
-            cl = parent.child_lanes
             for lane in node.lanes():
-                cl[lane] = cl.get(lane, 0) + 1
+                count_child(parent, lane)
         return True
 
     def node_ending_at(self, keys: list[bytes]) -> TreeNode | None:

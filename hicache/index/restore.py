@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hicache.index import native_index
-from hicache.index.keys import KEY_BYTES, as_tokens
+from hicache.index.keys import KEY_BYTES, PackedKeys, as_tokens, key_run
 from hicache.index.node import DISK_LANE, DiskRecord, TreeNode
 
 if TYPE_CHECKING:
@@ -152,41 +152,73 @@ def restore_records(index: RadixIndex, records: Iterable[DiskRecord | tuple], or
     return _report(restored, left_out, orphans)
 
 
-def restore_packed(index: RadixIndex, records: PackedRecords, orphans: list[bytes] | None) -> int:
-    """RadixIndex.restore_packed: the records checked and chained in C where the index's
-    module is built (else `restore_records`), then the runs hung on the tree."""
+@dataclass(slots=True)
+class ChainedRecords:
+    """One namespace's records checked and chained (`chain_packed`), ready to hang on its tree:
+    run r is pages [starts[r], ends[r]) of `keys` (packed, in run order) and `tokens`, below
+    the run ending at record `parents[r]` (-1: the root); `last_records[r]` is its last
+    record, `newest[r]` its newest access time."""
+
+    keys: bytes
+    tokens: np.ndarray  # (pages, page_size) int32, in run order
+    starts: list[int]
+    ends: list[int]
+    parents: list[int]
+    last_records: list[int]
+    newest: list[float]
+    left_out: list[bytes]  # keys of the records left out (orphans, corrupt)
+
+
+def chain_packed(records: PackedRecords, salt: bytes, page_size: int) -> ChainedRecords | None:
+    """The records' check and chaining in C (native_restore.c); None where the index's C
+    module is not loaded or the tokens are not one page each. Touches no index: safe on
+    any thread (the C drops the GIL)."""
     chain = native_index.load()
-    ps = index.page_size
     n = len(records)
-    if chain is None or records.tokens.ndim != 2 or records.tokens.shape[1] != ps:
-        return restore_records(index, records.tuples(), orphans)
+    if chain is None or records.tokens.ndim != 2 or records.tokens.shape[1] != page_size:
+        return None
     keys = np.ascontiguousarray(records.keys, dtype=np.uint8)
-    parents = np.ascontiguousarray(records.parents, dtype=np.uint8)
     tokens = np.ascontiguousarray(records.tokens, dtype=_LE_I4)
     order, run_ends, run_parent, left = (np.empty(n, np.int64) for _ in range(4))
-    n_order, n_runs, n_left = chain.chain_runs(keys, parents, tokens, ps * 4, index.salt, order, run_ends,
-                                               run_parent, left)
-    order, run_ends, run_parent = order[:n_order], run_ends[:n_runs], run_parent[:n_runs]
+    n_order, n_runs, n_left = chain.chain_runs(keys, np.ascontiguousarray(records.parents, dtype=np.uint8), tokens,
+                                               page_size * 4, salt, order, run_ends, run_parent, left)
+    order, run_ends = order[:n_order], run_ends[:n_runs]
+    starts = np.concatenate(([0], run_ends[:-1])) if n_runs else run_ends
+    # np.take of whole rows: ~6x faster than fancy indexing of a 2-D array at a million rows
+    return ChainedRecords(np.take(keys.view(_KEY).reshape(-1), order).tobytes(), np.take(tokens, order, axis=0),
+                          starts.tolist(), run_ends.tolist(),
+                          run_parent[:n_runs].tolist(), order[run_ends - 1].tolist() if n_runs else [],
+                          np.maximum.reduceat(records.last_access[order], starts).tolist() if n_runs else [],
+                          records.key_list(left[:n_left]))
+
+
+def restore_packed(index: RadixIndex, records: PackedRecords | ChainedRecords, orphans: list[bytes] | None) -> int:
+    """RadixIndex.restore_packed: the records checked and chained in C where the index's
+    module is built (else `restore_records`), then the runs hung on the tree."""
+    chained = records if type(records) is ChainedRecords else chain_packed(records, index.salt, index.page_size)
+    if chained is None:
+        return restore_records(index, records.tuples(), orphans)
+    blob, tokens = memoryview(chained.keys), chained.tokens
+    k = KEY_BYTES
     with _gc_paused():
-        key_list = records.key_list(order)  # the pages in run order: a run is a slice
-        run_tokens = tokens[order]
-        starts = np.concatenate(([0], run_ends[:-1])) if n_runs else run_ends
-        newest = np.maximum.reduceat(records.last_access[order], starts).tolist() if n_runs else []
         ends: dict[int, TreeNode] = {-1: index.root}
-        for start, end, parent, la in zip(starts.tolist(), run_ends.tolist(), run_parent.tolist(), newest):
-            ends[int(order[end - 1])] = _hang(index, ends[parent], key_list[start:end],
-                                              run_tokens[start:end].reshape(-1), la)
-    return _report(n_order, records.key_list(left[:n_left]), orphans)
+        for start, end, parent, last, la in zip(chained.starts, chained.ends, chained.parents, chained.last_records,
+                                                chained.newest):
+            ends[last] = _hang(index, ends[parent], blob[start * k:end * k], tokens[start:end].reshape(-1), la)
+    return _report(len(blob) // k, chained.left_out, orphans)
 
 
-def _hang(index: RadixIndex, parent: TreeNode, keys: list[bytes], tokens: np.ndarray, last_access: float
-          ) -> TreeNode:
-    """The run on disk below `parent`: a new leaf, or merged into what is there (the
-    index's insert, which splits where they part); the node ending it."""
-    if keys[0] in parent.children:
+def _hang(index: RadixIndex, parent: TreeNode, keys: list[bytes] | memoryview, tokens: np.ndarray,
+          last_access: float) -> TreeNode:
+    """The run on disk below `parent` (keys: a list, or packed): a new leaf, or merged into
+    what is there (the index's insert, which splits where they part); the node ending it."""
+    packed = type(keys) is memoryview
+    first = bytes(keys[:KEY_BYTES]) if packed else keys[0]
+    if first in parent.children:
+        keys = PackedKeys(bytes(keys)) if packed else keys
         return index._insert_from(parent, keys, tokens, None, None, None, True, last_access, touch=False).nodes[-1]
-    leaf = TreeNode(parent=parent, children={}, keys=keys, tokens=tokens.copy(), last_access=last_access)
-    parent.children[keys[0]] = leaf
+    leaf = TreeNode(parent=parent, children={}, keys=key_run(keys), tokens=tokens.copy(), last_access=last_access)
+    parent.children[first] = leaf
     index._ledger.add_lane(leaf, DISK_LANE, None)
     if index.key_map is not None:
         index.key_map.add(leaf)

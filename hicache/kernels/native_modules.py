@@ -24,8 +24,10 @@ class NativeSpec(NamedTuple):
 
 SPECS = (
     NativeSpec("hicache.index._native_index",
-               ("hicache/index/native_index.c", "hicache/index/native_sketch.c", "hicache/index/native_restore.c"),
-               ("hicache/index/native_sketch.h", "hicache/index/native_restore.h", "hicache/index/native_blake2b.h")),
+               ("hicache/index/native_index.c", "hicache/index/native_sketch.c", "hicache/index/native_restore.c",
+                "hicache/index/native_keys.c"),
+               ("hicache/index/native_sketch.h", "hicache/index/native_restore.h", "hicache/index/native_blake2b.h",
+                "hicache/index/native_keys.h")),
     NativeSpec("hicache.rpc._native_conn",
                ("hicache/rpc/native_conn.c", "hicache/rpc/native_fast_parse.c", "hicache/rpc/native_fast_reply.c"),
                ("hicache/rpc/native_frames.h", "hicache/rpc/native_fast_parse.h",

@@ -62,9 +62,9 @@ def shape(idx):
 
 
 @needs_native
-@pytest.mark.parametrize("seed", range(6))
-def test_packed_records_restore_the_tree_restore_disk_builds(seed):
-    recs = random_records(random.Random(seed), 60)
+@pytest.mark.parametrize("seed,n_seqs", [(s, 60) for s in range(6)] + [(6, 2500)])  # 2500: checked on threads
+def test_packed_records_restore_the_tree_restore_disk_builds(seed, n_seqs):
+    recs = random_records(random.Random(seed), n_seqs)
     by_tuples, by_arrays = make_index(), make_index()
     left_t: list[bytes] = []
     left_a: list[bytes] = []
