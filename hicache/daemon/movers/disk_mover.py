@@ -55,7 +55,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -63,25 +62,22 @@ import numpy as np
 from hicache.config import Config
 from hicache.daemon.core.service import CacheService, NamespaceState, Pin
 from hicache.daemon.movers.disk_jobs import PageViews, Prefetch
-from hicache.daemon.movers.disk_namespaces import NAMESPACES_FILE, NamespaceFile
-from hicache.daemon.movers.disk_startup import Quarantine, open_tier
+from hicache.daemon.movers.disk_namespaces import NamespaceFile
+from hicache.daemon.movers.disk_startup import DiskOpening, OpenedDisk, Quarantine, SaltRecords, open_and_chain
 from hicache.daemon.movers.disk_writes import HostToDisk
-from hicache.daemon.movers.state_dir import prepare_state_dir
 from hicache.index.admission import admission_key
 from hicache.index.node import DISK_LANE
-from hicache.index.restore import PackedRecords
 from hicache.index.radix import Tier, TreeNode
 from hicache.tiers.disk import DiskTier
 from hicache.tiers.disk_format import footprint
-from hicache.tiers.disk_scan import MetaScan
 
 log = logging.getLogger(__name__)
 
 POSTED_SLICE_S = 0.002  # the longest the disk threads' completions hold the event loop at a time
 
 class DiskMover(HostToDisk):
-    def __init__(self, config: Config, service: CacheService, tier: DiskTier, loop: asyncio.AbstractEventLoop
-                 ) -> None:
+    def __init__(self, config: Config, service: CacheService, tier: DiskTier, loop: asyncio.AbstractEventLoop,
+                 namespaces: NamespaceFile | None = None) -> None:
         self.config = config
         self.service = service
         self.tier = tier
@@ -97,7 +93,7 @@ class DiskMover(HostToDisk):
         self._posted: deque[tuple[Callable[..., None], tuple]] = deque()  # see post()
         self._post_lock = threading.Lock()
         self._drain_scheduled = False
-        self.namespaces = NamespaceFile(config.state_dir)
+        self.namespaces = namespaces if namespaces is not None else NamespaceFile(config.state_dir)
         self.quarantine: Quarantine | None = None
         self.rebuilt = dict(restored_pages=0, orphans_dropped=0, unknown_ns_pages_dropped=0)
         service.on_host_stored = self.write_through
@@ -139,58 +135,51 @@ class DiskMover(HostToDisk):
                 return
 
     @classmethod
-    def start(cls, config: Config, service: CacheService) -> DiskMover:
+    def start(cls, config: Config, service: CacheService, opening: DiskOpening | None = None) -> DiskMover:
         """Open the tier (moving a damaged environment aside) and rebuild the index;
-        raises DiskTierError, in one line, when the state directory is unusable."""
-        prepare_state_dir(Path(config.state_dir))
+        raises DiskTierError, in one line, when the state directory is unusable.
+        `opening`: the tier opened and its records chained meanwhile (disk_startup.py)."""
+        opened = opening.result() if opening is not None else open_and_chain(config)
         t0 = time.monotonic()
-        tier, scan, quarantined = open_tier(config)
-        t1 = time.monotonic()
+        tier = opened.tier
         try:
-            if config.reset_disk:
-                (Path(config.state_dir) / NAMESPACES_FILE).unlink(missing_ok=True)
-            mover = cls(config, service, tier, asyncio.get_running_loop())
-            mover.quarantine = quarantined
-            n = mover.rebuild(scan)
-            del scan  # its arrays: hundreds of MiB at a million pages
+            mover = cls(config, service, tier, asyncio.get_running_loop(), opened.namespaces)
+            mover.quarantine = opened.quarantine
+            n = mover.rebuild(opened)
         except BaseException:
             tier.close()
             raise
-        t2 = time.monotonic()
-        log.info("disk tier: %d pages restored in %.2fs (open and scan %.2fs, index %.2fs; %s used of %s)", n,
-                 t2 - t0, t1 - t0, t2 - t1, tier.used_bytes, config.disk_capacity)
+        log.info("disk tier: %d pages restored (open and scan %.2fs, records checked %.2fs, index %.2fs; "
+                 "%s used of %s)", n, opened.open_s, opened.chain_s, time.monotonic() - t0, tier.used_bytes,
+                 config.disk_capacity)
         return mover
 
     def _remember(self, ns: NamespaceState) -> bool:
         return self.namespaces.remember(ns)
 
-    def rebuild(self, scan: MetaScan) -> int:
-        """Restore the disk part of each namespace's tree from the page metadata
-        (scanned by disk_startup.open_tier), namespace by namespace."""
+    def rebuild(self, opened: OpenedDisk) -> int:
+        """Restore the disk part of each namespace's tree from the records scanned and
+        chained by disk_startup.open_and_chain: here only the runs are hung on the trees."""
         restored = 0
-        unknown: list[tuple[bytes, np.ndarray | slice]] = []
-        for salt, rows in scan.by_salt().items():
-            namespace = self.namespaces.namespace(salt)
-            ns = self.service.namespace_state(namespace) if namespace is not None else None
+        scan = opened.scan
+        unknown: list[SaltRecords] = []
+        for group in opened.salts:
+            ns = self.service.namespace_state(group.namespace) if group.namespace is not None else None
             if ns is None:
-                unknown.append((salt, rows))
+                unknown.append(group)
                 continue
-            ps = ns.index.page_size
-            rows, malformed = scan.rows_with(rows, ps)  # a page of another size is no page of this namespace
-            orphans = scan.key_list(malformed)
-            records = PackedRecords(scan.keys[rows], scan.parents[rows], scan.token_rows(rows, ps),
-                                    scan.last_access[rows])
-            restored += ns.index.restore_packed(records, orphans)
+            orphans = list(group.malformed)
+            restored += ns.index.restore_packed(group.chained or group.records, orphans)
             if orphans:
                 log.warning("dropping %d disk pages whose prefix is gone", len(orphans))
                 self.rebuilt["orphans_dropped"] += len(orphans)
                 self.tier.delete_async(orphans)
         hybrid = self.service.hybrid
-        for salt, rows in unknown:  # after the KV: state checkpoints hang on restored nodes
-            if hybrid is not None and hybrid.restore_disk(salt, scan.tuples(rows), self.tier):
+        for group in unknown:  # after the KV: state checkpoints hang on restored nodes
+            if hybrid is not None and hybrid.restore_disk(group.salt, scan.tuples(group.rows), self.tier):
                 continue
-            keys = scan.key_list(rows)
-            log.warning("dropping %d disk pages of an unknown namespace %s", len(keys), salt.hex()[:16])
+            keys = scan.key_list(group.rows)
+            log.warning("dropping %d disk pages of an unknown namespace %s", len(keys), group.salt.hex()[:16])
             self.rebuilt["unknown_ns_pages_dropped"] += len(keys)
             self.tier.delete_async(keys)
         self.rebuilt["restored_pages"] += restored
