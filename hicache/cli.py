@@ -261,14 +261,18 @@ def _interval_line(before: dict, after: dict, seconds: float) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from hicache.daemon.serve.app import serve
-
     overrides = {k: getattr(args, k) for k in ("socket_path", "state_dir", "host_capacity", "disk_capacity",
                                                "disk_enabled", "reset_disk", "write_policy", "load_policy",
                                                "eviction_policy", "disk_admission", "disk_placement",
                                                "metrics_port", "remote_url", "remote_password_file",
                                                "remote_secret_file", "quotas")}
     config = load_config(args.config_file, overrides)
+    if config.disk_enabled and not config.reset_disk:
+        from hicache.tiers import disk_env
+
+        disk_env.start_verify(str(config.disk_dir))  # the disk's check reads while the daemon's modules load
+    from hicache.daemon.serve.app import serve
+
     return serve(config)
 
 
