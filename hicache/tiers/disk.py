@@ -243,6 +243,7 @@ class DiskTier:
         self._closed = True
         self._env.close()
         os.close(self._lock_fd)
+        disk_env.drop_scan(self.path)
 
     def __enter__(self) -> DiskTier:
         return self
@@ -435,7 +436,12 @@ class DiskTier:
         return disk_scan.iter_meta(self._env, self._meta, chunk)
 
     def scan_meta(self) -> disk_scan.MetaScan:
-        """Every page's metadata as arrays, for the index rebuild at startup (disk_scan.py)."""
+        """Every page's metadata as arrays, for the index rebuild at startup: the verification
+        child's when nothing was committed since it read (disk_env.take_scan), else read now
+        (disk_scan.py)."""
+        handed = disk_env.take_scan(self.path, self._env.info()["last_txnid"])
+        if handed is not None:
+            return handed
         return disk_scan.scan(self._env, self._meta, fmt.DB_META, self.num_pages)
 
     # ---------------------------------------------------------------------- stats

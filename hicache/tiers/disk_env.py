@@ -161,7 +161,13 @@ def inspect_env(path: str) -> tuple[int, int] | None:
 # ----------------------------------------------------------- verification (child)
 
 
-_early: dict[str, subprocess.Popen] = {}  # children started before their environment is opened
+class _Child(NamedTuple):
+    proc: subprocess.Popen
+    scan_fd: int  # a memfd the child writes its scan of the records into (disk_scan.dump)
+
+
+_early: dict[str, _Child] = {}  # children started before their environment is opened
+_scans: dict[str, int] = {}  # memfds of the scans the children of passed verifications wrote
 
 
 def start_verify(path: str) -> None:
@@ -175,44 +181,82 @@ def start_verify(path: str) -> None:
 
 def discard_verify(path: str) -> None:
     """Forget (and stop) a child `start_verify` started: the environment is not read after all."""
-    proc = _early.pop(os.path.realpath(path), None)
-    if proc is not None:
-        proc.kill()
-        proc.communicate()
+    child = _early.pop(os.path.realpath(path), None)
+    if child is not None:
+        child.proc.kill()
+        child.proc.communicate()
+        os.close(child.scan_fd)
 
 
 def verify(path: str, timeout_s: float = VERIFY_TIMEOUT_S) -> None:
     """Read the whole environment's structure in a child process (module
     docstring); raises DiskTierDamaged or DiskTierError. A child started early
     (`start_verify`) is collected; one that found damage is not trusted alone: it read
-    before this process held the directory's lock, so the environment is read again."""
-    proc = _early.pop(os.path.realpath(path), None)
-    if proc is not None:
+    before this process held the directory's lock, so the environment is read again.
+    The scan a passing child wrote waits for `take_scan`."""
+    key = os.path.realpath(path)
+    child = _early.pop(key, None)
+    if child is not None:
         try:
-            return _verdict(path, proc, timeout_s)
+            return _verdict(path, child, timeout_s)
         except DiskTierDamaged:
             log.info("%s: damage found by the early read; reading it again under the lock", path)
-    _verdict(path, _spawn(path), timeout_s)
+    _verdict(path, _spawn(key), timeout_s)
 
 
-def _spawn(path: str) -> subprocess.Popen:
+def take_scan(path: str, last_txn_id: int) -> disk_scan.MetaScan | None:
+    """The records the verification child scanned (disk_scan.load), if it read them in
+    transaction `last_txn_id`, the environment's last now: nothing committed since. None
+    otherwise (the caller scans): a scan is never trusted over the environment."""
+    fd = _scans.pop(os.path.realpath(path), None)
+    if fd is None:
+        return None
+    try:
+        handed = disk_scan.load(fd)
+    finally:
+        os.close(fd)
+    if handed is None or handed[1] != last_txn_id:
+        return None
+    return handed[0]
+
+
+def drop_scan(path: str) -> None:
+    """Free a scan nobody took (the tier closes without having scanned)."""
+    fd = _scans.pop(os.path.realpath(path), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _spawn(path: str) -> _Child:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    return subprocess.Popen([sys.executable, "-m", "hicache.tiers.disk_env", path], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, stdin=subprocess.DEVNULL)
+    fd = os.memfd_create("hicache-disk-scan", os.MFD_CLOEXEC)
+    proc = subprocess.Popen([sys.executable, "-m", "hicache.tiers.disk_env", path, str(fd)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, stdin=subprocess.DEVNULL, pass_fds=(fd,))
+    return _Child(proc, fd)
 
 
-def _verdict(path: str, proc: subprocess.Popen, timeout_s: float) -> None:
+def _verdict(path: str, child: _Child, timeout_s: float) -> None:
+    proc = child.proc
     try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        raise DiskTierDamaged(f"{path}: reading the environment did not finish in {timeout_s:.0f}s") from None
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise DiskTierDamaged(f"{path}: reading the environment did not finish in {timeout_s:.0f}s") from None
+    except BaseException:
+        os.close(child.scan_fd)
+        raise
+    if proc.returncode == 0:
+        old = _scans.pop(os.path.realpath(path), None)
+        if old is not None:
+            os.close(old)
+        _scans[os.path.realpath(path)] = child.scan_fd
+        return
+    os.close(child.scan_fd)
     lines = (stdout.strip() or stderr.strip()).splitlines()
     why = lines[-1] if lines else f"exit status {proc.returncode}"
-    if proc.returncode == 0:
-        return
     if proc.returncode < 0:
         sig = signal.Signals(-proc.returncode).name
         raise DiskTierDamaged(f"{path}: reading the environment kills the reader ({sig}: {why})")
@@ -221,9 +265,10 @@ def _verdict(path: str, proc: subprocess.Popen, timeout_s: float) -> None:
     raise DiskTierError(f"{path}: cannot verify the environment: {why}")
 
 
-def _scan(path: str) -> int:
+def _scan(path: str, scan_fd: int | None = None) -> int:
     """What the child reads: every record the rebuild reads, and every page key (in C
-    where the disk tier's library is usable: disk_scan.py)."""
+    where the disk tier's library is usable: disk_scan.py, which then writes what it read
+    of the records to `scan_fd` for the daemon: the module docstring of disk_scan.py)."""
     try:
         env = lmdb.open(path, readonly=True, create=False, max_dbs=8, lock=False)
     except DAMAGE_ERRORS as e:
@@ -235,9 +280,14 @@ def _scan(path: str) -> int:
         scanner = disk_scan.native_scanner(env)  # outside a transaction: it opens one of its own
         with env.begin() as txn:
             dbs = _hicache_dbs(env, txn, path)
-            fmt.unpack_totals(txn.get(fmt.INFO_TOTALS_KEY, db=dbs[fmt.DB_INFO]), path)
+            _, num_pages = fmt.unpack_totals(txn.get(fmt.INFO_TOTALS_KEY, db=dbs[fmt.DB_INFO]), path)
             if scanner is not None:
-                return scanner.count_keys(txn, fmt.DB_META, read_values=True) + scanner.count_keys(txn, fmt.DB_PAGES)
+                n = scanner.count_keys(txn, fmt.DB_PAGES)
+                if scan_fd is None:
+                    return n + scanner.count_keys(txn, fmt.DB_META, read_values=True)
+                scan = scanner.meta(txn, fmt.DB_META, num_pages)  # reads every record: the check of them too
+                disk_scan.dump(scan, txn.id(), scan_fd)
+                return n + len(scan) + scan.malformed
             n = 0
             for _key, value in txn.cursor(db=dbs[fmt.DB_META]):
                 n += len(value) > 0
@@ -248,9 +298,9 @@ def _scan(path: str) -> int:
         env.close()
 
 
-def _child_main(path: str) -> int:
+def _child_main(path: str, scan_fd: int | None) -> int:
     try:
-        _scan(path)
+        _scan(path, scan_fd)
     except DiskTierDamaged as e:
         print(e, flush=True)
         return _EXIT_DAMAGED
@@ -421,4 +471,4 @@ def quarantine(path: str) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(_child_main(sys.argv[1]))
+    sys.exit(_child_main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else None))

@@ -11,12 +11,23 @@ from ``iter_meta``: one result either way (tests/tiers/test_disk_scan.py compare
 
 A record ``disk_format.unpack_record`` refuses is skipped and counted, never deleted:
 what it was cannot be known.
+
+Handed over: the verification child (hicache/tiers/disk_env.py) reads every record
+anyway, so where it has the C scan it scans them and writes the arrays into a memfd the
+daemon gave it (`dump`), with the id of the LMDB transaction it read in; the daemon
+takes them (`load`) only if its own environment's last transaction is that one (nothing
+committed since), and scans itself otherwise. One read of the records, in a process of
+its own that starts before the daemon's imports.
 """
 
 from __future__ import annotations
 
 import ctypes
 import itertools
+import json
+import mmap
+import os
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -209,3 +220,39 @@ def iter_meta(env: lmdb.Environment, meta_db: object, chunk: int = 65536) -> Ite
         if len(items) < chunk:
             return
         start = items[-1][0] + b"\0"  # the first key after the last one read
+
+
+_ARRAYS = ("keys", "parents", "salts", "last_access", "tok_end", "tokens")
+_LEN = struct.Struct("<Q")
+
+
+def dump(scan: MetaScan, txn_id: int, fd: int) -> None:
+    """Write `scan` (read in transaction `txn_id`) to the file `fd` from its start: a JSON
+    header (each array's dtype, shape and offset), then the arrays, 64-byte aligned."""
+    arrays = [np.ascontiguousarray(getattr(scan, name)) for name in _ARRAYS]
+    specs, off = [], 0
+    for a in arrays:
+        specs.append([a.dtype.str, list(a.shape), off])
+        off += -(-a.nbytes // 64) * 64
+    head = json.dumps({"txn_id": txn_id, "malformed": scan.malformed, "arrays": specs}).encode()
+    base = -(-(_LEN.size + len(head)) // 64) * 64
+    os.ftruncate(fd, base + off)
+    os.pwrite(fd, _LEN.pack(len(head)) + head, 0)
+    for a, (_, _, at) in zip(arrays, specs):
+        if a.nbytes:
+            os.pwrite(fd, memoryview(a).cast("B"), base + at)
+
+
+def load(fd: int) -> tuple[MetaScan, int] | None:
+    """(the scan `dump` wrote to `fd`, its transaction id); None when `fd` holds none. The
+    arrays are views of a private map of the file (kept while they are)."""
+    size = os.fstat(fd).st_size
+    if size < _LEN.size:
+        return None
+    mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+    (n,) = _LEN.unpack_from(mm, 0)
+    head = json.loads(bytes(mm[_LEN.size:_LEN.size + n]))
+    base = -(-(_LEN.size + n) // 64) * 64
+    arrays = [np.frombuffer(mm, dtype=np.dtype(dt), count=int(np.prod(shape)), offset=base + at).reshape(shape)
+              for dt, shape, at in head["arrays"]]
+    return MetaScan(*arrays, malformed=head["malformed"]), head["txn_id"]

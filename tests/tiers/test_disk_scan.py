@@ -123,5 +123,52 @@ def test_the_verification_child_reads_every_record_in_c_or_python(tmp_path, monk
     try:
         assert disk_env._scan(str(tmp_path / "disk")) == 240  # every meta record and every page key
         disk_env.verify(str(tmp_path / "disk"))  # the child, its own process
+        disk_env.drop_scan(str(tmp_path / "disk"))  # the scan it wrote (C): no tier opened to take it
     finally:
         disk_native.reset()
+
+
+@needs_native
+def test_the_verification_childs_scan_is_handed_to_the_opener(tmp_path):
+    fill(tmp_path / "disk", 200)
+    tier = DiskTier.open(tmp_path / "disk", 64 * MiB)  # verified by a child, which scanned the records
+    key = str((tmp_path / "disk").resolve())
+    try:
+        assert key in disk_env._scans  # waiting for scan_meta
+        scan = tier.scan_meta()
+        assert key not in disk_env._scans and same(scan, disk_scan.scan_records(tier.iter_meta())) and len(scan) == 200
+    finally:
+        tier.close()
+
+
+@needs_native
+def test_a_scan_read_before_a_commit_is_not_taken(tmp_path):
+    fill(tmp_path / "disk", 50)
+    disk_env.start_verify(str(tmp_path / "disk"))
+    assert disk_env._early[str((tmp_path / "disk").resolve())].proc.wait(60) == 0  # read: 50 pages
+    add_malformed(tmp_path / "disk")  # a commit after it read
+    tier = DiskTier.open(tmp_path / "disk", 64 * MiB)
+    try:
+        scan = tier.scan_meta()  # the child's scan is older than the environment: read again
+        assert len(scan) == 50 and scan.malformed == 2 and str((tmp_path / "disk").resolve()) not in disk_env._scans
+    finally:
+        tier.close()
+
+
+def test_a_dumped_scan_loads_as_it_was(tmp_path):
+    import os
+    rng = np.random.default_rng(1)
+    scan = disk_scan.MetaScan(rng.integers(0, 255, (7, 16), np.uint8), rng.integers(0, 255, (7, 16), np.uint8),
+                              rng.integers(0, 255, (7, 16), np.uint8), rng.random(7), np.arange(1, 8) * 3,
+                              rng.integers(0, 1 << 30, 21, np.int32), malformed=4)
+    for s in (scan, disk_scan.scan_records([])):
+        fd = os.memfd_create("t")
+        try:
+            disk_scan.dump(s, 1234, fd)
+            got, txn = disk_scan.load(fd)
+        finally:
+            os.close(fd)
+        assert txn == 1234 and same(got, s) and got.malformed == s.malformed
+    fd = os.memfd_create("empty")
+    assert disk_scan.load(fd) is None
+    os.close(fd)
