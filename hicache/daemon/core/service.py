@@ -106,12 +106,13 @@ class CacheService:
         return {r.res_id: r.data for r in self.ingest.reservations.values() if r.kind == "backup"}
 
     # -- registry ---------------------------------------------------------
-    def namespace_state(self, namespace: Namespace) -> NamespaceState:
+    def namespace_state(self, namespace: Namespace, index: RadixIndex | None = None) -> NamespaceState:
+        """Made on first use (`index`: built already, by the disk restore, with our policy and clock)."""
         salt = namespace.salt()
         ns = self.namespaces.get(salt)
         if ns is None:
             cls = self.host.page_class(salt, namespace.layout.page_bytes)
-            index = RadixIndex(namespace.layout.page_size, salt, self.eviction_policy, self.clock)
+            index = index or RadixIndex(namespace.layout.page_size, salt, self.eviction_policy, self.clock)
             ns = NamespaceState(namespace, salt, index, cls)
             self.namespaces[salt] = ns
         return ns

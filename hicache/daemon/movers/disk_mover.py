@@ -164,12 +164,15 @@ class DiskMover(HostToDisk):
         scan = opened.scan
         unknown: list[SaltRecords] = []
         for group in opened.salts:
-            ns = self.service.namespace_state(group.namespace) if group.namespace is not None else None
+            ns = self.service.namespace_state(group.namespace, group.index) if group.namespace is not None else None
             if ns is None:
                 unknown.append(group)
                 continue
             orphans = list(group.malformed)
-            restored += ns.index.restore_packed(group.chained or group.records, orphans)
+            if group.index is not None and ns.index is group.index:  # built on the opening thread
+                restored += group.restored
+            else:
+                restored += ns.index.restore_packed(group.chained or group.records, orphans)
             if orphans:
                 log.warning("dropping %d disk pages whose prefix is gone", len(orphans))
                 self.rebuilt["orphans_dropped"] += len(orphans)

@@ -3,20 +3,22 @@ tier's open protocol, or unreadable in the metadata scan) is moved aside once,
 with one log line, and an empty tier opened in its place (see
 hicache/tiers/disk_env.py); any other failure is the caller's one-line error.
 
-What the index rebuild needs is prepared here too (`open_and_chain`): every page's
-record scanned (hicache/tiers/disk_scan.py), and each known namespace's records
-checked and chained into runs (hicache/index/restore.py, in C), so that DiskMover's
-rebuild on the event loop only hangs the runs on the trees. `DiskOpening` does all of
-it on a thread of its own, started before the host arena is allocated: the arena's
-mlock, the verification child, the scan and the chaining all wait on the kernel or
-run in C without the GIL, so on two cores they overlap (at a million pages ~0.5 s
-of the ~1 s before either is done)."""
+The index rebuild is prepared here too (`open_and_chain`): every page's record scanned
+(hicache/tiers/disk_scan.py: by the verification child, which hands its scan over),
+each known namespace's records checked and chained into runs (hicache/index/restore.py,
+in C) and, given the daemon's eviction policy and clock, hung on a new index of the
+namespace that nothing else can see yet; DiskMover's rebuild on the event loop adopts
+those indexes. `DiskOpening` does it all on a thread of its own, started before the
+host arena is allocated: the arena's mlock, the child, and the chaining wait on the
+kernel or run in C without the GIL, so on two cores most of it overlaps (at a million
+pages ~1 s of work, ~0.5 s of it beside the arena's)."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +30,8 @@ from hicache.daemon.movers.disk_namespaces import NAMESPACES_FILE, NamespaceFile
 from hicache.daemon.movers.state_dir import prepare_state_dir
 from hicache.errors import DiskTierDamaged, DiskTierError
 from hicache.index.keys import Namespace
+from hicache.index.policy import EvictionPolicy
+from hicache.index.radix import RadixIndex
 from hicache.index.restore import ChainedRecords, PackedRecords, chain_packed
 from hicache.tiers import disk_env
 from hicache.tiers.disk import DiskTier
@@ -88,7 +92,9 @@ def _move_aside(path: str, reason: str) -> Quarantine:
 class SaltRecords:
     """The scanned records of one salt: a known namespace's, checked and chained (`chained`,
     or `records` where the index's C module is not built), with the keys of its records
-    of another page size (`malformed`); an unknown salt's only as rows of the scan."""
+    of another page size (`malformed`), and when an index could be built here that index
+    (`restored` pages, the keys left out in `malformed` too); an unknown salt's only as
+    rows of the scan."""
 
     salt: bytes
     rows: np.ndarray | slice
@@ -96,6 +102,8 @@ class SaltRecords:
     chained: ChainedRecords | None = None
     records: PackedRecords | None = None
     malformed: list[bytes] = field(default_factory=list)
+    index: RadixIndex | None = None
+    restored: int = 0
 
 
 @dataclass(slots=True)
@@ -106,12 +114,14 @@ class OpenedDisk:
     namespaces: NamespaceFile
     salts: list[SaltRecords]
     open_s: float  # opening and scanning
-    chain_s: float  # checking and chaining the records
+    chain_s: float  # checking and chaining the records (and hanging them on new indexes)
 
 
-def open_and_chain(config: Config) -> OpenedDisk:
+def open_and_chain(config: Config, clock: Callable[[], float] | None = None,
+                   policy: EvictionPolicy | None = None) -> OpenedDisk:
     """The state directory prepared, the tier opened and scanned, each known namespace's
-    records chained (module docstring). Touches no index: runs on any thread."""
+    records chained and, given the daemon's `clock` and `policy`, hung on a new index
+    (module docstring). Touches no index anyone else holds: runs on any thread."""
     t0 = time.monotonic()
     prepare_state_dir(Path(config.state_dir))
     tier, scan, quarantined = open_tier(config)
@@ -131,8 +141,12 @@ def open_and_chain(config: Config) -> OpenedDisk:
             records = PackedRecords(scan.keys[rows], scan.parents[rows], scan.token_rows(rows, ps),
                                     scan.last_access[rows])
             chained = chain_packed(records, salt, ps)
-            salts.append(SaltRecords(salt, rows, namespace, chained, records if chained is None else None,
-                                     scan.key_list(malformed)))
+            group = SaltRecords(salt, rows, namespace, chained, records if chained is None else None,
+                                scan.key_list(malformed))
+            if clock is not None and policy is not None:
+                group.index = RadixIndex(ps, salt, policy, clock)
+                group.restored = group.index.restore_packed(chained or records, group.malformed)
+            salts.append(group)
     except BaseException:
         tier.close()
         raise
@@ -142,15 +156,17 @@ def open_and_chain(config: Config) -> OpenedDisk:
 class DiskOpening:
     """`open_and_chain` on a thread of its own (module docstring); `result()` joins it."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, clock: Callable[[], float] | None = None,
+                 policy: EvictionPolicy | None = None) -> None:
         self._result: OpenedDisk | None = None
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(config,), name="hicache-disk-open", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(config, clock, policy), name="hicache-disk-open",
+                                        daemon=True)
         self._thread.start()
 
-    def _run(self, config: Config) -> None:
+    def _run(self, config: Config, clock: Callable[[], float] | None, policy: EvictionPolicy | None) -> None:
         try:
-            self._result = open_and_chain(config)
+            self._result = open_and_chain(config, clock, policy)
         except BaseException as e:  # raised again by result(), on the caller's thread
             self._error = e
 

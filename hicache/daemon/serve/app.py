@@ -171,7 +171,8 @@ class Daemon:
             remote_auth = RecordAuth.from_file(cfg.remote_secret_file) if cfg.remote_secret_file else None
         # The disk tier opens, scans and checks its records on a thread meanwhile: the arena's
         # mlock and those wait on the kernel or run in C (hicache/daemon/movers/disk_startup.py).
-        opening = self._open_disk() if cfg.disk_enabled else None
+        clock, policy = index_clock(cfg.index_clock), make_policy(cfg.eviction_policy)  # the restored indexes' too
+        opening = self._open_disk(clock, policy) if cfg.disk_enabled else None
         try:
             self.host = HostTier(cfg.host_capacity, mlock=cfg.mlock)
         except BaseException:
@@ -183,9 +184,9 @@ class Daemon:
                  self.host.num_slabs, format_size(self.host.slab_bytes), self.host.arena.locked)
         self.service = CacheService(self.host, write_policy=WritePolicy(cfg.write_policy),
                                     write_hit_threshold=cfg.write_hit_threshold, emit=self._emit,
-                                    clock=index_clock(cfg.index_clock),
+                                    clock=clock,
                                     max_device_pages=cfg.max_device_pages,
-                                    eviction_policy=make_policy(cfg.eviction_policy))
+                                    eviction_policy=policy)
         self.service.fetch_cost = FetchOrRecompute(enabled=cfg.fetch_or_recompute,
                                                    context_tokens=cfg.recompute_context_tokens,
                                                    remeasure_s=cfg.fetch_remeasure_s)
@@ -355,10 +356,10 @@ class Daemon:
             out.append((ns.salt.hex(), ns.namespace.model, tiers))
         return out
 
-    def _open_disk(self) -> Any:
+    def _open_disk(self, clock: Callable[[], float], policy: Any) -> Any:
         from hicache.daemon.movers.disk_startup import DiskOpening  # the disk tier is optional
 
-        return DiskOpening(self.config)
+        return DiskOpening(self.config, clock, policy)
 
     def _start_disk(self, opening: Any) -> None:
         from hicache.daemon.movers.disk_mover import DiskMover
