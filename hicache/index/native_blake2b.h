@@ -30,9 +30,13 @@ static const uint8_t hc_blake2b_sigma[12][16] = {
     {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
 };
 
-static uint64_t hc_load64(const uint8_t *p) {
+static uint64_t hc_load64(const uint8_t *p) {  /* little-endian */
     uint64_t v = 0;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    memcpy(&v, p, sizeof v);
+#else
     for (int i = 7; i >= 0; i--) v = (v << 8) | p[i];
+#endif
     return v;
 }
 

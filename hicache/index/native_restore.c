@@ -45,16 +45,22 @@ static uint64_t slot_hash(const uint8_t *key) {  /* page keys are hashes: their 
     return h ^ (h >> 29);
 }
 
+typedef struct { int32_t head, next; } child_link;  /* a record's first child, and its next sibling */
+
 typedef struct {
     const uint8_t *keys, *parents, *tokens, *salt;
     Py_ssize_t n, tok_bytes;
-    int64_t *table;  /* open addressing: record index + 1, 0 = empty */
+    /* 32-bit record numbers (records < 2**31): at ten million records these tables are
+       random-access bound, and half the bytes is half the cache misses */
+    int32_t *table;  /* open addressing: record index + 1, 0 = empty */
     uint64_t mask;
-    int64_t *head, *next;  /* children lists: head[p] (p = n for the salt), next[child] */
-    int64_t *stack;
-    char *done;  /* kept, or a duplicate: not left out */
-    char *ok;  /* the record's key is the hash of its parent field (or the salt) and its tokens */
+    child_link *links;  /* children lists: links[p].head (p = n for the salt), links[child].next */
+    int32_t *stack;
+    char *flags;  /* OK: the record's key is the hash of its parent field (or the salt) and its
+                     tokens; DONE: kept, or a duplicate (not left out). One byte: one cache miss */
 } chain;
+
+enum { OK = 1, DONE = 2 };
 
 static int64_t find(const chain *c, const uint8_t *key) {
     for (uint64_t s = slot_hash(key) & c->mask;; s = (s + 1) & c->mask) {
@@ -71,8 +77,8 @@ static void index_keys(chain *c) {
         uint64_t s = slot_hash(key) & c->mask;
         for (;; s = (s + 1) & c->mask) {
             int64_t v = c->table[s];
-            if (!v) { c->table[s] = i + 1; break; }
-            if (memcmp(c->keys + (v - 1) * KEY_BYTES, key, KEY_BYTES) == 0) { c->done[i] = 1; break; }
+            if (!v) { c->table[s] = (int32_t)(i + 1); break; }
+            if (memcmp(c->keys + (v - 1) * KEY_BYTES, key, KEY_BYTES) == 0) { c->flags[i] |= DONE; break; }
         }
     }
 }
@@ -80,12 +86,12 @@ static void index_keys(chain *c) {
 /* Hang each record under its parent (in record order); orphans hang nowhere. */
 static void link_children(chain *c) {
     for (Py_ssize_t i = c->n - 1; i >= 0; i--) {
-        if (c->done[i]) continue;
+        if (c->flags[i] & DONE) continue;
         const uint8_t *parent = c->parents + i * KEY_BYTES;
         int64_t p = memcmp(parent, c->salt, KEY_BYTES) == 0 ? c->n : find(c, parent);
         if (p == NONE) continue;
-        c->next[i] = c->head[p];
-        c->head[p] = i;
+        c->links[i].next = c->links[p].head;
+        c->links[p].head = (int32_t)i;
     }
 }
 
@@ -107,7 +113,7 @@ typedef struct { chain *c; Py_ssize_t lo, hi; } span;
 
 static void *verify_span(void *arg) {
     span *s = arg;
-    for (Py_ssize_t i = s->lo; i < s->hi; i++) s->c->ok[i] = verified(s->c, i);
+    for (Py_ssize_t i = s->lo; i < s->hi; i++) s->c->flags[i] = verified(s->c, i) ? OK : 0;
     return NULL;
 }
 
@@ -135,26 +141,26 @@ static void verify_all(chain *c) {
 /* The depth-first walk from the salt (restore.disk_runs' loop). */
 static void walk(chain *c, int64_t *order, int64_t *run_ends, int64_t *run_parent, Py_ssize_t *out) {
     Py_ssize_t n_order = 0, n_runs = 0, top = 0;
-    c->stack[top++] = c->n;  /* parents whose children start runs; n: the salt */
+    c->stack[top++] = (int32_t)c->n;  /* parents whose children start runs; n: the salt */
     while (top) {
         int64_t parent = c->stack[--top];
-        for (int64_t item = c->head[parent]; item != NONE; item = c->next[item]) {
+        for (int64_t item = c->links[parent].head; item != NONE; item = c->links[item].next) {
             Py_ssize_t start = n_order;
             int64_t prev = parent, x = item;
             for (;;) {  /* a single-child chain becomes one run */
-                if (!c->ok[x]) break;  /* corrupt: it and its descendants stay out */
+                if (!(c->flags[x] & OK)) break;  /* corrupt: it and its descendants stay out */
                 order[n_order++] = x;
-                c->done[x] = 1;
+                c->flags[x] |= DONE;
                 prev = x;
-                int64_t only = c->head[x];
-                if (only == NONE || c->next[only] != NONE) break;
-                c->head[x] = NONE;  /* taken into this run */
+                int64_t only = c->links[x].head;
+                if (only == NONE || c->links[only].next != NONE) break;
+                c->links[x].head = NONE;  /* taken into this run */
                 x = only;
             }
             if (n_order > start) {
                 run_ends[n_runs] = n_order;
                 run_parent[n_runs++] = parent == c->n ? NONE : parent;
-                c->stack[top++] = prev;  /* its children, if any, start runs below it */
+                c->stack[top++] = (int32_t)prev;  /* its children, if any, start runs below it */
             }
         }
     }
@@ -172,7 +178,7 @@ static PyObject *chain_runs(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *result = NULL;
     chain c = {0};
     if (keys.len % KEY_BYTES || parents.len != keys.len || tok_bytes < 0 || tokens.len != n * tok_bytes
-            || salt.len != KEY_BYTES) {
+            || salt.len != KEY_BYTES || n >= INT32_MAX) {
         PyErr_SetString(PyExc_ValueError, "records must be n keys, n parents and n * tok_bytes of tokens");
         goto done;
     }
@@ -184,25 +190,24 @@ static PyObject *chain_runs(PyObject *Py_UNUSED(self), PyObject *args) {
     }
     uint64_t cap = 16;
     while (cap < 2 * (uint64_t)n) cap <<= 1;
-    c = (chain){keys.buf, parents.buf, tokens.buf, salt.buf, n, tok_bytes, calloc(cap, sizeof(int64_t)), cap - 1,
-                malloc((n + 1) * sizeof(int64_t)), malloc((n + 1) * sizeof(int64_t)),
-                malloc((n + 1) * sizeof(int64_t)), calloc(n + 1, 1), malloc(n + 1)};
-    if (!c.table || !c.head || !c.next || !c.stack || !c.done || !c.ok) {
+    c = (chain){keys.buf, parents.buf, tokens.buf, salt.buf, n, tok_bytes, calloc(cap, sizeof(int32_t)), cap - 1,
+                malloc((n + 1) * sizeof(child_link)), malloc((n + 1) * sizeof(int32_t)), calloc(n + 1, 1)};
+    if (!c.table || !c.links || !c.stack || !c.flags) {
         PyErr_NoMemory();
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i <= n; i++) c.head[i] = c.next[i] = NONE;
+    for (Py_ssize_t i = 0; i <= n; i++) c.links[i] = (child_link){NONE, NONE};
     verify_all(&c);
     index_keys(&c);
     link_children(&c);
     walk(&c, order.buf, ends.buf, rparent.buf, out);
     int64_t *lo = left.buf;
-    for (Py_ssize_t i = 0; i < n; i++) if (!c.done[i]) lo[n_left++] = i;
+    for (Py_ssize_t i = 0; i < n; i++) if (!(c.flags[i] & DONE)) lo[n_left++] = i;
     Py_END_ALLOW_THREADS
     result = Py_BuildValue("(nnn)", out[0], out[1], n_left);
 done:
-    free(c.table); free(c.head); free(c.next); free(c.stack); free(c.done); free(c.ok);
+    free(c.table); free(c.links); free(c.stack); free(c.flags);
     for (int b = 0; b < 8; b++) PyBuffer_Release(all[b]);
     return result;
 }
