@@ -140,7 +140,7 @@ class KeyRun(Sequence):
         return -1 if at < 0 else at // KEY_BYTES
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, KeyRun) or type(other).__name__ == "KeyRun":
+        if isinstance(other, KEY_RUN_TYPES):  # (defined below: the C type too)
             return self.blob == bytes(other)
         if isinstance(other, (list, tuple)):
             return len(other) == len(self) and all(a == b for a, b in zip(self, other))

@@ -10,18 +10,19 @@ as a whole. A chain of pages with one child each becomes one run, one node.
 
 Two ways in, one result:
 - `disk_runs` over records in any iterable (tuples or DiskRecord): Python, per record;
-- `packed_runs` over `PackedRecords` (arrays, as the disk tier's scan returns them:
-  hicache/tiers/disk_scan.py): the check and the chaining in C (native_restore.c), a few
-  hundred ms per million records against ~8 s in Python; where the index's C module is
-  not built, the same records go through `disk_runs`. tests/index/test_restore_packed.py
-  compares the two on random record sets with orphans, corrupt and duplicate records.
+- `chain_packed` over `PackedRecords` (arrays, as the disk tier's scan returns them:
+  hicache/tiers/disk_scan.py): the check and the chaining in C (native_restore.c, the
+  hashing on every core), ~0.4 s per million records against ~8 s in Python, then
+  `restore_packed` hangs the runs; where the index's C module is not built, the same
+  records go through `disk_runs`. tests/index/test_restore_packed.py compares the two on
+  random record sets with orphans, corrupt and duplicate records.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from hashlib import blake2b
 from typing import TYPE_CHECKING
@@ -73,7 +74,6 @@ class DiskRun:
 
 
 _LE_I4 = np.dtype("<i4")
-
 
 
 def disk_runs(records: object, salt: bytes, page_size: int) -> tuple[list[DiskRun], list[bytes]]:
@@ -198,14 +198,34 @@ def restore_packed(index: RadixIndex, records: PackedRecords | ChainedRecords, o
     chained = records if type(records) is ChainedRecords else chain_packed(records, index.salt, index.page_size)
     if chained is None:
         return restore_records(index, records.tuples(), orphans)
-    blob, tokens = memoryview(chained.keys), chained.tokens
-    k = KEY_BYTES
+    restored = 0
     with _gc_paused():
-        ends: dict[int, TreeNode] = {-1: index.root}
-        for start, end, parent, last, la in zip(chained.starts, chained.ends, chained.parents, chained.last_records,
-                                                chained.newest):
-            ends[last] = _hang(index, ends[parent], blob[start * k:end * k], tokens[start:end].reshape(-1), la)
-    return _report(len(blob) // k, chained.left_out, orphans)
+        for restored in hang_steps(index, chained, orphans):
+            pass
+    return restored
+
+
+def hang_steps(index: RadixIndex, chained: ChainedRecords, orphans: list[bytes] | None) -> Iterator[int]:
+    """Hang the chained runs on `index`, one run a step (yields the pages hung so far), so
+    that a caller may let other work run between steps (the daemon's restore of a big disk
+    tier answers requests meanwhile: hicache/daemon/movers/disk_restore.py). A run whose
+    parent left the tree or the disk between two steps (evicted: a page is on disk only
+    below its parent) is left out with every run below it, its keys added to `orphans`."""
+    blob, tokens, root = memoryview(chained.keys), chained.tokens, index.root
+    k = KEY_BYTES
+    ends: dict[int, TreeNode] = {-1: root}
+    hung = 0
+    left = list(chained.left_out)
+    for start, end, parent_rec, last, la in zip(chained.starts, chained.ends, chained.parents,
+                                                chained.last_records, chained.newest):
+        parent = ends.get(parent_rec)
+        if parent is None or parent.removed or (parent is not root and not parent.on_disk):
+            left.extend(bytes(blob[i * k:(i + 1) * k]) for i in range(start, end))
+            continue
+        ends[last] = _hang(index, parent, blob[start * k:end * k], tokens[start:end].reshape(-1), la)
+        hung += end - start
+        yield hung
+    _report(hung, left, orphans)
 
 
 def _hang(index: RadixIndex, parent: TreeNode, keys: list[bytes] | memoryview, tokens: np.ndarray,

@@ -127,3 +127,27 @@ def test_bad_shapes_are_refused_by_the_c_check():
 def test_the_c_blake2b_is_hashlibs(size):
     prefix, data = random.Random(size).randbytes(16), random.Random(-size).randbytes(size)
     assert NATIVE.page_key(prefix, data) == hashlib.blake2b(prefix + data, digest_size=16).digest()
+
+
+@needs_native
+def test_runs_below_a_parent_evicted_between_two_steps_are_left_out():
+    """hang_steps lets the daemon answer between runs; a parent evicted from disk meanwhile
+    takes what hangs below it out too (a page is on disk only below its parent)."""
+    toks = np.arange(6 * PS, dtype=np.int32)
+    trunk = page_keys(SALT, toks[:2 * PS], PS)
+    left_branch = page_keys(SALT, toks[2 * PS:4 * PS], PS, parent=trunk[-1])
+    right_toks = toks[4 * PS:6 * PS] + 1000
+    right_branch = page_keys(SALT, right_toks, PS, parent=trunk[-1])
+    recs = [(k, SALT if i == 0 else trunk[0], toks[i * PS:(i + 1) * PS], 1.0) for i, k in enumerate(trunk)]
+    for branch, bt in ((left_branch, toks[2 * PS:4 * PS]), (right_branch, right_toks)):
+        recs += [(k, trunk[-1] if i == 0 else branch[0], bt[i * PS:(i + 1) * PS], 1.0) for i, k in enumerate(branch)]
+    idx = make_index()
+    chained = restore.chain_packed(packed(recs), SALT, PS)
+    orphans: list[bytes] = []
+    steps = restore.hang_steps(idx, chained, orphans)
+    assert next(steps) == 2  # the trunk, one run
+    (node,) = all_nodes(idx)
+    idx.set_disk(node, False)  # evicted: in no tier, it leaves the tree
+    assert node.removed and list(steps) == []  # nothing more hangs
+    assert sorted(orphans) == sorted(left_branch + right_branch) and all_nodes(idx) == []
+    check_invariants(idx)

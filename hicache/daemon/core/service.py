@@ -529,7 +529,7 @@ class CacheService:
         class gives its slabs back): clients registering ever new namespaces must not grow
         the daemon without bound. A namespace with pages anywhere, or host pages in
         flight (a prefetch, a state backup), stays."""
-        if ns.engines or ns.page_class.used_pages or self.namespaces.get(ns.salt) is not ns:
+        if ns.engines or ns.restoring or ns.page_class.used_pages or self.namespaces.get(ns.salt) is not ns:
             return
         if any(ns.index.num_pages(t) for t in (Tier.DEVICE, Tier.HOST, Tier.DISK)):
             return

@@ -63,7 +63,8 @@ from hicache.config import Config
 from hicache.daemon.core.service import CacheService, NamespaceState, Pin
 from hicache.daemon.movers.disk_jobs import PageViews, Prefetch
 from hicache.daemon.movers.disk_namespaces import NamespaceFile
-from hicache.daemon.movers.disk_startup import DiskOpening, OpenedDisk, Quarantine, SaltRecords, open_and_chain
+from hicache.daemon.movers.disk_restore import RestoreJob, adopt
+from hicache.daemon.movers.disk_startup import DiskOpening, Quarantine, open_and_chain
 from hicache.daemon.movers.disk_writes import HostToDisk
 from hicache.index.admission import admission_key
 from hicache.index.node import DISK_LANE
@@ -96,6 +97,7 @@ class DiskMover(HostToDisk):
         self.namespaces = namespaces if namespaces is not None else NamespaceFile(config.state_dir)
         self.quarantine: Quarantine | None = None
         self.rebuilt = dict(restored_pages=0, orphans_dropped=0, unknown_ns_pages_dropped=0)
+        self.restore: RestoreJob | None = None  # a big tier's restore while the daemon answers
         service.on_host_stored = self.write_through
         service.before_host_evict = self.demote
         service.on_disk_freed = self.delete
@@ -136,16 +138,29 @@ class DiskMover(HostToDisk):
 
     @classmethod
     def start(cls, config: Config, service: CacheService, opening: DiskOpening | None = None) -> DiskMover:
-        """Open the tier (moving a damaged environment aside) and rebuild the index;
-        raises DiskTierError, in one line, when the state directory is unusable.
-        `opening`: the tier opened and its records chained meanwhile (disk_startup.py)."""
-        opened = opening.result() if opening is not None else open_and_chain(config)
+        """Open the tier (moving a damaged environment aside) and restore the index
+        (disk_restore.py: at once, or for a big tier while the daemon answers); raises
+        DiskTierError, in one line, when the state directory is unusable. `opening`: the
+        tier opened and its records chained meanwhile (disk_startup.py)."""
+        loop = asyncio.get_running_loop()
+        if opening is None:
+            opened, lazy = open_and_chain(config), False
+        else:
+            opened, lazy = opening.opened(), opening.lazy
         t0 = time.monotonic()
         tier = opened.tier
         try:
-            mover = cls(config, service, tier, asyncio.get_running_loop(), opened.namespaces)
+            mover = cls(config, service, tier, loop, opened.namespaces)
             mover.quarantine = opened.quarantine
-            n = mover.rebuild(opened)
+            if lazy:
+                mover.restore = RestoreJob(mover, opened, asyncio.wrap_future(opening.chained, loop=loop))
+                loop.create_task(mover.restore.run())
+                log.info("disk tier: %d pages to index while the daemon answers (opened and read in %.2fs)",
+                         len(opened.scan), opened.open_s)
+                return mover
+            if opening is not None:
+                opening.chained.result()
+            n = adopt(mover, opened)
         except BaseException:
             tier.close()
             raise
@@ -157,36 +172,12 @@ class DiskMover(HostToDisk):
     def _remember(self, ns: NamespaceState) -> bool:
         return self.namespaces.remember(ns)
 
-    def rebuild(self, opened: OpenedDisk) -> int:
-        """Restore the disk part of each namespace's tree from the records scanned and
-        chained by disk_startup.open_and_chain: here only the runs are hung on the trees."""
-        restored = 0
-        scan = opened.scan
-        unknown: list[SaltRecords] = []
-        for group in opened.salts:
-            ns = self.service.namespace_state(group.namespace, group.index) if group.namespace is not None else None
-            if ns is None:
-                unknown.append(group)
-                continue
-            orphans = list(group.malformed)
-            if group.index is not None and ns.index is group.index:  # built on the opening thread
-                restored += group.restored
-            else:
-                restored += ns.index.restore_packed(group.chained or group.records, orphans)
-            if orphans:
-                log.warning("dropping %d disk pages whose prefix is gone", len(orphans))
-                self.rebuilt["orphans_dropped"] += len(orphans)
-                self.tier.delete_async(orphans)
-        hybrid = self.service.hybrid
-        for group in unknown:  # after the KV: state checkpoints hang on restored nodes
-            if hybrid is not None and hybrid.restore_disk(group.salt, scan.tuples(group.rows), self.tier):
-                continue
-            keys = scan.key_list(group.rows)
-            log.warning("dropping %d disk pages of an unknown namespace %s", len(keys), group.salt.hex()[:16])
-            self.rebuilt["unknown_ns_pages_dropped"] += len(keys)
-            self.tier.delete_async(keys)
-        self.rebuilt["restored_pages"] += restored
-        return restored
+    def when_restored(self, fn: Callable[[], None]) -> None:
+        """Run `fn` once every page on disk is indexed (now, unless a restore is running)."""
+        if self.restore is None:
+            fn()
+        else:
+            self.restore.when_restored(fn)
 
     # -- host -> disk ----------------------------------------------------------------
     def _host_view(self, ns: NamespaceState) -> PageViews:
@@ -375,6 +366,7 @@ class DiskMover(HostToDisk):
                 "last_write_time": st["last_write_time"],
                 "durability": st["durability"], "rejected_budget": st["rejected_budget"],
                 "rejected_orphan": st["rejected_orphan"], **self.rebuilt,
+                "restoring": self.restore is not None and not self.restore.done,
                 "quarantined": int(q is not None), "quarantine_path": q.path if q else None,
                 "quarantine_reason": q.reason if q else None,
                 "writable": not degraded, "degraded": degraded, "write_faults": st["write_faults"] + self.namespaces.faults}

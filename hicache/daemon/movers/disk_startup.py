@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,7 +101,7 @@ class SaltRecords:
     rows: np.ndarray | slice
     namespace: Namespace | None = None
     chained: ChainedRecords | None = None
-    records: PackedRecords | None = None
+    records: PackedRecords | None = None  # until chained (kept where the C is not built)
     malformed: list[bytes] = field(default_factory=list)
     index: RadixIndex | None = None
     restored: int = 0
@@ -117,15 +118,12 @@ class OpenedDisk:
     chain_s: float  # checking and chaining the records (and hanging them on new indexes)
 
 
-def open_and_chain(config: Config, clock: Callable[[], float] | None = None,
-                   policy: EvictionPolicy | None = None) -> OpenedDisk:
-    """The state directory prepared, the tier opened and scanned, each known namespace's
-    records chained and, given the daemon's `clock` and `policy`, hung on a new index
-    (module docstring). Touches no index anyone else holds: runs on any thread."""
+def open_and_scan(config: Config) -> OpenedDisk:
+    """The state directory prepared, the tier opened and its records scanned and grouped by
+    namespace (module docstring): the rebuild's first half. Runs on any thread."""
     t0 = time.monotonic()
     prepare_state_dir(Path(config.state_dir))
     tier, scan, quarantined = open_tier(config)
-    t1 = time.monotonic()
     try:
         if config.reset_disk:
             (Path(config.state_dir) / NAMESPACES_FILE).unlink(missing_ok=True)
@@ -140,45 +138,82 @@ def open_and_chain(config: Config, clock: Callable[[], float] | None = None,
             rows, malformed = scan.rows_with(rows, ps)  # a page of another size is no page of this namespace
             records = PackedRecords(scan.keys[rows], scan.parents[rows], scan.token_rows(rows, ps),
                                     scan.last_access[rows])
-            chained = chain_packed(records, salt, ps)
-            group = SaltRecords(salt, rows, namespace, chained, records if chained is None else None,
-                                scan.key_list(malformed))
-            if clock is not None and policy is not None:
-                group.index = RadixIndex(ps, salt, policy, clock)
-                group.restored = group.index.restore_packed(chained or records, group.malformed)
-            salts.append(group)
+            salts.append(SaltRecords(salt, rows, namespace, None, records, scan.key_list(malformed)))
     except BaseException:
         tier.close()
         raise
-    return OpenedDisk(tier, scan, quarantined, names, salts, t1 - t0, time.monotonic() - t1)
+    return OpenedDisk(tier, scan, quarantined, names, salts, time.monotonic() - t0, 0.0)
+
+
+def chain_all(opened: OpenedDisk, clock: Callable[[], float] | None = None,
+              policy: EvictionPolicy | None = None) -> None:
+    """The rebuild's second half for each known namespace: its records checked and chained
+    (in C; where that is not built they stay `records`) and, given the daemon's `clock` and
+    `policy`, hung on a new index. Touches no index anyone else holds: runs on any thread."""
+    t0 = time.monotonic()
+    for group in opened.salts:
+        if group.namespace is None or group.records is None:
+            continue
+        ps = group.namespace.layout.page_size
+        group.chained = chain_packed(group.records, group.salt, ps)
+        if group.chained is not None:
+            group.records = None
+        if clock is not None and policy is not None:
+            group.index = RadixIndex(ps, group.salt, policy, clock)
+            group.restored = group.index.restore_packed(group.chained or group.records, group.malformed)
+    opened.chain_s = time.monotonic() - t0
+
+
+def open_and_chain(config: Config, clock: Callable[[], float] | None = None,
+                   policy: EvictionPolicy | None = None) -> OpenedDisk:
+    """open_and_scan, then chain_all."""
+    opened = open_and_scan(config)
+    try:
+        chain_all(opened, clock, policy)
+    except BaseException:
+        opened.tier.close()
+        raise
+    return opened
 
 
 class DiskOpening:
-    """`open_and_chain` on a thread of its own (module docstring); `result()` joins it."""
+    """The rebuild's halves on a thread of its own (module docstring): `opened()` joins the
+    first; then, for a tier of at most `restore_sync_pages` pages, the second builds the
+    indexes too (`chained()` joins it), for a bigger one it only chains (`lazy`: the daemon
+    answers at once and hangs the runs meanwhile, hicache/daemon/movers/disk_restore.py)."""
 
     def __init__(self, config: Config, clock: Callable[[], float] | None = None,
                  policy: EvictionPolicy | None = None) -> None:
-        self._result: OpenedDisk | None = None
-        self._error: BaseException | None = None
+        self._opened: Future[OpenedDisk] = Future()
+        self.chained: Future[OpenedDisk] = Future()
+        self.lazy = False
         self._thread = threading.Thread(target=self._run, args=(config, clock, policy), name="hicache-disk-open",
                                         daemon=True)
         self._thread.start()
 
     def _run(self, config: Config, clock: Callable[[], float] | None, policy: EvictionPolicy | None) -> None:
         try:
-            self._result = open_and_chain(config, clock, policy)
-        except BaseException as e:  # raised again by result(), on the caller's thread
-            self._error = e
+            opened = open_and_scan(config)
+        except BaseException as e:  # raised again by opened(), on the caller's thread
+            self._opened.set_exception(e)
+            return
+        self.lazy = len(opened.scan) > config.restore_sync_pages
+        self._opened.set_result(opened)
+        try:
+            if self.lazy:
+                chain_all(opened)
+            else:
+                chain_all(opened, clock, policy)
+        except BaseException as e:
+            self.chained.set_exception(e)
+            return
+        self.chained.set_result(opened)
 
-    def result(self) -> OpenedDisk:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        assert self._result is not None
-        return self._result
+    def opened(self) -> OpenedDisk:
+        return self._opened.result()
 
     def abandon(self) -> None:
         """The daemon's start failed before the disk tier started: close what was opened."""
         self._thread.join()
-        if self._result is not None:
-            self._result.tier.close()
+        if self._opened.done() and self._opened.exception() is None:
+            self._opened.result().tier.close()

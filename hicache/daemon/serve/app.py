@@ -220,7 +220,7 @@ class Daemon:
                                    priority_max_share=cfg.priority_max_share, priority_ttl_s=cfg.priority_ttl_s)
         if self.disk is not None:
             self.retention.write_pinned = self.disk.write_pinned
-            self.retention.restore()
+            self.disk.when_restored(self.retention.restore)  # on the whole index
         if remote_store is not None:
             from hicache.daemon.movers.remote_mover import RemoteMover  # the remote tier is optional
 
