@@ -60,6 +60,9 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--no-redis", action="store_true", help="skip redis-server (no baselines)")
     b.add_argument("--workdir", help="where the state directories go, kept (default: a temporary directory, "
                                      "removed at the end)")
+    b.add_argument("--index-only", action="store_true",
+                   help="no daemon, no redis: the index in-process at --pages, its heap per page and the restart's "
+                        "work on its records (hicache/bench/scale_index.py: sizes a daemon here cannot fill)")
 
 
 def _free_port() -> int:
@@ -199,6 +202,10 @@ def _ms(xs: list[float], q: float) -> float:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    if args.index_only:
+        from hicache.bench import scale_index
+
+        return scale_index.run(args)
     if args.workdir:
         Path(args.workdir).mkdir(parents=True, exist_ok=True)
         return _run(args, Path(args.workdir))
