@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 from hicache import __version__
 from hicache.config import (DISK_ADMISSION, DISK_PLACEMENTS, EVICTION_POLICIES, admin_socket_path, format_size,
                             load_config)
+from hicache.cpu_list import parse_cpu_list
 from hicache.errors import DaemonRefused, DaemonUnavailable, DaemonUntrusted, HiCacheError
 
 ADMIN_TIMEOUT_S = 10.0
@@ -56,6 +57,15 @@ def watch_count(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
     return value
+
+
+def cpu_list(text: str) -> str:
+    """A CPU list (`1`, `0-3,8`), checked here; the config parses it again (files, variables)."""
+    try:
+        parse_cpu_list(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def ls_depth(text: str) -> int:
@@ -113,6 +123,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     s.add_argument("--quota", dest="quotas", action="append", metavar="SPEC",
                    help="a tenant quota, repeatable: model=NAME[,extra_key=KEY] or namespace=SALT, then "
                         "tier=host|disk,min=SHARE,max=SHARE (a size or a share of the tier, e.g. 25%%)")
+    s.add_argument("--cpus", type=cpu_list, metavar="LIST",
+                   help="the CPUs the daemon and its threads run on, e.g. 1 or 2-3 (default: those it was started "
+                        "with); off the cores an engine's forward pass is bound to")
     s.add_argument("--config", dest="config_file", help="TOML file ([hicache] table or top-level keys)")
 
     for name, helptext in (("stats", "tier and engine statistics"), ("ls", "the prefix tree per namespace")):
@@ -271,7 +284,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                                "disk_enabled", "reset_disk", "write_policy", "load_policy",
                                                "eviction_policy", "disk_admission", "disk_placement",
                                                "metrics_port", "remote_url", "remote_password_file",
-                                               "remote_secret_file", "quotas")}
+                                               "remote_secret_file", "quotas", "cpus")}
     config = load_config(args.config_file, overrides)
     if config.disk_enabled and not config.reset_disk:
         from hicache.tiers import disk_env

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hicache.cpu_list import parse_cpu_list
 from hicache.errors import ConfigError
 
 try:  # Python 3.11+
@@ -342,6 +343,9 @@ class Config:
     # "all": every one
     remote_admission: str = "reuse"
     mlock: bool = True
+    # The CPUs the daemon and its threads run on (hicache/daemon/serve/placement.py); empty: the
+    # ones it was started with. Off the cores an engine's forward pass is bound to.
+    cpus: tuple[int, ...] = ()
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -425,6 +429,12 @@ def _coerce(name: str, value: Any) -> Any:
     if name not in _FIELDS:
         raise ConfigError(f"unknown setting {name!r}")
     kind = _FIELDS[name].type
+    if name == "cpus":  # "0-3,8", or TOML's [0, 1]
+        try:
+            cpus = parse_cpu_list(value) if isinstance(value, str) else {int(c) for c in value}
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"cpus: {e}" if isinstance(value, str) else f"cpus: not a CPU list: {value!r}") from e
+        return tuple(sorted(cpus))
     try:
         if name in _SIZE_FIELDS:
             return parse_size(value)

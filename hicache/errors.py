@@ -61,7 +61,9 @@ class DaemonRefused(DaemonUnavailable):
 
 class DaemonSlow(DaemonUnavailable):
     """The daemon did not answer a call in time. The connection is kept (its answer, when it
-    comes, is handled then: hicache/client/connection.py); engines treat it as a miss."""
+    comes, is handled then: hicache/client/connection.py); engines treat it as a miss.
+    `sent` False: the call was not even sent (the daemon had not answered an earlier one)."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, sent: bool = True) -> None:
         super().__init__(message, "SLOW")
+        self.sent = sent

@@ -19,4 +19,4 @@ trap 'kill "${hogs[@]}" 2>/dev/null || true' EXIT
     tests/remote/test_faults.py tests/remote/test_busy_host.py tests/remote/test_remote_lookups.py \
     tests/client/test_breaker.py tests/client/test_late_answers.py tests/integrations/test_vllm_step_puts.py \
     tests/robustness tests/daemon/test_lifecycle.py tests/daemon/test_robustness.py \
-    tests/engine/test_daemon_away_reclaim.py tests/tiers/test_disk_map_budget.py "$@"
+    tests/engine/test_daemon_away_reclaim.py tests/engine/test_late_insert.py tests/tiers/test_disk_map_budget.py "$@"

@@ -7,7 +7,13 @@ directory holding the committed inputs under docs/img; each line must exit 0. Ev
 line must parse with the CLI's own argparse parser, `bash scripts/X` and repository paths
 must exist, `python -m hicache.X` must import, JSON arguments must parse, and any other
 program must be one of the outside tools listed here. README.md is checked the same way.
-Under CI=true a missing MkDocs fails instead of skipping (scripts/setup.sh installs it)."""
+Under CI=true a missing MkDocs fails instead of skipping (scripts/setup.sh installs it).
+
+The benchmarks page opens with a table of the current figures rendered from
+docs/data/current.json by `render_current` below (`python tests/test_docs.py` rewrites it
+in the page); the tests here fail when the page's table is not what the JSON renders, when
+a row reads a figure a committed bench output does not hold, or when the README's
+"Measured" figures are not the page's."""
 
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +37,11 @@ from hicache.cli import build_parser
 
 REPO = Path(__file__).resolve().parent.parent
 PAGES = sorted((REPO / "docs").rglob("*.md")) + [REPO / "README.md"]
+BENCHMARKS = REPO / "docs" / "benchmarks.md"
+HISTORY = REPO / "docs" / "benchmarks-history.md"
+CURRENT = REPO / "docs" / "data" / "current.json"
+CURRENT_BEGIN = "<!-- current figures: rendered from docs/data/current.json by tests/test_docs.py -->"
+CURRENT_END = "<!-- end of current figures -->"
 FENCE = re.compile(r"^```(\w+)([^\n]*)\n(.*?)^```", re.S | re.M)
 
 # Programs of other projects the docs show (how to install or run them beside hicache);
@@ -262,3 +274,128 @@ def test_the_site_builds_strictly(tmp_path):
     html = (tmp_path / "site" / "benchmarks" / "index.html").read_text()
     for img in re.findall(r"\]\((img/[^)]+)\)", (REPO / "docs" / "benchmarks.md").read_text()):
         assert (tmp_path / "site" / img).is_file() and img in html
+
+
+def anchor(heading: str) -> str:
+    """The id MkDocs gives a heading (Python-Markdown's default slugify, code spans unwrapped)."""
+    text = unicodedata.normalize("NFKD", heading.replace("`", "")).encode("ascii", "ignore").decode()
+    return re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", text).strip().lower())
+
+
+def headings(page: Path) -> dict[str, int]:
+    """Each heading's anchor and level, fenced blocks left out."""
+    found = re.findall(r"^(#{1,6}) (.+?)\s*$", FENCE.sub("", page.read_text()), re.MULTILINE)
+    return {anchor(text): len(hashes) for hashes, text in found}
+
+
+def current_figure(row: dict) -> tuple[str, str, str]:
+    """A row's figure, date and source cell: read from the bench's committed --json output
+    it names ("from"), or transcribed with the run it came from ("source")."""
+    if "from" in row:
+        assert "date" not in row and "source" not in row, f"{row['what']}: a JSON row takes its date from the JSON"
+        doc = json.loads((REPO / row["from"]).read_text())
+        results = {r["name"]: r for r in doc["results"]}
+        values = {}
+        for key, (name, field, fmt) in row["values"].items():
+            assert name in results, f"{row['what']}: {row['from']} has no result row {name!r}"
+            values[key] = format(results[name][field], fmt)
+        path = row["from"]
+        cell = f"[{Path(path).name}]({path.removeprefix('docs/')})" if path.startswith("docs/") else f"`{path}`"
+        return row["figure"].format(**values), doc["date"], cell
+    assert row.get("source", "").startswith("transcribed from the run"), f"{row['what']}: no source, no JSON"
+    return row["figure"], row["date"], f"[transcribed](benchmarks-history.md#{row['history']})"
+
+
+def current_line(row: dict, machines: dict) -> str:
+    """One row of the current figures' table."""
+    figure, date, source = current_figure(row)
+    assert row["machine"] in machines, f"{row['what']}: unknown machine {row['machine']!r}"
+    machine = f"{row['machine']}, load {row['load']}" if "load" in row else row["machine"]
+    cells = [f"[{row['what']}](#{row['section']})", row["baseline"], figure, date, f"`{row['command']}`", machine,
+             source]
+    assert not any("|" in c for c in cells), f"{row['what']}: a '|' would split the table's cells"
+    return "| " + " | ".join(cells) + " |"
+
+
+def render_current(data: dict) -> str:
+    """The benchmarks page's first table and its machines, as the page carries them."""
+    lines = ["| what | baseline | figure | date | command | machine | from |", "|---|---|---|---|---|---|---|"]
+    lines += [current_line(row, data["machines"]) for row in data["rows"]]
+    lines.append("")
+    lines.append("Machines: " + "; ".join(f"**{k}**: {v}" for k, v in data["machines"].items()) + ".")
+    return "\n".join(lines)
+
+
+def page_current_block(text: str) -> str:
+    assert text.count(CURRENT_BEGIN) == 1 and text.count(CURRENT_END) == 1, "the current figures' markers"
+    return text.split(CURRENT_BEGIN, 1)[1].split(CURRENT_END, 1)[0].strip("\n")
+
+
+def test_the_current_figures_table_is_what_its_json_renders():
+    rendered = render_current(json.loads(CURRENT.read_text()))
+    assert page_current_block(BENCHMARKS.read_text()) == rendered, (
+        "docs/benchmarks.md's current figures differ from docs/data/current.json: run python tests/test_docs.py")
+
+
+def test_every_current_figure_says_where_it_came_from():
+    data = json.loads(CURRENT.read_text())
+    page, history = headings(BENCHMARKS), headings(HISTORY)
+    assert len(data["rows"]) >= 20
+    for row in data["rows"]:
+        assert row["section"] in page, f"{row['what']}: no section #{row['section']} on the benchmarks page"
+        if "from" in row:
+            assert (REPO / row["from"]).is_file(), f"{row['what']}: no committed {row['from']}"
+        else:
+            assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", row["date"]), f"{row['what']}: date {row['date']!r}"
+            assert row["history"] in history, f"{row['what']}: no #{row['history']} in the history"
+    with pytest.raises(AssertionError, match="no result row"):
+        current_figure({"what": "x", "from": "docs/img/bench-vllm.json", "figure": "{a}",
+                        "values": {"a": ["no such row", "value", ".2f"]}})
+    with pytest.raises(AssertionError, match="no source"):
+        current_figure({"what": "x", "figure": "1.0", "date": "2026-12-02", "source": "guessed"})
+
+
+def test_the_benchmarks_page_opens_with_the_current_figures_and_stays_short():
+    text = BENCHMARKS.read_text()
+    assert len(text.splitlines()) < 800
+    sections = re.findall(r"^## (.+)$", FENCE.sub("", text), re.MULTILINE)
+    assert sections[:2] == ["Current figures", "Charts"], sections
+    assert text.index(CURRENT_BEGIN) < text.index("## Charts")
+
+
+def test_every_bench_of_the_history_is_linked_from_the_benchmarks_page():
+    text = BENCHMARKS.read_text()
+    for name, level in headings(HISTORY).items():
+        if level >= 2 and name != "measured":
+            assert f"benchmarks-history.md#{name}" in text, f"no link to the history's #{name}"
+
+
+def test_the_readme_measured_figures_are_the_benchmarks_pages():
+    """Each row of the README's "Measured" table is backed by the entries of current.json
+    that name it ("readme"), and every number of its "now" column is in their rows."""
+    readme = (REPO / "README.md").read_text()
+    table = readme.split("\n## Measured\n", 1)[1].split("\n## ", 1)[0]
+    rows = [r.split(" | ") for r in table.splitlines() if r.startswith("| ") and not r.startswith("| path ")]
+    now = {cells[0].removeprefix("| "): cells[2] for cells in rows}
+    assert len(now) >= 8
+    data = json.loads(CURRENT.read_text())
+    backing: dict[str, str] = {}
+    for row in data["rows"]:
+        if "readme" in row:
+            assert row["readme"] in now, f"{row['what']}: no README Measured row {row['readme']!r}"
+            backing[row["readme"]] = backing.get(row["readme"], "") + current_line(row, data["machines"])
+    number = r"\d+(?:\.\d+)?"
+    for label, figures in now.items():
+        assert label in backing, f"README's Measured row {label!r}: no entry of docs/data/current.json names it"
+        missing = [n for n in re.findall(number, figures) if n not in re.findall(number, backing[label])]
+        assert not missing, f"README's Measured row {label!r}: {missing} not in its docs/data/current.json rows"
+
+
+if __name__ == "__main__":  # rewrite the benchmarks page's table from docs/data/current.json
+    page = BENCHMARKS.read_text()
+    page_current_block(page)  # the markers are there, once each
+    head, rest = page.split(CURRENT_BEGIN)
+    tail = rest.split(CURRENT_END)[1]
+    table = render_current(json.loads(CURRENT.read_text()))
+    BENCHMARKS.write_text(f"{head}{CURRENT_BEGIN}\n{table}\n{CURRENT_END}{tail}")
+    print(f"{BENCHMARKS.relative_to(REPO)}: current figures rendered from {CURRENT.relative_to(REPO)}")

@@ -150,7 +150,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     soak_arguments(bench("soak", "32 engines cycling for minutes: daemon memory before/after, host slots accounted"))
 
-    b = bench("vllm", "a real vLLM serving multi-turn conversations: vLLM alone vs hicache vs LMCache (--compare)")
+    b = bench("vllm", "a real vLLM serving multi-turn conversations, or N requests at once step by step "
+                      "(--concurrency): vLLM alone vs hicache vs LMCache (--compare)")
     vllm_arguments(b)
     _add_plot(b, "TTFT and prefill tokens computed, cold and warm, per configuration")
 

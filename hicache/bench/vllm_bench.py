@@ -8,6 +8,8 @@ over the same tiny random Llama (hicache/bench/tiny_llama.py). Two ways to send 
   own prefix cache is cleared, as device memory pressure would evict it between a user's turns.
 - poisson: conversations arrive and speak concurrently through vLLM's AsyncLLM
   (hicache/integrations/vllm_async_driver.py); a small KV cache does the evicting.
+- `--concurrency N`: N requests at once into long-lived engines driven step by step, every
+  connector call timed, no reuse then reuse, repeats alternating (hicache/bench/vllm_steps.py).
 
 Every run gets the same CPU budget: with a connector configured vLLM's CPU platform reserves
 one more core, and on 2 cores gives up and runs the worker on all of them, while vLLM alone
@@ -20,16 +22,13 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hicache.bench.report import row
-from hicache.bench.tiny_llama import build_tiny_llama
-from hicache.bench.vllm_peers import INSTALL_HINT, PeerRun, lmcache_available, lmcache_transfers, parse_compare, \
+from hicache.bench.vllm_peers import PeerRun, bench_setup, lmcache_transfers, parse_compare, \
     start_peer
 from hicache.bench.vllm_workload import conversations, poisson_gaps
 from hicache.integrations.vllm_driver import run_in_process
@@ -131,20 +130,13 @@ def _step_seconds(peer: PeerRun, out: dict[str, Any]) -> list[float] | None:
 
 def measure(args: argparse.Namespace) -> dict[str, Measured]:
     """Run every configuration of args.compare on one workload; refuse unequal outputs."""
-    names = args.compare if isinstance(args.compare, list) else parse_compare(args.compare)
-    if any(n.startswith("lmcache") for n in names) and not lmcache_available():
-        print(INSTALL_HINT, file=sys.stderr)
-        raise SystemExit(2)
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hicache-bench-vllm-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    model = build_tiny_llama(workdir / "model", layers=args.layers, hidden=args.hidden, heads=args.heads,
-                             kv_heads=args.kv_heads)
+    resolve_defaults(args)
+    names, workdir, model = bench_setup(args, "hicache-bench-vllm-")
     rounds = conversations(args.conversations, args.turns, args.system_tokens, args.user_tokens,
                            args.reply_tokens)
     poisson = args.arrivals == "poisson"
-    kv_mib = args.kv_cache_mib or (64 if poisson else 256)
     spec: dict[str, Any] = {"model": str(model), "block_size": args.block_size, "max_tokens": args.max_tokens,
-                            "max_model_len": args.max_model_len, "kv_cache_bytes": kv_mib << 20}
+                            "max_model_len": args.max_model_len, "kv_cache_bytes": args.kv_cache_mib << 20}
     if poisson:
         spec["arrivals"] = "poisson"
         spec["conversations"] = [[rounds[t][c] for t in range(args.turns)] for c in range(args.conversations)]
@@ -262,7 +254,33 @@ def rows(measured: dict[str, Measured], bytes_per_token: int, poisson: bool,
     return out
 
 
+# Defaults that depend on the mode: the turns and poisson modes' model and requests, and the
+# concurrent mode's (a model whose steps take on this CPU what a real one's take on a GPU).
+MODE_DEFAULTS = {
+    "turns": {"layers": 8, "hidden": 512, "heads": 8, "kv_heads": 4, "max_tokens": 4, "kv_cache_mib": 256},
+    "poisson": {"layers": 8, "hidden": 512, "heads": 8, "kv_heads": 4, "max_tokens": 4, "kv_cache_mib": 64},
+    "concurrency": {"layers": 2, "hidden": 128, "heads": 4, "kv_heads": 1, "max_tokens": 32, "kv_cache_mib": 256,
+                    "max_num_batched_tokens": 1024},
+}
+
+
+def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the options left unset with the defaults of the mode they run in."""
+    mode = "concurrency" if getattr(args, "concurrency", None) is not None else args.arrivals
+    for key, value in MODE_DEFAULTS[mode].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    return args
+
+
 def run(args: argparse.Namespace) -> list[dict]:
+    resolve_defaults(args)
+    if args.concurrency is not None:
+        if args.arrivals != "turns" or getattr(args, "plot", None):
+            raise SystemExit("--concurrency is a mode of its own: without --arrivals and --plot")
+        from hicache.bench.vllm_steps import run as run_steps
+
+        return run_steps(args)
     measured = measure(args)
     return rows(measured, kv_bytes_per_token(args), args.arrivals == "poisson", memcpy_gbps())
 
@@ -274,28 +292,57 @@ def _compare(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _prompt_range(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition("-")
+    try:
+        a, b = int(lo), int(hi if sep else lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a token range: {text!r} (e.g. 512-1536)") from None
+    if not 0 < a <= b:
+        raise argparse.ArgumentTypeError(f"a token range goes up from 1: {text!r}")
+    return a, b
+
+
 def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--compare", type=_compare, default=["none", "hicache"],
                    help="configurations, comma-separated: none (vLLM alone, always run), hicache, hicache-host (no disk tier), lmcache, "
-                        "lmcache-fs, lmcache-chunk256 (LMCache: bash scripts/install_lmcache.sh)")
+                        "lmcache-fs, lmcache-chunk256 (LMCache: bash scripts/install_lmcache.sh); with --concurrency a "
+                        "hicache daemon may be placed: hicache:cpus=1, hicache:nice=-10, hicache:weight=1000 (combined "
+                        "with ':'; each its own daemon)")
     b.add_argument("--arrivals", choices=["turns", "poisson"], default="turns",
                    help="turns: one generate call per turn, vLLM's prefix cache cleared between turns; "
                         "poisson: concurrent conversations through AsyncLLM at --rate requests/s")
+    b.add_argument("--concurrency", type=int, default=None, metavar="N",
+                   help="the concurrent mode: N requests at once into a long-lived engine per configuration, driven "
+                        "step by step, every connector call timed; no reuse, then reuse after vLLM's prefix cache "
+                        "is reset; alternating --repeats (issue 41's setup: --concurrency 96)")
+    b.add_argument("--repeats", type=int, default=5, help="--concurrency: repeats, the configurations' order rotating")
+    b.add_argument("--prefixes", type=int, default=4, help="--concurrency: shared prefixes among the prompts")
+    b.add_argument("--prefix-tokens", type=int, default=384, help="--concurrency: each shared prefix's length")
+    b.add_argument("--prompt-tokens", type=_prompt_range, default=(512, 1536), metavar="MIN-MAX",
+                   help="--concurrency: prompt lengths, uniform (a prefix + a suffix of its own)")
+    b.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="--concurrency: vLLM's token budget per step (default 1024)")
+    b.add_argument("--hogs", type=int, default=0,
+                   help="--concurrency: CPU-bound processes running beside everything for the whole run")
     b.add_argument("--rate", type=float, default=2.0, help="poisson: requests/s over all conversations")
-    b.add_argument("--seed", type=int, default=0, help="poisson: the arrival gaps' seed")
+    b.add_argument("--seed", type=int, default=0, help="poisson: the arrival gaps' seed; --concurrency: the prompts' "
+                                                       "(repeat r draws with seed + r)")
     b.add_argument("--conversations", type=int, default=8)
     b.add_argument("--turns", type=int, default=4)
     b.add_argument("--system-tokens", type=int, default=1024)
     b.add_argument("--user-tokens", type=int, default=96)
     b.add_argument("--reply-tokens", type=int, default=64)
-    b.add_argument("--max-tokens", type=int, default=4)
+    b.add_argument("--max-tokens", type=int, default=None, help="output tokens per request (default 4; --concurrency: 32)")
     b.add_argument("--max-model-len", type=int, default=2048)
     b.add_argument("--kv-cache-mib", type=int, default=None,
                    help="vLLM's KV cache (default 256; poisson: 64, so conversations are evicted between turns)")
     b.add_argument("--block-size", type=int, default=32)
-    b.add_argument("--layers", type=int, default=8)
-    b.add_argument("--hidden", type=int, default=512)
-    b.add_argument("--heads", type=int, default=8)
-    b.add_argument("--kv-heads", type=int, default=4)
-    b.add_argument("--timeout-s", type=float, default=1800.0, help="per vLLM process")
+    b.add_argument("--layers", type=int, default=None, help="the random Llama (default 8 layers, hidden 512, "
+                                                             "8 heads, 4 KV heads; --concurrency: 2, 128, 4, 1)")
+    b.add_argument("--hidden", type=int, default=None)
+    b.add_argument("--heads", type=int, default=None)
+    b.add_argument("--kv-heads", type=int, default=None)
+    b.add_argument("--timeout-s", type=float, default=1800.0,
+                   help="per vLLM process (--concurrency: per engine start and per phase)")
     b.add_argument("--workdir")

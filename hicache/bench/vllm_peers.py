@@ -11,6 +11,9 @@ around one vLLM process.
 - lmcache-fs: the same plus LMCache's file-system L2 adapter in the workdir.
 - lmcache-chunk256: the lmcache server at its default chunk size (256 tokens).
 
+A hicache configuration may name where its daemon runs: `hicache:cpus=1:nice=-10`
+(hicache/bench/vllm_placement.py), each such name its own daemon.
+
 LMCache is not a hicache dependency: `scripts/install_lmcache.sh` installs it (CPU-only, no
 CUDA packages). Its save / load rates come from the server's own log lines
 ("Stored N tokens in S seconds", "Retrieved ..."): it reports no transfer stats to vLLM.
@@ -23,10 +26,12 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hicache.bench.vllm_placement import DaemonPlacement
 from hicache.daemon.serve.launcher import LocalDaemon
 
 log = logging.getLogger(__name__)
@@ -51,14 +57,24 @@ class PeerRun:
     connector: dict[str, Any] | None  # KVTransferConfig fields; None: vLLM alone
     socket: str | None = None  # the hicache daemon's (the driver settles its puts between turns)
     server_log: Path | None = None  # an LMCache server's log: its transfer lines
+    daemon_log: Path | None = None  # the hicache daemon's
+
+
+def split_name(name: str) -> tuple[str, DaemonPlacement]:
+    """`hicache:cpus=1:nice=-5` -> ("hicache", its placement); ValueError if either is bad."""
+    base, *options = name.split(":")
+    if base not in PEERS:
+        raise ValueError(f"unknown --compare config {base}; known: {', '.join(PEERS)}")
+    if options and not base.startswith("hicache"):
+        raise ValueError(f"{name}: only a hicache daemon takes placement options")
+    return base, DaemonPlacement.parse(options)
 
 
 def parse_compare(text: str) -> list[str]:
     """`none,hicache,lmcache` -> names, each known and given once; `none` is always measured (first)."""
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in PEERS]
-    if unknown:
-        raise ValueError(f"unknown --compare config(s) {', '.join(unknown)}; known: {', '.join(PEERS)}")
+    for n in names:
+        split_name(n)
     if len(set(names)) != len(names):
         raise ValueError(f"--compare names a config twice: {text}")
     return ["none"] + [n for n in names if n != "none"]
@@ -71,21 +87,35 @@ def lmcache_available() -> bool:
 @contextmanager
 def start_peer(name: str, workdir: Path, block_size: int) -> Iterator[PeerRun]:
     """Start what `name` needs under workdir/NAME, yield how vLLM reaches it, stop it after."""
-    home = workdir / name
+    home = workdir / re.sub(r"[^A-Za-z0-9_.-]", "_", name)
     home.mkdir(parents=True, exist_ok=True)
-    if name == "none":
+    base, placement = split_name(name)
+    if base == "none":
         yield PeerRun(name, None)
-    elif name.startswith("hicache"):
-        disk = ["--no-disk"] if name == "hicache-host" else ["--disk-capacity", "2GiB"]
-        with LocalDaemon(home / "daemon", "--host-capacity", "1GiB", *disk) as daemon:
+    elif base.startswith("hicache"):
+        # an empty cache and a log of this run only, whatever an earlier run left in the workdir
+        disk = ["--no-disk"] if base == "hicache-host" else ["--disk-capacity", "2GiB", "--reset-disk"]
+        (home / "daemon" / "daemon.log").unlink(missing_ok=True)
+        with LocalDaemon(home / "daemon", "--host-capacity", "1GiB", *disk, *placement.serve_flags()) as daemon:
+            assert daemon.proc is not None
+            group = placement.apply(daemon.proc.pid, name)
             connector = {"kv_connector": "HiCacheConnector", "kv_connector_module_path": "hicache.integrations.vllm",
                          "kv_role": "kv_both", "kv_connector_extra_config": {"socket": daemon.socket}}
-            yield PeerRun(name, connector, socket=daemon.socket)
-    elif name.startswith("lmcache"):
-        chunk = 256 if name == "lmcache-chunk256" else block_size
+            try:
+                yield PeerRun(name, connector, socket=daemon.socket, daemon_log=daemon.log_path)
+            finally:
+                daemon.stop()
+                if group is not None:
+                    group.remove()
+                # its disk tier is an LMDB file allocated whole (2 GiB): a run's leftovers would fill
+                # the disk of whoever benches often; the log stays
+                shutil.rmtree(Path(daemon.state_dir), ignore_errors=True)
+    elif base.startswith("lmcache"):
+        chunk = 256 if base == "lmcache-chunk256" else block_size
         flags = ["--chunk-size", str(chunk), "--l1-size-gb", "1", "--eviction-policy", "LRU"]
-        if name == "lmcache-fs":
-            (home / "l2").mkdir(exist_ok=True)
+        if base == "lmcache-fs":
+            shutil.rmtree(home / "l2", ignore_errors=True)  # an empty cache, as hicache's
+            (home / "l2").mkdir()
             flags += ["--l2-adapter", json.dumps({"type": "fs", "base_path": str(home / "l2")})]
         with LMCacheServer(home, flags) as server:
             extra = {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": server.port,
@@ -164,3 +194,20 @@ def lmcache_transfers(log_path: Path) -> dict[str, float]:
         out[tokens_key] += float(tokens)
         out[seconds_key] += float(seconds)
     return out
+
+
+def bench_setup(args: Any, prefix: str) -> tuple[list[str], Path, Path]:
+    """What every `bench vllm` mode starts from: the configurations of `--compare` (LMCache's
+    install hint and exit 2 where it is asked for and missing), the work directory, and the
+    tiny Llama built there."""
+    from hicache.bench.tiny_llama import build_tiny_llama
+
+    names = args.compare if isinstance(args.compare, list) else parse_compare(args.compare)
+    if any(n.startswith("lmcache") for n in names) and not lmcache_available():
+        print(INSTALL_HINT, file=sys.stderr)
+        raise SystemExit(2)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix=prefix))
+    workdir.mkdir(parents=True, exist_ok=True)
+    model = build_tiny_llama(workdir / "model", layers=args.layers, hidden=args.hidden, heads=args.heads,
+                             kv_heads=args.kv_heads)
+    return names, workdir, model

@@ -1,4 +1,4 @@
-"""The multi-turn chat workload of `hicache bench vllm`: token-id prompts, and when each is sent.
+"""The workloads of `hicache bench vllm`: token-id prompts, and when each is sent.
 
 Every conversation starts with one shared system prompt; each turn appends a new user message
 to everything said so far and, after the turn, the assistant's reply as the client resends it
@@ -10,6 +10,9 @@ Arrivals (`--arrivals poisson --rate R`): conversations open as a Poisson proces
 exponential think time of mean N/R (N conversations) before its next turn, so while answers are
 quick the requests of all conversations together arrive at about R per second, and a
 conversation never sends a turn before it has its previous answer.
+
+Concurrent requests (`--concurrency N`, hicache/bench/vllm_steps.py): N prompts sent at once,
+each one of a few shared prefixes (a system prompt, a few-shot header) and a suffix of its own.
 """
 
 from __future__ import annotations
@@ -48,3 +51,18 @@ def poisson_gaps(n: int, turns: int, rate: float, seed: int = 0) -> list[list[fl
         opened += rng.expovariate(rate)
         gaps.append([opened] + [rng.expovariate(rate / n) for _ in range(turns - 1)])
     return gaps
+
+
+def shared_prefix_prompts(n: int, prefixes: int, prefix_tokens: int, min_tokens: int, max_tokens: int,
+                          seed: int = 0) -> list[list[int]]:
+    """`n` prompts of `min_tokens`..`max_tokens` tokens (uniform): prompt i is shared prefix
+    i % `prefixes` (`prefix_tokens` long) and a suffix of its own. A new seed draws new
+    prefixes too, so no prompt of one seed shares a block with another seed's."""
+    if min(n, prefixes, prefix_tokens) < 1 or not prefix_tokens < min_tokens <= max_tokens:
+        raise ValueError(f"need n, prefixes, prefix tokens >= 1 and prefix tokens < min tokens <= max tokens "
+                         f"(n={n}, prefixes={prefixes}, prefix_tokens={prefix_tokens}, "
+                         f"tokens={min_tokens}..{max_tokens})")
+    rng = random.Random(seed)
+    tok = lambda k: [rng.randrange(1, 500) for _ in range(k)]  # noqa: E731
+    shared = [tok(prefix_tokens) for _ in range(prefixes)]
+    return [shared[i % prefixes] + tok(rng.randint(min_tokens, max_tokens) - prefix_tokens) for i in range(n)]

@@ -16,7 +16,8 @@ AskCalls is mixed into HiCacheClient (hicache/client/client.py).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import select
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -51,6 +52,25 @@ class Ask:
     conn: RpcConnection | None
     parse: Callable[[Any], Any]
     miss: Any = None
+
+
+def wait_for_answers(clients: Iterable[AskCalls], timeout_s: float) -> bool:
+    """Wait up to `timeout_s` for the daemon to answer any client's Ask, reading nothing:
+    for an engine that has nothing to do until an answer comes (vLLM's step scheduled no
+    token while its lookups are out), instead of asking again through empty steps that
+    spin it for nothing. True when something waits to be read (at once when an answer is
+    already buffered); False when nothing is owed, or nothing came in time."""
+    poller = None
+    for c in clients:
+        conn = c.conn
+        if conn is None or conn.closed or not conn.owed:
+            continue
+        if conn.buffered:
+            return True
+        if poller is None:
+            poller = select.poll()
+        poller.register(conn.sock, select.POLLIN)
+    return poller is not None and bool(poller.poll(timeout_s * 1000))
 
 
 class AskCalls:

@@ -29,7 +29,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-import numpy as np
 
 from hicache.config import default_socket_path
 from hicache.errors import ClientError, DaemonSlow, DaemonUnavailable, HiCacheError
@@ -40,6 +39,7 @@ from hicache.rpc.framing import BlobRequest
 from hicache.client.connection import RpcConnection, _close_fd
 from hicache.client.deadlines import CallDeadlines
 from hicache.client.late import ENDS_ON_LATE, HELD, undo_late
+from hicache.client.ledger import LateHandler
 from hicache.client.peer import trusted_daemon_uids
 from hicache.client.prefill_rate import PrefillRate
 from hicache.client.reconnect import Reconnector
@@ -48,13 +48,13 @@ from hicache.client.replies import (  # re-exported: the engine cycle's answers
 )
 from hicache.client.asks import AskCalls
 from hicache.client.cycle import CycleCalls
+from hicache.client.slabs import SlabCalls
 from hicache.client.reports import ReportCalls
 from hicache.client.retention import RetentionCalls
 from hicache.tiers.arena import HostArena
 
 log = logging.getLogger(__name__)
 
-SLAB_SYNC_TRIES = 3  # map_slabs answers BUSY while replies (events) are unread; reading them clears it
 
 
 @dataclass(slots=True)
@@ -74,7 +74,7 @@ class _Handshake:
         self.fds = []
 
 
-class HiCacheClient(CycleCalls, ReportCalls, RetentionCalls, AskCalls):
+class HiCacheClient(SlabCalls, CycleCalls, ReportCalls, RetentionCalls, AskCalls):
     """`deadlines` (default CallDeadlines()): seconds per call kind; `timeout_s` is a shorthand
     for the same deadline on every call. `backoff_s`: (first, longest) pause between background
     reconnect attempts. `daemon_uids`: uids (or user names) trusted to serve the socket besides
@@ -126,6 +126,8 @@ class HiCacheClient(CycleCalls, ReportCalls, RetentionCalls, AskCalls):
         # False for a client that never touches host pages itself (the vLLM scheduler: its workers
         # copy): the slab versions answers name are only recorded, never mapped
         self.map_arena = True
+        # True: calls wait in the connection's outbox until `flush` (RpcConnection.corked)
+        self.corked = False
 
     # -- connection management -------------------------------------------------
     @property
@@ -225,6 +227,7 @@ class HiCacheClient(CycleCalls, ReportCalls, RetentionCalls, AskCalls):
         self.conn = conn
         conn.on_close = self._closing
         conn.liveness_s = self.deadlines.liveness_s
+        conn.corked = self.corked
         self.instance = hello.get("instance")
         self.engine_id = int(reply["engine"])
         self.prefill_rate.sent(hs.prefill_rate)
@@ -236,58 +239,6 @@ class HiCacheClient(CycleCalls, ReportCalls, RetentionCalls, AskCalls):
             cb(self.epoch)
         if old_arena is not None:  # a restarted daemon has a new arena; the callbacks left the old one
             old_arena.close()
-
-    def _check_slabs(self, reply: Any) -> None:
-        """Map the slabs our namespace gained, when a reply says the daemon's are newer."""
-        if type(reply) is dict and reply.get("slabs", self.slab_version) != self.slab_version:
-            if self.map_arena:
-                self.sync_slabs()
-            else:
-                self.slab_version = max(self.slab_version, int(reply["slabs"]))
-
-    def sync_slabs(self) -> bool:
-        """Map every slab the daemon holds our namespace's pages in (fds for those we lack
-        come with the answer) and drop those it no longer does. False when it failed: host
-        pages in unmapped slabs are then not copied (`arena.covers`), never touched."""
-        arena, conn = self.arena, self.conn
-        if arena is None or conn is None:
-            return False
-        for _ in range(SLAB_SYNC_TRIES):
-            have = [[s, arena.slab_gen(s)] for s in np.flatnonzero(arena.backed).tolist()]
-            fds: list[int] = []
-            try:
-                r = conn.call("map_slabs", {"engine": self.engine_id, "have": have},
-                              self.deadlines.update_s, fds=fds)
-                if len(fds) != len(r["sent"]):
-                    raise ClientError("BAD_REPLY", f"{len(fds)} slab fds for {len(r['sent'])} slabs")
-                for (slab, gen), fd in zip(r["sent"], fds):
-                    arena.map_slab(int(slab), fd, int(gen), prefault=False)  # takes the fd, even when it fails
-                fds = []
-                for slab, _ in r["sent"]:  # once all are mapped: an mmap waits for a pre-fault in progress
-                    arena.prefault_async(int(slab))
-                owned = {int(s) for s, _ in r["owned"]}
-                for slab in np.flatnonzero(arena.backed).tolist():
-                    if slab not in owned:
-                        arena.unmap_slab(slab)
-            except DaemonSlow as e:  # slabs unmapped: their pages are not touched (a miss, a skip)
-                for fd in fds:
-                    _close_fd(fd)
-                self._late("map_slabs", e)
-                return False
-            except DaemonUnavailable as e:
-                self._open(e.message)
-                return False
-            except (ClientError, HiCacheError, OSError) as e:
-                for fd in fds:
-                    _close_fd(fd)
-                if isinstance(e, ClientError) and e.code == "BUSY":  # events were unread: they are now
-                    continue
-                log.warning("could not map the host slabs of our namespace: %s", e)
-                return False
-            self.slab_version = int(r["version"])
-            return True
-        log.warning("could not map the host slabs of our namespace: the daemon stayed busy")
-        return False
 
     def _closing(self) -> None:
         for cb in list(self.on_disconnect):
@@ -328,15 +279,18 @@ class HiCacheClient(CycleCalls, ReportCalls, RetentionCalls, AskCalls):
                 self._open(e.message)
                 raise
             if conn.suspect:
-                raise DaemonSlow("the daemon has not answered since a call went late; not waiting")
+                raise DaemonSlow("the daemon has not answered since a call went late; not waiting", sent=False)
         if self._slow_since is not None:
             log.info("hicache daemon answering again after %.2f s", time.monotonic() - self._slow_since)
             self._slow_since = None
 
-    def _call(self, method: str, params: dict, timeout_s: float, *, map_slabs: bool = True) -> Any:
+    def _call(self, method: str, params: dict, timeout_s: float, *, map_slabs: bool = True,
+              on_late: LateHandler | None = None) -> Any:
         """One RPC within `timeout_s`; raises DaemonUnavailable when the daemon is away, hung
         or refused the call. Slabs the reply says we lack are mapped first, unless not
-        `map_slabs` (the caller maps them when it needs them, `_check_slabs`).
+        `map_slabs` (the caller maps them when it needs them, `_check_slabs`). A late answer
+        goes to `on_late` when given (the caller takes it, and the connection stays even
+        for a call that moves device pages), else to late.py's handler for the method.
 
         A refusal (ClientError) on the engine cycle means a bug on one side; the engine
         must keep serving, so it is logged and treated like an absent daemon: a miss,
@@ -346,10 +300,10 @@ class HiCacheClient(CycleCalls, ReportCalls, RetentionCalls, AskCalls):
         self.round_trips += 1
         self.calls[method] += 1
         try:
-            reply = self.conn.call(method, params, timeout_s, on_late=undo_late(method, self.engine_id),
-                                   probe=method not in HELD)
+            reply = self.conn.call(method, params, timeout_s, probe=method not in HELD,
+                                   on_late=on_late or undo_late(method, self.engine_id))
         except (DaemonUnavailable, ClientError) as e:
-            self._failed(method, e)
+            self._failed(method, e, ends=on_late is None)
         if map_slabs:
             self._check_slabs(reply)
         return reply
@@ -367,12 +321,13 @@ class HiCacheClient(CycleCalls, ReportCalls, RetentionCalls, AskCalls):
         self._check_slabs(reply)
         return reply
 
-    def _failed(self, method: str, e: HiCacheError) -> NoReturn:
+    def _failed(self, method: str, e: HiCacheError, ends: bool = True) -> NoReturn:
         """A call that failed: DaemonUnavailable raised. No answer in time (DaemonSlow) keeps
         the connection (hicache/client/late.py gives back what the late answer grants),
-        except for calls that move device pages; a dead connection opens the breaker."""
+        except for calls that move device pages whose caller does not take the late answer
+        (`ends`); a dead connection opens the breaker."""
         if isinstance(e, DaemonSlow):
-            self._late(method, e)
+            self._late(method, e, ends=ends)
             raise e
         if isinstance(e, DaemonUnavailable):
             self._open(e.message)
@@ -381,9 +336,9 @@ class HiCacheClient(CycleCalls, ReportCalls, RetentionCalls, AskCalls):
         log.error("hicache daemon refused %s: %s", method, e)
         raise DaemonUnavailable(f"{method} refused: {e}") from e
 
-    def _late(self, method: str, e: DaemonSlow, count: int = 1) -> None:
+    def _late(self, method: str, e: DaemonSlow, count: int = 1, ends: bool = True) -> None:
         self.late += count
-        if method in ENDS_ON_LATE:  # see late.py: the engine and the daemon would disagree on device pages
+        if method in ENDS_ON_LATE and ends:  # see late.py: the engine and the daemon would disagree on device pages
             self._open(f"{method}: {e.message}")
         elif method in HELD:  # the daemon holds it for a read: a miss of that part, nothing more
             log.debug("hicache: %s", e.message)
@@ -467,6 +422,20 @@ class HiCacheClient(CycleCalls, ReportCalls, RetentionCalls, AskCalls):
             return self._call(method, params, self.deadlines.update_s)
         except DaemonUnavailable:
             return None
+
+    def flush(self) -> None:
+        """Send the calls a corked client queued, in one write."""
+        conn = self.conn
+        if conn is not None and not conn.closed:
+            try:
+                conn.flush()
+            except DaemonUnavailable as e:
+                self._open(e.message)
+
+    @property
+    def unsent(self) -> bool:
+        """Calls queued and not sent yet (a corked client's, until `flush`)."""
+        return self.conn is not None and not self.conn.closed and self.conn.unsent
 
     def wait_posted(self) -> None:
         """Wait until the daemon has handled every call sent without waiting (`_post`)."""

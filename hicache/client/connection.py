@@ -14,7 +14,7 @@ Three ways to call: `call` waits up to a deadline; `send` returns a Pending at o
 `poll` reads what has arrived without waiting (the vLLM scheduler asks again next step);
 `post` sends a call whose answer nobody needs: the daemon answers it only to refuse it.
 Sends never block: what the socket cannot take waits in an outbox that every later
-operation flushes first, so order is kept. Receiving is hicache/client/frame_reader.py;
+operation flushes first, so order is kept. The socket's reads and writes are hicache/client/socket_io.py;
 `connect` checks who listens (hicache/client/peer.py) before a byte is sent.
 """
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import select
 import socket
 import time
 from collections import deque
@@ -30,7 +29,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any, NoReturn
 
 from hicache.client.deadlines import LIVENESS_S  # a daemon that answers no probe this long is hung
-from hicache.client.frame_reader import MAX_FDS, MAX_FRAME_BYTES, RECV_CHUNK, FrameReader
+from hicache.client.socket_io import MAX_FDS, MAX_FRAME_BYTES, RECV_CHUNK, FrameReader, Outbox
 from hicache.client.ledger import AnswerLedger, LateHandler, Pending
 from hicache.client.peer import check_daemon
 from hicache.errors import ClientError, DaemonRefused, DaemonSlow, DaemonUnavailable
@@ -46,8 +45,6 @@ MAX_POSTED = 64  # posted requests not known handled; beyond, a `sync` is sent (
 # well under a Unix socket's buffer (~208 KiB).
 MAX_PIPELINED = 64
 PIPELINE_BYTES = 128 << 10
-MAX_OUTBOX_BYTES = 8 << 20  # requests the daemon has not read; past it the connection is dead
-_POLLIO = select.POLLIN | select.POLLOUT
 _monotonic = time.monotonic
 
 log = logging.getLogger(__name__)
@@ -66,8 +63,7 @@ class RpcConnection:
         self.on_close: Callable[[], None] | None = None
         self._packer = new_packer()  # a connection is one thread's at a time
         self._reader = FrameReader(sock, timeout_s, self._lost)
-        self._outbox = bytearray()  # sent frames the socket has not taken yet, in order
-        self._poller: select.poll | None = None
+        self._outbox = Outbox(sock, self._lost)
         self.ledger = AnswerLedger()
 
     @classmethod
@@ -100,6 +96,30 @@ class RpcConnection:
             return conn.call(method, params or {})
         finally:
             conn.close()
+
+    @property
+    def unsent(self) -> bool:
+        """Frames wait in the outbox (corked, or the socket was full)."""
+        return bool(self._outbox.data)
+
+    @property
+    def corked(self) -> bool:
+        """Frames wait in the outbox until `flush` (or a waited call) sends them in one write."""
+        return self._outbox.corked
+
+    @corked.setter
+    def corked(self, on: bool) -> None:
+        self._outbox.corked = on
+
+    @property
+    def owed(self) -> bool:
+        """Answers to calls sent by `send` (or a probe) have not all been read."""
+        return bool(self.ledger.pending)
+
+    @property
+    def buffered(self) -> bool:
+        """Bytes from the daemon are read and not dispatched yet (the next `poll` takes them)."""
+        return self._reader.buffered
 
     @property
     def suspect(self) -> bool:
@@ -188,7 +208,7 @@ class RpcConnection:
         self._send_frame(frame)
         reader = self._reader
         msg = None
-        if fds is None and not reader.buffered and not self._outbox:
+        if fds is None and not reader.buffered and not self._outbox.data:
             msg = reader.quick(deadline)
             if msg is not None and (msg.get("id") != req_id or "event" in msg):
                 reader.start = 0  # another message came first: read it again on the general path
@@ -282,12 +302,14 @@ class RpcConnection:
         return [self.ledger.track(req_id, method, due) for req_id, method in ids]
 
     def poll(self) -> None:
-        """Read and dispatch whatever has arrived, without waiting; flush queued sends; send
+        """Read and dispatch whatever has arrived, without waiting; flush queued sends (unless
+        corked); send
         a liveness probe when a sent call is overdue. DaemonUnavailable when the
         connection is dead (the peer closed it, or it answered no probe in `liveness_s`)."""
         self._check_open()
         reader = self._reader
-        self._flush()
+        if not self.corked:
+            self._outbox.flush()
         while True:
             msg = reader.take()
             if msg is None:
@@ -427,52 +449,21 @@ class RpcConnection:
             msg = reader.take()
             if msg is not None:
                 return msg
-            if self._outbox:
-                if not self._wait_io(deadline):
+            if self._outbox.data:
+                if not self._outbox.wait(deadline):
                     return None
                 reader.receive(None, fds)  # whatever came, without waiting
             elif not reader.receive(deadline, fds):
                 return None
 
-    def _wait_io(self, deadline: float) -> bool:
-        """Wait for the socket to be readable or writable (then flush); False at the deadline."""
-        if self._poller is None:
-            self._poller = select.poll()
-            self._poller.register(self.sock, _POLLIO)
-        left = deadline - _monotonic()
-        if left <= 0 or not self._poller.poll(left * 1000):
-            return False
-        self._flush()
-        return True
-
     def _send_frame(self, data: bytes) -> None:
-        """Hand a frame to the socket without waiting; what it cannot take now waits in the
-        outbox, in order, and leaves with the next operations."""
-        if self._outbox:
-            if len(self._outbox) + len(data) > MAX_OUTBOX_BYTES:
-                self._lost(f"the daemon read nothing of {MAX_OUTBOX_BYTES >> 20} MiB of requests", None)
-            self._outbox += data
-            self._flush()
-            return
-        try:
-            sent = self.sock.send(data, socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            sent = 0
-        except OSError as e:
-            self._lost(f"send failed: {e}", e)
-        if sent < len(data):
-            self._outbox += memoryview(data)[sent:]
+        self._outbox.push(data)
 
-    def _flush(self) -> None:
-        if not self._outbox:
-            return
-        try:
-            sent = self.sock.send(self._outbox, socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return
-        except OSError as e:
-            self._lost(f"send failed: {e}", e)
-        del self._outbox[:sent]
+    def flush(self) -> None:
+        """Send what waits in the outbox, as far as the socket takes it now (a corked
+        connection's frames)."""
+        if not self.closed:
+            self._outbox.flush()
 
     def _read_message(self, fds: list[int] | None = None) -> dict:
         """The next message within the default timeout, else the connection ends (tests)."""

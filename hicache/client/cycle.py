@@ -9,11 +9,15 @@ CycleCalls is mixed into HiCacheClient.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hicache.client.replies import EMPTY, BackupPlan, InsertReply, Match, PutPlan, StateBackupPlan, StateMatch
+from hicache.client.ledger import LateHandler
+from hicache.client.replies import (
+    EMPTY, LATE, BackupPlan, InsertReply, Late, Match, PutPlan, StateBackupPlan, StateMatch,
+)
 from hicache.errors import DaemonSlow, DaemonUnavailable
 from hicache.index.keys import as_tokens, page_keys
 from hicache.rpc.framing import BlobRequest, bytes_to_ids, ids_to_bytes
@@ -35,9 +39,11 @@ class CycleCalls:
         deadlines: CallDeadlines
         misses_while_away: int
         prefill_rate: PrefillRate
+        connected: bool
 
         def _adopt_ready(self) -> bool: ...
-        def _call(self, method: str, params: dict, timeout_s: float, *, map_slabs: bool = True) -> Any: ...
+        def _call(self, method: str, params: dict, timeout_s: float, *, map_slabs: bool = True,
+                  on_late: LateHandler | None = None) -> Any: ...
         def _call_blob(self, request: BlobRequest, blob: bytes, timeout_s: float) -> Any: ...
         def _call_many(self, method: str, params: list[dict], timeout_s: float) -> list[Any]: ...
         def _match_request(self) -> BlobRequest: ...
@@ -63,9 +69,14 @@ class CycleCalls:
                   int(r["disk_len"]), self.epoch, 0, None if state is None else StateMatch.parse(state),
                   bool(r.get("pending", False)))
         if m.disk_len or m.pending or (state is not None and state["pending"]):
-            # worth waiting for as long as computing the pages beyond host would take
-            beyond = (len(keys) - m.device_len - m.host_len) * self.layout.page_size
-            self.refresh(m, min(self.deadlines.load_s, self.prefill_rate.worth_waiting_s(beyond)))
+            # The disk part: the daemon's load policy says how long (best_effort: not at all). A
+            # remote lookup still running: worth waiting for as long as computing the pages
+            # beyond host would take (a slow or dead store must not hold every request).
+            timeout_s = self.deadlines.load_s
+            if m.pending:
+                beyond = (len(keys) - m.device_len - m.host_len) * self.layout.page_size
+                timeout_s = min(timeout_s, self.prefill_rate.worth_waiting_s(beyond))
+            self.refresh(m, timeout_s)
         return m
 
     def refresh(self, match: Match, timeout_s: float | None = None) -> Match:
@@ -88,10 +99,17 @@ class CycleCalls:
         return match
 
     def insert(self, tokens: Any, device_pages: np.ndarray, *, keys: list[bytes] | None = None,
-               pin: Match | None = None, states: dict[int, int] | None = None) -> InsertReply | None:
+               pin: Match | None = None, states: dict[int, int] | None = None,
+               on_late: Callable[[InsertReply | None], None] | None = None) -> InsertReply | Late | None:
         """Offer the full pages of `tokens` (held in `device_pages`) to the cache, and for a
         hybrid model the state checkpoints it holds (`states`: position -> device state slot).
         None: skipped (daemon away) and the pages stay the engine's own.
+
+        With `on_late`, a daemon too slow to answer in time is no lost connection: the call
+        returns LATE (whether the daemon took the pages is unknown until its answer comes, so
+        the engine keeps them, in doubt), and `on_late` gets the answer (None: refused) on
+        a later call of this client; its backup plans are given back. Without it a late
+        answer ends the connection (hicache/client/late.py).
 
         `keys` may hold the keys of a leading part of the pages (e.g. from the match of
         the prompt); only the pages after them are hashed, chained from the last one."""
@@ -111,16 +129,36 @@ class CycleCalls:
             params["pin"] = pin.pin
         if states:
             params["states"] = [[int(p), int(s)] for p, s in sorted(states.items())]
+        late = None if on_late is None else self._late_insert(on_late)
         try:
-            r = self._call("insert", params, self.deadlines.update_s)
+            r = self._call("insert", params, self.deadlines.update_s, on_late=late)
+        except DaemonSlow as e:
+            return LATE if late is not None and e.sent and self.connected else None
         except DaemonUnavailable:
             return None
+        return self._insert_reply(r)
+
+    def _insert_reply(self, r: dict) -> InsertReply:
         sb = r.get("state_backup")
         state_plan = None if sb is None else StateBackupPlan(int(sb["id"]), list(sb["host_slots"]),
                                                              list(sb["device_slots"]), list(sb["positions"]),
                                                              self.epoch)
         return InsertReply(int(r["present_pages"]), bytes_to_ids(r["free_pages"]), self._plan(r["backup"]),
                            state_plan)
+
+    def _late_insert(self, taker: Callable[[InsertReply | None], None]) -> LateHandler:
+        """The handler of an insert's late answer: `taker` gets the reply; its backup plans
+        are given back (the engine did not copy anything for them)."""
+        def handler(outcome: Any) -> list[tuple[str, dict]] | None:
+            reply = self._insert_reply(outcome) if type(outcome) is dict else None
+            taker(reply)
+            undo: list[tuple[str, dict]] = []
+            if reply is not None and reply.backup is not None:
+                undo.append(("backup_done", {"backup": reply.backup.backup_id, "ok": False}))
+            if reply is not None and reply.state_backup is not None:
+                undo.append(("state_backup_done", {"backup": reply.state_backup.backup_id, "ok": False}))
+            return undo
+        return handler
 
     def put(self, tokens: Any, *, keys: list[bytes] | None = None) -> PutPlan | None:
         """Reserve host pages for the full pages of `tokens` the host tier lacks, for an
@@ -147,8 +185,15 @@ class CycleCalls:
         return [None if r is None else self._put_plan(r) for r in replies]
 
     def _put_params(self, tokens: Any, keys: list[bytes] | None) -> dict:
-        toks = as_tokens(tokens)
+        """`tokens` may come packed already (little-endian int32 bytes, with `keys`)."""
         ps = self.layout.page_size
+        if isinstance(tokens, (bytes, bytearray, memoryview)) and keys is not None:
+            n = len(keys)
+            if len(tokens) < n * ps * 4:
+                raise ValueError(f"{n} page keys need {n * ps} tokens, got {len(tokens) // 4}")
+            packed = tokens if len(tokens) == n * ps * 4 else tokens[:n * ps * 4]
+            return {"engine": self.engine_id, "keys": b"".join(keys), "tokens": packed}
+        toks = as_tokens(tokens)
         if keys is None:
             keys = self.page_keys(toks)
         n = len(keys)

@@ -6,7 +6,10 @@ A device page is, at any moment, one of:
   private  - held by one request only (freshly computed, or a duplicate);
   cached   - the daemon records it as this engine's residency ("owned");
              requests using it hold a ref, and the daemon keeps it locked
-             through their pins, so eviction never takes a page in use.
+             through their pins, so eviction never takes a page in use;
+  in doubt - offered by an insert the daemon answered late: it may record it,
+             so it is never freed until the answer comes (then cached, or
+             freed once no request holds it) or the connection is gone.
 Pages move private -> cached at `store` (insert) and `finish_load`, cached
 -> free when the daemon evicts them, and cached -> private for every page at
 once when the daemon is lost: a reconnect registers a new engine (the daemon
@@ -46,6 +49,7 @@ import numpy as np
 import torch
 
 from hicache.client.client import EMPTY, BackupPlan, HiCacheClient, InsertReply, Match
+from hicache.client.replies import LATE
 from hicache.errors import HiCacheError
 from hicache.tiers.device import DevicePool
 from hicache.tiers.host import HostArena, HostKVCache, check_dma_min_run_pages
@@ -94,6 +98,9 @@ class EngineCache:
         self.page_size = device_pool.page_size
         n = device_pool.num_pages + 1
         self.cached = np.zeros(n, dtype=bool)  # the daemon tracks this page as our residency
+        # offered by an insert whose answer is late: the daemon may track it, so it is never
+        # freed until the answer says (`_late_insert`) or the connection is gone
+        self.doubt = np.zeros(n, dtype=bool)
         self.refs = np.zeros(n, dtype=np.int32)  # live requests holding the page
         self.backups: list[tuple[BackupPlan, Any, TransferExecutor]] = []
         self.host: HostKVCache | None = None
@@ -128,6 +135,9 @@ class EngineCache:
         Idle ones are freed now, those live requests hold at their release. Returns how many
         were freed."""
         self._drain_backups(report=False)  # a backup may still read pages about to be freed
+        doubted = np.flatnonzero(self.doubt)  # a late insert's answer will never come now
+        self.doubt[doubted] = False
+        self._free(doubted[(self.refs[doubted] == 0) & ~self.cached[doubted]])
         lost = np.flatnonzero(self.cached)
         if not len(lost):
             return 0
@@ -213,8 +223,12 @@ class EngineCache:
         self.refs[new_pages] += 1
         reply = None
         if prefix.epoch == self.client.epoch:
+            offered = new_pages[np.isin(new_pages, all_pages)]
             reply = self.client.insert(tokens, all_pages, keys=prefix.match.keys[:n_full], pin=prefix.match,
-                                       states=states)
+                                       states=states, on_late=lambda r: self._late_insert(offered, r))
+        if reply is LATE:  # whether the daemon took them is known once its answer comes
+            self.doubt[offered] = True
+            reply = None
         if reply is None:
             prefix.private.append(new_pages)
             return None
@@ -231,6 +245,15 @@ class EngineCache:
             else:
                 self._report_failed(reply.backup)
         return reply
+
+    def _late_insert(self, offered: np.ndarray, reply: InsertReply | None) -> None:
+        """The late answer of an insert (None: refused): the pages it adopted become cached,
+        the rest stop being in doubt; those no request holds any more are freed."""
+        self.doubt[offered] = False
+        if reply is not None:
+            dups = reply.free_pages[~self.cached[reply.free_pages]]
+            self.cached[offered[~np.isin(offered, dups)]] = True
+        self._free(offered[(self.refs[offered] == 0) & ~self.cached[offered]])
 
     @property
     def arena(self) -> HostArena | None:
@@ -265,6 +288,7 @@ class EngineCache:
         for pages in prefix.private:
             self.refs[pages] -= 1
         private = np.concatenate(prefix.private) if prefix.private else EMPTY
+        private = private[~self.cached[private] & ~self.doubt[private]]  # a late insert's answer decides those
         orphaned = np.concatenate(prefix.cached) if prefix.cached else EMPTY
         orphaned = orphaned[(~self.cached[orphaned]) & (self.refs[orphaned] == 0)]
         self._free(np.unique(np.concatenate([private, orphaned])))

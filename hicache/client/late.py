@@ -8,10 +8,12 @@ the answer, when it comes, to the handler named here, and posts the calls it ret
 (hicache/client/connection.py), in order, before any later call can be answered.
 
 Calls that move the engine's own device pages (insert, evict, a waited backup_done or
-load_done) cannot be undone this way: the engine has already reused pages the daemon
-would then think it holds. For those a late answer ends the connection (ENDS_ON_LATE):
-the daemon forgets the engine's device residency when it sees the close, and the
-client reconnects, as for a dead daemon. Calls the daemon holds on purpose (HELD: a
+load_done) cannot be undone this way: the engine may already have reused pages the
+daemon would then think it holds. An insert whose caller takes its late answer
+(EngineCache: it keeps the offered pages "in doubt" until the answer says whether the
+daemon took them) keeps the connection; for the others a late answer ends it
+(ENDS_ON_LATE): the daemon forgets the engine's device residency when it sees the
+close, and the client reconnects, as for a dead daemon. Calls the daemon holds on purpose (HELD: a
 `load` waiting for the disk or the remote store) may come late without the connection
 turning suspect.
 """

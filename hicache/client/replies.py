@@ -81,6 +81,17 @@ class PutPlan:
     epoch: int
 
 
+class Late:
+    """A waited call whose answer had not come by its deadline, and whose caller takes the
+    answer when it comes (HiCacheClient.insert's `on_late`)."""
+
+    def __repr__(self) -> str:
+        return "LATE"
+
+
+LATE = Late()
+
+
 @dataclass(slots=True)
 class InsertReply:
     present_pages: int

@@ -58,7 +58,7 @@ def page_extras(items: Iterable[tuple[str, int, int]], page_size: int) -> dict[i
 class RequestKeys:
     """The chained keys of one request's full pages, extended as its tokens grow."""
 
-    __slots__ = ("salt", "start", "page_size", "extras", "keys")
+    __slots__ = ("salt", "start", "page_size", "extras", "keys", "token_bytes")
 
     def __init__(self, salt: bytes, page_size: int, *, extras: Sequence[str] = (),
                  items: Iterable[tuple[str, int, int]] = ()) -> None:
@@ -67,6 +67,7 @@ class RequestKeys:
         self.page_size = page_size
         self.extras = page_extras(items, page_size)
         self.keys: list[bytes] = []
+        self.token_bytes = bytearray()  # the hashed pages' tokens, packed int32 (what a put sends)
 
     def upto(self, tokens: Sequence[int] | np.ndarray, n_pages: int) -> list[bytes]:
         """Keys of the first n_pages pages of `tokens` (which must hold them all)."""
@@ -76,6 +77,7 @@ class RequestKeys:
             toks = as_tokens(np.asarray(tokens[have * ps:n_pages * ps]))
             if len(toks) < (n_pages - have) * ps:
                 raise ValueError(f"{n_pages} pages need {n_pages * ps} tokens")
+            self.token_bytes += toks.tobytes()
             page = have
             while page < n_pages:
                 parent = self.keys[-1] if self.keys else self.start

@@ -114,9 +114,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     rounds = []
     for i, prompts in enumerate(spec["rounds"]):
         if i and spec.get("socket") and spec.get("settle", True):
-            _settle(spec["socket"])
+            settle_puts(spec["socket"])
         if i and spec.get("reset_between_rounds", True):
-            llm.reset_prefix_cache(reset_connector=False)
+            reset_prefix_cache(llm)
         if i in spec.get("pause_before_rounds", ()):
             _pause(Path(spec["pause_dir"]), i)
         # fault injection: the daemon dies (SIGKILL) or hangs (SIGSTOP) during a round, or wakes up
@@ -145,7 +145,19 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     return {"init_s": init_s, "rounds": rounds, "counters": counters(), "hybrid_kv_cache_manager": hma}
 
 
-def _settle(socket: str, timeout_s: float = 30.0) -> None:
+def reset_prefix_cache(llm: Any, timeout_s: float = 60.0) -> None:
+    """Clear vLLM's own prefix cache. `generate` returns before the engine frees the blocks
+    of requests whose saves are still running (the connector delays their free), and a
+    reset while any block is held does nothing: try until it takes, or fail loudly (blocks
+    held this long are a connector that never reports its saves done)."""
+    deadline = time.monotonic() + timeout_s
+    while not llm.reset_prefix_cache(reset_connector=False):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"vLLM's prefix cache could not be reset in {timeout_s:g} s: blocks still held")
+        time.sleep(0.01)
+
+
+def settle_puts(socket: str, timeout_s: float = 30.0) -> None:
     """Wait until the daemon has no put in flight: what the last round computed is stored
     (vLLM's generate returns before its last saves are committed). A daemon that is gone
     or hung has nothing to settle."""

@@ -1,5 +1,6 @@
 """How the vLLM drivers build an engine from a spec and read its counters: shared by the
-one-`generate`-per-turn driver (vllm_driver.py) and the concurrent one (vllm_async_driver.py)."""
+one-`generate`-per-turn driver (vllm_driver.py), the concurrent one (vllm_async_driver.py) and
+the step-by-step one (vllm_step_driver.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ def engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
             kv_role="kv_both", kv_connector_extra_config=extra)
     if spec.get("in_process"):
         kwargs["distributed_executor_backend"] = "uni"
+    for key in ("max_num_batched_tokens", "max_num_seqs"):  # the scheduler's step budget
+        if spec.get(key):
+            kwargs[key] = int(spec[key])
     if spec.get("kv_events_endpoint"):
         from vllm.config import KVEventsConfig
 

@@ -14,6 +14,7 @@ import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -248,3 +249,236 @@ def test_the_chart_of_a_run_is_drawn_from_its_json(measured, tmp_path):
     assert out.returncode == 0, out.stderr
     with Image.open(chart) as im:
         assert im.format == "PNG" and im.size[0] > 300
+
+
+# -- the concurrent mode (`--concurrency N`): hicache/bench/vllm_steps.py ---------------------------
+
+
+def test_concurrent_prompts_share_a_few_prefixes_and_differ_after_them():
+    from hicache.bench.vllm_workload import shared_prefix_prompts
+
+    prompts = shared_prefix_prompts(12, 4, prefix_tokens=40, min_tokens=50, max_tokens=90, seed=3)
+    assert prompts == shared_prefix_prompts(12, 4, 40, 50, 90, seed=3)
+    assert all(50 <= len(p) <= 90 for p in prompts)
+    for i, p in enumerate(prompts):
+        assert p[:40] == prompts[i % 4][:40]  # prefix i % 4
+        assert p[:40] != prompts[(i + 1) % 4][:40]
+    assert len({tuple(p[40:50]) for p in prompts}) == 12  # each suffix its own
+    other = shared_prefix_prompts(12, 4, 40, 50, 90, seed=4)  # the next repeat: nothing shared
+    assert not {tuple(p[:32]) for p in prompts} & {tuple(p[:32]) for p in other}
+    for bad in ((0, 4, 40, 50, 90), (12, 4, 50, 50, 90), (12, 4, 40, 91, 90)):
+        with pytest.raises(ValueError):
+            shared_prefix_prompts(*bad)
+
+
+def test_a_hicache_daemon_may_be_placed_and_a_bad_placement_is_refused():
+    from hicache.bench.vllm_peers import split_name
+    from hicache.bench.vllm_placement import DaemonPlacement
+
+    assert parse_compare("hicache:cpus=1,lmcache") == ["none", "hicache:cpus=1", "lmcache"]
+    base, placement = split_name("hicache-host:nice=-5:cpus=0-1:weight=500")
+    assert base == "hicache-host" and placement == DaemonPlacement("0-1", -5, 500)
+    assert placement.serve_flags() == ["--cpus", "0-1"]
+    for bad in ("lmcache:cpus=1", "hicache:cpu=1", "hicache:nice=-30", "hicache:cpus=x", "hicache:nice=1:nice=2",
+                "hicache:weight=0", "none:nice=1"):
+        with pytest.raises(ValueError):
+            parse_compare(bad)
+
+
+def test_nice_reaches_every_thread_of_the_daemon_and_the_threads_it_starts_later(tmp_path):
+    from hicache.bench.vllm_placement import DaemonPlacement
+
+    def nice_of(pid: int, tid: str) -> int:  # field 19 of stat, after the command's parentheses
+        stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[16])
+
+    go = tmp_path / "go"
+    code = ("import os, threading, time, sys\n"
+            "threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n"
+            "while not os.path.exists(sys.argv[1]): time.sleep(0.01)\n"
+            "threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n"
+            "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(go)])
+    try:
+        from tests.wait import wait_until
+
+        wait_until(lambda: len(os.listdir(f"/proc/{proc.pid}/task")) == 2, what="the first thread")
+        assert DaemonPlacement(nice=7).apply(proc.pid, "hicache") is None
+        go.touch()
+        tids = wait_until(lambda: len(t := os.listdir(f"/proc/{proc.pid}/task")) == 3 and t,
+                          what="the thread started after")
+        assert [nice_of(proc.pid, t) for t in tids] == [7, 7, 7]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_cpu_hogs_run_until_the_bench_ends():
+    from hicache.bench.vllm_placement import CpuHogs
+
+    with CpuHogs(2) as hogs:
+        assert len(hogs.procs) == 2 and all(p.poll() is None for p in hogs.procs)
+        procs = list(hogs.procs)
+    assert all(p.returncode is not None for p in procs) and not hogs.procs
+
+
+def _phase_run(config: str, repeat: int, phase: str, wall_s: float, step_s: float, connector_s: float,
+               cached: int = 0, outputs: list[int] | None = None):
+    from hicache.bench.vllm_steps_report import PhaseRun
+
+    reqs = [{"outputs": outputs or [1, 2], "cached": cached, "prompt_tokens": 100, "ttft": 0.1 * (i + 1)}
+            for i in range(4)]
+    steps = [[step_s, connector_s, 400, 4, step_s / 2], [step_s / 2, connector_s, 4, 4, step_s / 4],
+             [0.001, connector_s, 0, 0, 0.001]]
+    calls = {"scheduler.get_num_new_matched_tokens": [connector_s] * 3, "worker.save_kv_layer": [connector_s / 1000]}
+    if config == "none":
+        steps = [[s[0], 0.0, *s[2:]] for s in steps]
+        calls = {}
+    return PhaseRun(config, repeat, phase, reqs, wall_s, steps, calls)
+
+
+def test_rows_of_the_concurrent_mode_are_medians_over_repeats_against_vllm_alone():
+    from hicache.bench.vllm_steps_report import rows, summary_table
+
+    runs = []
+    for repeat, (alone, cached) in enumerate(((1.0, 64), (2.0, 64), (4.0, 96))):
+        runs += [_phase_run("none", repeat, "no reuse", alone, 0.02, 0.0),
+                 _phase_run("hicache", repeat, "no reuse", 2.0, 0.04, 0.002),
+                 _phase_run("none", repeat, "reuse", alone, 0.02, 0.0),
+                 _phase_run("hicache", repeat, "reuse", 1.0, 0.01, 0.001, cached=cached)]
+    counters = {"none": {}, "hicache": {"engines gone (daemon log)": 0.0, "connector outages (engine log)": 1.0,
+                                        "puts expired (stats)": 0.0}}
+    table = {r["name"]: r for r in rows(runs, counters, {"cpu hogs": 2.0})}
+    tok = table["no reuse: output tok/s [hicache]"]  # 8 tokens in 2 s; vLLM alone: 8, 4, 2 tok/s
+    assert (tok["value"], tok["baseline"], tok["ratio"]) == (4.0, 4.0, 1.0)
+    assert tok["note"] == "runs 0.50-2.00"
+    assert table["reuse: prefill computed [hicache]"]["value"] == 4 * (100 - 64)
+    assert table["reuse: prefill computed [none]"]["value"] == 400
+    assert table["no reuse: step p50 [hicache]"]["value"] == pytest.approx(20.0)  # the steps that ran the model
+    assert table["no reuse: decode step p50 [hicache]"]["value"] == pytest.approx(20.0)
+    assert table["no reuse: step CPU p50 [hicache]"]["value"] == pytest.approx(10.0)
+    assert table["no reuse: steps that scheduled nothing [hicache]"]["value"] == 1
+    assert table["no reuse: connector ms per step, p50 [hicache]"]["value"] == pytest.approx(2.0)
+    assert "no reuse: connector ms per step, p50 [none]" not in table  # vLLM alone has no connector
+    assert table["no reuse: ttft mean [none]"]["value"] == pytest.approx(250.0)
+    call = table["no reuse: connector call scheduler.get_num_new_matched_tokens [hicache]"]
+    assert call["value"] == pytest.approx(2.0) and "3 calls" in call["note"]
+    # a method under 1% of the connector's time shares a row with the others like it
+    minor = table["no reuse: connector calls, 1 other methods [hicache]"]
+    assert minor["value"] == pytest.approx(0.002) and "worker.save_kv_layer" in minor["note"]
+    assert table["connector outages (engine log) [hicache]"]["value"] == 1.0
+    md = summary_table(runs, counters)
+    assert md.splitlines()[0] == "| median of 3 | vLLM alone | hicache |"
+    assert "| no reuse: output tok/s (/ alone) | 4 | 4 (1.00, runs 0.50-2.00) |" in md
+    assert "| engines gone / outages / puts expired | - | 0 / 1 / 0 |" in md
+
+
+def test_concurrent_outputs_that_differ_are_refused():
+    from hicache.bench.vllm_bench import OutputsDiffer
+    from hicache.bench.vllm_steps import check_outputs
+
+    runs = [_phase_run("none", 0, "reuse", 1.0, 0.02, 0.0), _phase_run("hicache", 0, "reuse", 1.0, 0.02, 0.0)]
+    check_outputs(runs)
+    runs.append(_phase_run("lmcache", 0, "reuse", 1.0, 0.02, 0.0, outputs=[1, 3]))
+    with pytest.raises(OutputsDiffer, match=r"outputs of lmcache differ .* in 4 of 4 requests \(repeat 1, reuse"):
+        check_outputs(runs)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--concurrency", "0"], "--concurrency must be >= 1"),
+    (["--concurrency", "8", "--prompt-tokens", "300-900"], "longer than --prefix-tokens"),
+    (["--concurrency", "8", "--max-model-len", "1024"], "exceed --max-model-len"),
+    (["--concurrency", "8", "--arrivals", "poisson"], "a mode of its own"),
+])
+def test_the_concurrent_mode_refuses_bad_options_before_starting_anything(tmp_path, flags, message):
+    code = ("import sys; from hicache.cli import main; "
+            "sys.exit(main(['bench', 'vllm', *sys.argv[2:], '--workdir', sys.argv[1]]))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "w"), *flags], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode != 0 and message in out.stderr, out.stderr
+    assert not (tmp_path / "w").exists()
+
+
+def test_the_call_clock_times_each_interface_call_once():
+    if not HAVE_VLLM:
+        pytest.skip("vLLM is not installed")
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from hicache.integrations.vllm_call_clock import CallClock, interface_methods
+
+    class Connector(KVConnectorBase_V1):  # a connector's own methods on vLLM's interface
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            return self.update_state_after_alloc(request, None, 0), False  # nested: inside the outer call
+
+        def update_state_after_alloc(self, request, blocks, num_external_tokens):
+            return 32
+
+        def helper(self):  # not an interface method: not timed
+            return 1
+
+        # the rest of the abstract interface, unused here
+        def start_load_kv(self, forward_context, **kwargs): ...
+        def wait_for_layer_load(self, layer_name): ...
+        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs): ...
+        def wait_for_save(self): ...
+        def build_connector_meta(self, scheduler_output): ...
+
+    conn = object.__new__(Connector)  # vLLM builds connectors from its config; these methods need none
+    names = interface_methods(conn)
+    assert {"get_num_new_matched_tokens", "start_load_kv", "request_finished"} <= set(names)
+    assert "helper" not in names and "build_kv_connector_stats" not in names  # a class method
+    clock = CallClock()
+    clock.install(conn, "scheduler")
+    assert conn.get_num_new_matched_tokens(object(), 0) == (32, False)
+    conn.update_state_after_alloc(object(), None, 0)
+    assert conn.helper() == 1
+    step_s = clock.take_step()
+    calls = clock.take_calls()
+    assert sorted(calls) == ["scheduler.get_num_new_matched_tokens", "scheduler.update_state_after_alloc"]
+    assert [len(v) for v in calls.values()] == [1, 1]  # the nested call counted inside its caller only
+    assert step_s == pytest.approx(sum(sum(v) for v in calls.values()))
+    assert clock.take_step() == 0.0 and clock.take_calls() == {}
+
+
+@pytest.fixture(scope="module")
+def concurrent(tmp_path_factory):
+    if not HAVE_VLLM:
+        if os.environ.get("CI"):
+            raise RuntimeError("vLLM is not installed: scripts/setup.sh installs it")
+        pytest.skip("vLLM is not installed (scripts/setup.sh installs it)")
+    from hicache.bench.cli import add_parser
+    from hicache.bench.vllm_bench import resolve_defaults
+    from hicache.bench.vllm_steps import measure
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "vllm", "--concurrency", "8", "--repeats", "1", "--compare", "none,hicache",
+                              "--timeout-s", "600", "--workdir", str(tmp_path_factory.mktemp("bench-vllm-steps"))])
+    return measure(resolve_defaults(args))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_concurrent_mode_steps_real_engines_and_times_the_connector_inside_the_steps(concurrent):
+    runs, counters, facts = concurrent
+    by = {(r.config, r.phase): r for r in runs}
+    assert sorted(by) == [("hicache", "no reuse"), ("hicache", "reuse"), ("none", "no reuse"), ("none", "reuse")]
+    computed = {k: sum(q["prompt_tokens"] - q["cached"] for q in r.requests) for k, r in by.items()}
+    # vLLM alone after the reset of its prefix cache: the same work again
+    assert computed[("none", "reuse")] == computed[("none", "no reuse")]
+    # hicache: at most each prompt's last partial block and the one token vLLM always computes
+    assert computed[("hicache", "reuse")] <= sum(q["prompt_tokens"] % 32 or 32 for q in by[("none", "reuse")].requests)
+    for (config, _), r in by.items():
+        assert len(r.requests) == 8 and all(len(q["outputs"]) == 32 for q in r.requests)
+        assert all(0 < q["ttft"] <= r.wall_s for q in r.requests)
+        assert all(0 <= s[1] <= s[0] for s in r.steps)  # the connector's calls are inside the step
+        assert all(0 < s[4] <= s[0] + 0.01 for s in r.steps if s[2])  # its thread's CPU within it (clock ticks)
+        if config == "none":
+            assert not r.calls and all(s[1] == 0 for s in r.steps)
+        else:
+            assert len(r.calls["scheduler.get_num_new_matched_tokens"]) >= 8  # every request asked
+            assert len(r.calls["worker.start_load_kv"]) == len(r.steps)  # every step, the worker's side too
+    assert by[("hicache", "reuse")].calls["worker.wait_for_layer_load"]
+    assert counters["none"] == {} and counters["hicache"]["puts expired (stats)"] == 0
+    assert set(counters["hicache"]) >= {"engines gone (daemon log)", "connector outages (engine log)"}
+    assert facts["cpu hogs"] == 0

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-import hicache.client.connection as connection
+import hicache.client.socket_io as socket_io
 from hicache.client.connection import RpcConnection
 from hicache.errors import DaemonSlow, DaemonUnavailable
 from hicache.rpc.framing import FrameDecoder, pack_frame, unpack_body
@@ -152,7 +152,7 @@ def test_sends_never_block_on_a_daemon_that_does_not_read(monkeypatch):
         for _ in range(200):  # ~800 KiB: several socket buffers
             conn.post("put_done", payload)
         assert time.monotonic() - t0 < 10.0  # hang guard: no post waited for the reader
-        assert conn._outbox  # the rest waits, in order, for the daemon to read
+        assert conn.unsent  # the rest waits, in order, for the daemon to read
         dec, frames = FrameDecoder(1 << 20), []
         daemon_sock.settimeout(10)
         while sum(f["method"] == "put_done" for f in frames) < 200:
@@ -162,7 +162,7 @@ def test_sends_never_block_on_a_daemon_that_does_not_read(monkeypatch):
         assert ids == sorted(ids) and len(set(ids)) == len(ids)  # all of them, in order
         assert {f["method"] for f in frames} == {"put_done", "sync"}  # a sync settles the posts
         # a daemon that reads nothing of MAX_OUTBOX_BYTES queued for it is dead
-        monkeypatch.setattr(connection, "MAX_OUTBOX_BYTES", 64 << 10)
+        monkeypatch.setattr(socket_io, "MAX_OUTBOX_BYTES", 64 << 10)
         with pytest.raises(DaemonUnavailable, match="read nothing"):
             for _ in range(200):
                 conn.post("put_done", payload)
@@ -187,3 +187,25 @@ def test_a_noreply_frame_is_posted_with_its_flag():
     finally:
         daemon_sock.close()
         client_sock.close()
+
+
+def test_an_idle_engine_waits_for_an_answer_without_reading_it(peers):
+    """wait_for_answers (the vLLM scheduler's empty steps): returns when an answer can be
+    read, reads nothing itself, and does not wait when no answer is owed."""
+    from types import SimpleNamespace
+
+    from hicache.client.asks import wait_for_answers
+
+    peer = Holding()
+    conn = RpcConnection(peers(peer).client_sock, timeout_s=10)
+    client = SimpleNamespace(conn=conn)
+    assert not wait_for_answers([client], 30.0)  # nothing owed: at once
+    p = conn.send("match", {"keys": b""})
+    wait_until(lambda: peer.seen, 30)
+    assert not wait_for_answers([client], 0.05)  # held: nothing came
+    peer.release.set()
+    assert wait_for_answers([client], 30.0)  # returns as the answer arrives
+    assert not p.done  # not read: the next poll takes it
+    conn.poll()
+    assert p.done and p.outcome == {"pin": 7}
+    assert not wait_for_answers([client, SimpleNamespace(conn=None)], 30.0)  # nothing owed any more

@@ -49,7 +49,7 @@ def prompts() -> list[list[int]]:
 
 def full_blocks(p: list[int]) -> int:
     """Tokens vLLM may take from a cache: full blocks short of the last token."""
-    return (len(p) - 1) // BLOCK * BLOCK
+    return min(len(p) // BLOCK * BLOCK, len(p) - 1)  # every full block, short of the last token
 
 
 def run_vllm(tmp: Path, name: str, env: dict | None = None, patient: bool = True, **spec) -> dict:

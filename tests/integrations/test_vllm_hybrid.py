@@ -45,7 +45,9 @@ from hicache.client.connection import RpcConnection  # noqa: E402
 from hicache.daemon.serve.launcher import LocalDaemon  # noqa: E402
 from hicache.integrations.vllm.layout import UnsupportedModel, engine_shape  # noqa: E402
 from hicache.integrations.vllm.metadata import HiCacheWorkerMeta  # noqa: E402
-from hicache.integrations.vllm.scheduler import SAVE_RETRIES, SchedulerSide  # noqa: E402
+from hicache.integrations.vllm.saves import SAVE_RETRIES  # noqa: E402
+from tests.wait import wait_until  # noqa: E402
+from hicache.integrations.vllm.scheduler import SchedulerSide  # noqa: E402
 from hicache.integrations.vllm_driver import run_in_process  # noqa: E402
 
 BLOCK = 32
@@ -61,7 +63,7 @@ def prompts() -> list[list[int]]:
 
 
 def full_blocks(p: list[int]) -> int:
-    return (len(p) - 1) // BLOCK * BLOCK
+    return min(len(p) // BLOCK * BLOCK, len(p) - 1)  # every full block, short of the last token
 
 
 MODEL_DIR: Path = Path()
@@ -217,6 +219,19 @@ def _step(rid: str, computed: int, scheduled: int) -> SimpleNamespace:
                                                                  new_block_ids=[None], resumed_req_ids=set()))
 
 
+IDLE = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}, preempted_req_ids=None,
+                      scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[], new_block_ids=[],
+                                                            resumed_req_ids=set()))
+
+
+def _ask(sched: SchedulerSide, req: SimpleNamespace) -> tuple[int, bool]:
+    """get_num_new_matched_tokens, asked again each (idle) step until answered."""
+    got: list[tuple[int | None, bool]] = []
+    wait_until(lambda: (got.append(sched.num_new_matched_tokens(req, 0)), got[-1][0] is not None
+                        or sched.build_meta(IDLE) is None)[1], 30, "the lookup's answer")
+    return got[-1]  # type: ignore[return-value]
+
+
 def test_pages_whose_window_block_was_freed_are_not_stored_nor_offered(tmp_path):
     """Request a's sliding-window group lost the blocks of its first 4 pages (vLLM's null
     block, 0): its put is given back, no save is planned (ever, after the retries), and a
@@ -227,23 +242,25 @@ def test_pages_whose_window_block_was_freed_are_not_stored_nor_offered(tmp_path)
     with LocalDaemon(tmp_path / "d", "--host-capacity", "64MiB", "--no-disk") as d:
         sched = SchedulerSide(shape, NUM_BLOCKS, d.socket)
         a = _request("a", tokens)
-        assert sched.num_new_matched_tokens(a, 0) == (0, False)  # nothing stored yet
+        assert _ask(sched, a) == (0, False)  # nothing stored yet
         sched.after_alloc(a, ([0, 0, 0, 0, 5, 6], [11, 12, 13, 14, 15, 16]), 0)
         for _ in range(SAVE_RETRIES + 2):
             assert sched.build_meta(_step("a", 150, 49)).saves == []
-        puts = RpcConnection.one_call(d.socket, "stats")["puts"]
-        assert puts["failed"] == SAVE_RETRIES + 1 and puts["committed_pages"] == 0
-        assert sched.num_new_matched_tokens(_request("a2", tokens), 0) == (0, False)
+        puts = wait_until(lambda: (p := RpcConnection.one_call(d.socket, "stats")["puts"])["failed"]
+                          == SAVE_RETRIES + 1 and p, 30, "the given-back puts")
+        assert puts["committed_pages"] == 0
+        assert _ask(sched, _request("a2", tokens)) == (0, False)
 
         b = _request("b", tokens[:-1] + [7])
-        assert sched.num_new_matched_tokens(b, 0) == (0, False)
+        assert _ask(sched, b) == (0, False)
         sched.after_alloc(b, ([21, 22, 23, 24, 25, 26], [31, 32, 33, 34, 35, 36]), 0)
         (save,) = sched.build_meta(_step("b", 150, 49)).saves
         assert save.block_ids == [[21, 22, 23, 24, 25, 26], [31, 32, 33, 34, 35, 36]]
         sched.on_output(HiCacheWorkerMeta({save.put_id: True}))  # the workers' report: copied
 
         c = _request("c", tokens[:-1] + [7])
-        n, load_async = sched.num_new_matched_tokens(c, 0)
+        sched.build_meta(IDLE)  # the step that sends b's report
+        n, load_async = _ask(sched, c)
         assert (n, load_async) == (6 * BLOCK, True)  # hybrid loads are asynchronous
         sched.after_alloc(c, ([0, 0, 0, 44, 45, 46], [51, 52, 53, 54, 55, 56]), n)
         (load,) = sched.build_meta(_step("c", 0, 0)).loads

@@ -207,8 +207,9 @@ def test_a_reconnect_between_match_and_step_makes_the_load_stale(tmp_path):
         plan = c.put(tokens[:192])
         assert c.put_done(plan) == 6
         got: list[int | None] = []
-        wait_until(lambda: got.append(sched.num_new_matched_tokens(req, 0)[0]) or got[-1] is not None, 30,
-                   "the lookup's answer")  # vLLM asks again each step until it is in
+        # vLLM asks again each step until the answer is in (the step's metadata sends the match)
+        wait_until(lambda: got.append(sched.num_new_matched_tokens(req, 0)[0]) or got[-1] is not None
+                   or sched.build_meta(idle) is None, 30, "the lookup's answer")
         n = got[-1]
         assert n == 6 * 32
         sched.after_alloc(req, (list(range(6)),), n)

@@ -48,15 +48,22 @@ def step(new: list[tuple[SimpleNamespace, list[int]]]) -> SimpleNamespace:
                                               resumed_req_ids=set()))
 
 
+IDLE = step([])
+
+
 def ask(sched: SchedulerSide, req: SimpleNamespace, local: int = 0) -> int:
-    """vLLM's get_num_new_matched_tokens, asked again each "step" until answered."""
+    """vLLM's get_num_new_matched_tokens, asked again each step (an idle step's metadata in
+    between, which sends what the step asked: the clients are corked until then) until
+    answered."""
     got: list[int] = []
 
     def answered() -> bool:
         n, _ = sched.num_new_matched_tokens(req, local)
         if n is not None:
             got.append(n)
-        return n is not None
+            return True
+        sched.build_meta(IDLE)
+        return False
     wait_until(answered, 30, "the lookup's answer")
     return got[0]
 
@@ -86,8 +93,6 @@ def sched(daemon):
     s.close()
 
 
-IDLE = step([])
-
 
 def test_a_steps_puts_are_one_write_planned_on_the_next_step_in_request_order(sched):
     c = sched.clients[0]
@@ -109,8 +114,11 @@ def test_a_steps_puts_are_one_write_planned_on_the_next_step_in_request_order(sc
         ("a", [[1, 2, 3]], 3), ("b", [[5, 6, 7, 8, 9]], 5)]
     assert len({p for s in saves for p in s.host_pages}) == 8
     assert sched.has_pending_saves()
-    # the workers report the copies done: the puts finish (posted) and the pages are on host
+    # the workers report the copies done: the puts finish (posted with the next step's calls:
+    # vLLM steps once more for them) and the pages are on host
     sched.on_output(HiCacheWorkerMeta(saved={s.put_id: True for s in saves}))
+    assert sched.has_pending_saves()
+    sched.build_meta(IDLE)
     assert not sched.has_pending_saves()
     assert c.match(list(range(5000, 5160))).host_len == 5
 
@@ -182,7 +190,9 @@ def test_a_finished_request_keeps_its_blocks_until_its_puts_are_answered_and_cop
     wait_until(lambda: metas.append(sched.build_meta(IDLE)) or metas[-1].saves, 30, "the put's answer")
     assert metas[-1].delayed == ["a"]  # announced with its copy plan
     sched.on_output(HiCacheWorkerMeta(saved={s.put_id: True for s in metas[-1].saves}))
-    assert "a" not in sched.reqs and not sched.has_pending_saves()
+    assert "a" not in sched.reqs
+    sched.build_meta(IDLE)  # the step vLLM takes for the finished puts' reports
+    assert not sched.has_pending_saves()
 
 
 def test_a_preempted_requests_puts_in_flight_are_given_back(sched):

@@ -60,7 +60,7 @@ class Pin:
     host_pages: np.ndarray
     loaded: bool = False
     prefetch: Any = None  # the disk tier's reads for the disk part (see DiskMover)
-    remote: Any = None  # the remote tier's fetch after the disk part (see RemoteMover), counted in disk_len
+    remote: Any = None  # the remote tier's lookup and fetch after the disk part (remote_lookup.py), in disk_len
     recompute_from: int | None = None  # pages: the match stopped here, the rest is cheaper to recompute
 
 

@@ -7,5 +7,6 @@ handlers.py (decode, call, encode: every wire method), keyed_rpc.py (SGLang's ke
 pages' methods), pin_rpc.py (pin / unpin / prioritize: pinned and prioritized
 prefixes), portable.py (export / import sessions), quota_rpc.py (the tenant
 quotas' admin methods), tree_view.py (the `tree` view of a namespace's index),
-native_paths.py (which hot paths run in C, for stats and the doctor).
+native_paths.py (which hot paths run in C, for stats and the doctor), placement.py
+(`--cpus`: the CPUs the daemon and its threads run on).
 """

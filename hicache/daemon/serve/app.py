@@ -30,6 +30,7 @@ from hicache.config import Config, format_size, private_socket_dir
 from hicache.daemon.serve import native_paths
 from hicache.daemon.serve.gc_steward import GcSteward
 from hicache.daemon.serve.handlers import ADMIN_METHODS, build_handlers
+from hicache.daemon.serve.placement import pin_to_cpus
 from hicache.daemon.core.fetch_or_recompute import FETCH_TIERS, FetchOrRecompute
 from hicache.daemon.core.host_tier import HostTier
 from hicache.daemon.core.pin_file import PinFile
@@ -482,6 +483,7 @@ def serve(config: Config) -> int:
     # file hold every tenant's KV (their prompts), so they are the daemon's alone. The
     # socket sets its own mode (0660; peers are checked by credentials).
     os.umask(0o077)
+    pin_to_cpus(config)  # first: every thread started from here on inherits the CPUs
     daemon = Daemon(config)
     try:
         import uvloop

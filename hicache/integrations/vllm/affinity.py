@@ -29,28 +29,10 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
+from hicache.cpu_list import parse_cpu_list
 from hicache.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-
-def parse_cpu_list(text: str) -> set[int]:
-    """CPU ids of a list like '0-3,8 10' or '0-6:2' (ranges with an optional stride);
-    ValueError if it is not one."""
-    cpus: set[int] = set()
-    for item in re.split(r"[,\s]+", text.strip()):
-        if not item:
-            continue
-        m = re.fullmatch(r"(\d+)(?:-(\d+)(?::(\d+))?)?", item)
-        if m is None:
-            raise ValueError(f"not a CPU list: {text!r}")
-        lo = int(m[1])
-        hi = int(m[2]) if m[2] else lo
-        step = int(m[3]) if m[3] else 1
-        if hi < lo or step < 1:
-            raise ValueError(f"not a CPU list: {text!r}")
-        cpus.update(range(lo, hi + 1, step))
-    return cpus
 
 
 def _omp_places(text: str) -> set[int]:

@@ -62,8 +62,10 @@ class Saves:
 
     def ask(self, st: _Req, computed_after: int) -> PutAsk | None:
         """The full blocks this step completes beyond those offered, if any."""
+        if computed_after // self.page_size <= st.saved_pages:  # most decode steps: no block completed
+            return None
         tokens = st.request.all_token_ids
-        held = min((len(b) for b in st.blocks), default=0)
+        held = min(map(len, st.blocks)) if st.blocks else 0
         full = min(computed_after, len(tokens), held * self.page_size) // self.page_size
         if full <= st.saved_pages:
             return None
@@ -73,7 +75,8 @@ class Saves:
         """Offer the step's pages: per rank, every request's put in one write."""
         if not asks:
             return
-        stored = [a.st.request.all_token_ids[:a.full * self.page_size] for a in asks]
+        # the pages' tokens, packed once as the keys were hashed (the same on every rank)
+        stored = [a.st.keys[next(iter(a.keys))].token_bytes[:a.full * self.page_size * 4] for a in asks]
         if self.wait:
             plans = {r: c.put_many([(s, a.keys[r]) for s, a in zip(stored, asks)]) for r, c in self.clients.items()}
             for i, a in enumerate(asks):

@@ -31,6 +31,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from hicache.client.asks import wait_for_answers
 from hicache.client.client import HiCacheClient
 from hicache.client.deadlines import CallDeadlines
 from hicache.client.hints import RetainHint
@@ -44,6 +45,11 @@ if TYPE_CHECKING:
     from hicache.integrations.vllm.events import KVEventBridge
 
 log = logging.getLogger(__name__)
+
+FLUSH_ASKS = 8  # lookups sent in one write when a step starts many (a burst of requests)
+# A step that scheduled nothing while answers are awaited waits this long for one (it returns as
+# soon as one comes) rather than let vLLM spin through empty steps; new requests wait at most this.
+IDLE_WAIT_S = 0.005
 
 
 @dataclass(slots=True, eq=False)
@@ -108,6 +114,7 @@ class SchedulerSide:
                               tp_rank=tp_rank, tp_size=tp_size, extra_key=shape.extra_key(),
                               deadlines=deadlines, prefill_tokens_per_s=prefill_tokens_per_s)
             c.map_arena = False  # the workers copy; this side only needs the slab versions
+            c.corked = True  # a step's calls leave in one write, at the end of build_meta
             self.clients[r] = c
         for c in self.clients.values():
             c.connect()  # each step bounded by its deadline; if down, the probe keeps trying
@@ -117,6 +124,9 @@ class SchedulerSide:
         self.reqs: dict[str, _Req] = {}
         self.loads_next: list[tuple[str, int, int]] = []  # (request, pages [start, end)) for the next metadata
         self.finishing: dict[str, _Req] = {}  # finished requests kept for their saves
+        self._polled = False  # this step's answers were read (once a step: a recv per client)
+        self._asked = 0  # lookups started this step
+        self._expiry_check = 0.0  # when to look for pins held past lease_s next
         self._events: KVEventBridge | None = None  # set by the connector when vLLM publishes KV events
 
     @property
@@ -171,6 +181,7 @@ class SchedulerSide:
     def _poll(self) -> None:
         for c in self.clients.values():
             c.poll()
+        self._polled = True
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond vLLM's local hit that every rank holds on host (0 on any doubt);
@@ -185,13 +196,20 @@ class SchedulerSide:
             self._release(st)
             return 0, False
         lk = st.lookup
-        if lk is None or (not lk.asks and not lk.matches and not lk.miss):
+        if lk is not None and lk.miss:  # asked again (no room this step): the same answer
+            return 0, False
+        if lk is None or (not lk.asks and not lk.matches):
             lk = st.lookup = self.lookups.start({r: st.keys[r].upto(tokens, n_pages) for r in self.clients},
                                                 n_pages, local)
             st.pinned_at = lk.started
+            self._asked += 1
+            if self._asked % FLUSH_ASKS == 0:  # a burst of new requests: the daemon starts on them now
+                for c in self.clients.values():
+                    c.flush()
             return None, False
         if lk.asks:
-            self._poll()
+            if not self._polled:
+                self._poll()
             if not self.lookups.advance(lk, local):
                 return None, False
             if self.events is not None and not lk.miss:
@@ -200,7 +218,7 @@ class SchedulerSide:
         offered, start, end = self.lookups.offer(lk, len(tokens), local)
         if not offered:
             self._release(st)
-            st.lookup = Lookup(lk.started, n_pages, miss=True)  # asked again: the same answer
+            st.lookup = Lookup(lk.started, n_pages, miss=True)  # kept until vLLM schedules it
             return 0, False
         st.load = (start, end)
         return offered, self.load_async
@@ -253,6 +271,12 @@ class SchedulerSide:
         self.loads_next = []
         meta.delayed = self._announce_finished()
         self._expire_pins()
+        for c in self.clients.values():  # the step's lookups, puts and reports: one write
+            c.flush()
+        if not getattr(so, "total_num_scheduled_tokens", 1):  # nothing to compute until an answer comes
+            wait_for_answers(self.clients.values(), IDLE_WAIT_S)
+        self._polled = False
+        self._asked = 0
         return meta
 
     def _load_spec(self, req_id: str, start: int, end: int) -> LoadSpec:
@@ -301,8 +325,12 @@ class SchedulerSide:
         return out
 
     def _expire_pins(self) -> None:
-        """Pins a load never reported (a worker that died, a request vLLM dropped) go after lease_s."""
+        """Pins a load never reported (a worker that died, a request vLLM dropped) go after
+        lease_s (looked for once a second: a step need not walk every request)."""
         now = time.monotonic()
+        if now < self._expiry_check:
+            return
+        self._expiry_check = now + 1.0
         for st in self.reqs.values():
             lk = st.lookup
             if lk is not None and lk.matches and now - st.pinned_at > self.lease_s:
@@ -341,9 +369,10 @@ class SchedulerSide:
         return False
 
     def has_pending_saves(self) -> bool:
-        """Puts not answered or whose copies are not reported: vLLM keeps stepping so they
+        """Puts not answered or whose copies are not reported, or reports not sent yet (the
+        clients are corked until the next step's build_meta): vLLM keeps stepping so they
         get finished."""
-        return self.saves.pending()
+        return self.saves.pending() or any(c.unsent for c in self.clients.values())
 
     def stats(self) -> dict[str, Any]:
         return {**self.lookups.stats(), "late": sum(c.late for c in self.clients.values()),
@@ -356,4 +385,5 @@ class SchedulerSide:
             self._release(st)
         self.saves.close()
         for c in self.clients.values():
+            c.flush()
             c.close()

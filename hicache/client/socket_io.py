@@ -1,22 +1,25 @@
-"""The receiving half of the engine's connection: frames read from the daemon's socket
-into one reusable buffer, with a deadline or without waiting at all.
+"""The engine connection's socket: frames read from the daemon into one reusable buffer
+(FrameReader), with a deadline or without waiting at all, and frames sent without ever
+blocking (Outbox).
 
 The socket stays blocking with SO_RCVTIMEO: a Python socket timeout costs an ioctl per
 `settimeout` and a poll per recv, and on a round trip of ~15 µs those syscalls were a
 third of it. The kernel timeout is only lowered when a read has less time left than it
 (by TIMEOUT_SLACK_S), and raised only when it ran out before the deadline, so calls
-alternating between deadlines cost no setsockopt. A read that must not wait passes
-MSG_DONTWAIT instead.
+alternating between deadlines cost no setsockopt. A read or write that must not wait
+passes MSG_DONTWAIT instead.
 
-A frame that is not whole when a deadline passes stays in the buffer, partly read: the
-stream's position is never lost to a deadline, so a late answer is read whole later
-(hicache/client/connection.py). Only the peer's close, a socket error or a broken frame
-end the connection (`lost`, DaemonUnavailable).
+A frame that is not whole when a deadline passes stays in the buffer, partly read, and
+a frame the socket cannot take whole waits in the outbox, in order: the stream's
+position is never lost to a deadline, so a late answer is read whole later
+(hicache/client/connection.py). Only the peer's close, a socket error, a broken frame
+or MAX_OUTBOX_BYTES unread by the daemon end the connection (`lost`).
 """
 
 from __future__ import annotations
 
 import array
+import select
 import socket
 import struct
 import time
@@ -27,6 +30,7 @@ from hicache.errors import ProtocolError
 from hicache.rpc.framing import HEADER, unpack_body
 
 MAX_FRAME_BYTES = 256 << 20
+MAX_OUTBOX_BYTES = 8 << 20  # requests the daemon has not read; past it the connection is dead
 MAX_FDS = 253  # the most one SCM_RIGHTS message carries (the kernel's SCM_MAX_FD)
 RECV_CHUNK = 256 << 10  # the reusable receive buffer; a larger frame grows it for its time
 TIMEOUT_SLACK_S = 0.002  # how far past its deadline a read may wait
@@ -167,3 +171,56 @@ class FrameReader:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
         self.so_timeout = seconds
+
+
+class Outbox:
+    """Frames sent in order without blocking: what the socket cannot take now waits here and
+    leaves with the next `push` or `flush`. `corked`: frames wait until `flush` (an engine
+    step's calls in one write: one syscall, one wake-up of the daemon)."""
+
+    def __init__(self, sock: socket.socket, lost: Callable[[str, BaseException | None], NoReturn]) -> None:
+        self.sock = sock
+        self.lost = lost
+        self.data = bytearray()
+        self.corked = False
+        self._poller: select.poll | None = None
+
+    def push(self, frame: bytes) -> None:
+        if self.data or self.corked:
+            if len(self.data) + len(frame) > MAX_OUTBOX_BYTES:
+                self.lost(f"the daemon read nothing of {MAX_OUTBOX_BYTES >> 20} MiB of requests", None)
+            self.data += frame
+            if not self.corked:
+                self.flush()
+            return
+        try:
+            sent = self.sock.send(frame, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        except OSError as e:
+            self.lost(f"send failed: {e}", e)
+        if sent < len(frame):
+            self.data += memoryview(frame)[sent:]
+
+    def flush(self) -> None:
+        """Send as much as the socket takes now."""
+        if not self.data:
+            return
+        try:
+            sent = self.sock.send(self.data, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        except OSError as e:
+            self.lost(f"send failed: {e}", e)
+        del self.data[:sent]
+
+    def wait(self, deadline: float) -> bool:
+        """Wait for the socket to be readable or writable (then flush); False at the deadline."""
+        if self._poller is None:
+            self._poller = select.poll()
+            self._poller.register(self.sock, select.POLLIN | select.POLLOUT)
+        left = deadline - _monotonic()
+        if left <= 0 or not self._poller.poll(left * 1000):
+            return False
+        self.flush()
+        return True
