@@ -77,6 +77,14 @@ class RestoreJob:
         for _, ns in self.states:
             ns.restoring = True
 
+    async def wait(self, timeout_s: float) -> bool:
+        """Wait (at most `timeout_s`) until every run is hung; whether they all are."""
+        try:
+            await asyncio.wait_for(self.finished.wait(), max(0.0, timeout_s))
+        except asyncio.TimeoutError:
+            return False
+        return True
+
     def when_restored(self, fn: Callable[[], None]) -> None:
         """Run `fn` once every page is indexed (now if it is)."""
         if self.done:
