@@ -25,7 +25,7 @@ import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from hashlib import blake2b
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
@@ -33,8 +33,7 @@ from hicache.index import native_index
 from hicache.index.keys import KEY_BYTES, PackedKeys, as_tokens, key_run
 from hicache.index.node import DISK_LANE, DiskRecord, TreeNode
 
-if TYPE_CHECKING:
-    from hicache.index.radix import RadixIndex
+RadixIndex = Any  # hicache/index/radix.py's, which imports this module (its restore methods call these)
 
 log = logging.getLogger(__name__)
 
