@@ -304,6 +304,7 @@ class Config:
     priority_max_share: float = 0.25
     priority_ttl_s: float = 600.0
     disk_queue_pages: int = 1024  # queued disk writes before write-through skips (counted)
+    restore_sync_pages: int = 200_000  # more disk pages at a restart: it answers first, indexes them meanwhile
     allowed_uids: tuple[int, ...] = ()  # empty = the daemon's uid and root
     allowed_gids: tuple[int, ...] = ()
     admin_gids: tuple[int, ...] = ()  # besides root and the daemon's uid: who may flush, import, export...
@@ -379,8 +380,8 @@ class Config:
             raise ConfigError("remote_ttl_s and remote_negative_ttl_s must be >= 0, remote_queue_pages > 0")
         if self.remote_admission not in DISK_ADMISSION:
             raise ConfigError(f"remote_admission must be one of {DISK_ADMISSION}, got {self.remote_admission!r}")
-        if self.remote_publish_pages < 0:
-            raise ConfigError("remote_publish_pages must be >= 0")
+        if self.remote_publish_pages < 0 or self.restore_sync_pages < 0:
+            raise ConfigError("remote_publish_pages and restore_sync_pages must be >= 0")
         if not 0 <= self.pin_max_share <= 1 or not self.pin_max_ttl_s > 0:
             raise ConfigError("pin_max_share must be in [0, 1] and pin_max_ttl_s > 0")
         if not 0 <= self.priority_max_share <= 1 or not 0 < self.priority_ttl_s <= self.pin_max_ttl_s:

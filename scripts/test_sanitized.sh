@@ -2,11 +2,12 @@
 # The C checked like C: the native modules built once more with AddressSanitizer and UBSan
 # (setup.py with HICACHE_SANITIZE, in a copy of the tree: the checkout's own build stays),
 # and the tests of the C paths run against that build: the C frame fuzzer, the wire fuzzer
-# on the native frame loop, the fast path, the native frame loop, the native index, the disk
-# writer and the copy. Python runs with the ASan runtime preloaded, leak detection off
-# (CPython's own allocations would drown it; the C fuzzer checks its leaks itself). Every
-# sanitizer report, from any process (daemons included), goes to a file: one file fails the
-# run. tests/conftest.py fails every test when the modules loaded are not the sanitized build.
+# on the native frame loop, the fast path, the native frame loop, the native index (its packed
+# keys, sketch and restore check), the disk writer, the start-up scan and the copy. Python
+# runs with the ASan runtime preloaded, leak detection off (CPython's own allocations would
+# drown it; the C fuzzer checks its leaks itself). Every sanitizer report, from any process
+# (daemons included), goes to a file: one file fails the run. tests/conftest.py fails every
+# test when the modules loaded are not the sanitized build.
 # Needs gcc's libasan and libubsan (Debian: gcc brings them). CI runs it (.ci/run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +35,8 @@ HICACHE_SANITIZE=$SANITIZE CI=true \
     "$PY" -m pytest -q -p no:cacheprovider -k "not asyncio" \
     tests/native tests/robustness/test_wire_fuzz.py tests/daemon/test_fast_path.py tests/daemon/test_native_paths.py \
     tests/rpc/test_fast_encoding.py tests/rpc/test_native_conn.py tests/index/test_native_index.py \
-    tests/tiers/test_disk_native.py tests/kernels/test_native_copy.py "$@" || status=$?
+    tests/tiers/test_disk_native.py tests/tiers/test_disk_scan.py tests/index/test_restore_packed.py \
+    tests/index/test_key_run.py tests/index/test_admission.py tests/kernels/test_native_copy.py "$@" || status=$?
 if compgen -G "reports/*" >/dev/null; then
     cat reports/*
     echo "test_sanitized: sanitizer findings above" >&2

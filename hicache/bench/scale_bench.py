@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import socket
 import tempfile
@@ -59,6 +60,9 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--no-redis", action="store_true", help="skip redis-server (no baselines)")
     b.add_argument("--workdir", help="where the state directories go, kept (default: a temporary directory, "
                                      "removed at the end)")
+    b.add_argument("--index-only", action="store_true",
+                   help="no daemon, no redis: the index in-process at --pages, its heap per page and the restart's "
+                        "work on its records (hicache/bench/scale_index.py: sizes a daemon here cannot fill)")
 
 
 def _free_port() -> int:
@@ -141,6 +145,7 @@ def _hicache(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         _settle(admin)
         out["match_small"] = engine.time_matches(args.match_samples)
         out["small_pages"] = admin.call("stats", {}, timeout_s=120)["puts"]["committed_pages"]
+        out["mem_small"] = memory_kib(pid)
         s, c = _fill(engine, pid, args.pages - engine.report.put_pages)
         fill_s, fill_cpu = fill_s + s, fill_cpu + c
         out["fill_match_s"] = list(engine.report.match_s)
@@ -160,8 +165,10 @@ def _hicache(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         t0 = time.monotonic()
         d.start(timeout_s=3600)
         admin = _admin(d.socket)
+        out["restart_s"] = time.monotonic() - t0  # answering (a big tier is indexed meanwhile)
+        _settle(admin)  # waits until every page is indexed
+        out["indexed_s"] = time.monotonic() - t0
         out["disk_after"] = _disk(admin)
-        out["restart_s"] = time.monotonic() - t0
         assert d.proc is not None
         out["mem_restart"] = memory_kib(d.proc.pid)
         admin.close()
@@ -171,7 +178,23 @@ def _hicache(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     log = d.read_log()
     out["log"] = {"broken_pipes": log.count("Broken pipe"), "records_skipped": log.count("records skipped"),
                   "prefix_gone": log.count("whose prefix is gone")}
+    out["restart_parts"] = _restart_parts(log)
     return out
+
+
+def _restart_parts(log: str) -> str:
+    """What the daemon's log says the last start's disk part took (disk_mover.py, disk_restore.py)."""
+    last = None
+    for last in re.finditer(r"pages restored \((open and scan [^;]+);|pages to index while the daemon answers "
+                            r"\((opened and read in [0-9.]+s)\)", log):
+        pass
+    if last is None:
+        return "?"
+    if last.group(1):
+        return f"{last.group(1)}; indexed before answering"
+    indexed = re.findall(r"pages indexed ([0-9.]+s after the daemon answered) \((records checked [0-9.]+s)\)",
+                         log[last.end():])
+    return "; ".join([last.group(2), *(f"{b}, {a}" for a, b in indexed[-1:])])
 
 
 def _ms(xs: list[float], q: float) -> float:
@@ -179,6 +202,10 @@ def _ms(xs: list[float], q: float) -> float:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    if args.index_only:
+        from hicache.bench import scale_index
+
+        return scale_index.run(args)
     if args.workdir:
         Path(args.workdir).mkdir(parents=True, exist_ok=True)
         return _run(args, Path(args.workdir))
@@ -211,6 +238,10 @@ def _run(args: argparse.Namespace, workdir: Path) -> list[dict]:
     heap_b = (h["mem1"]["RssAnon"] - h["mem0"]["RssAnon"]) * 1024 / max(1, committed)
     rows.append(row("daemon heap (RssAnon) per page", heap_b, "B/page", redis.bytes_per_key if redis else None,
                     "redis-server used_memory per key beyond the value" if redis else None))
+    grown = committed - h["small_pages"]
+    added_kib = h["mem1"]["RssAnon"] - h["mem_small"]["RssAnon"]
+    rows.append(row("daemon heap per page added after the first pages", added_kib * 1024 / max(1, grown), "B/page",
+                    note=f"from {h['small_pages']} to {committed} pages: what a larger index costs a page"))
     rows.append(row("LMDB map resident per page (page cache)", h["lmdb_kib"] * 1024 / max(1, committed), "B/page",
                     note="reclaimable: the map's file pages"))
     for name, (stall, call) in h["stalls"].items():
@@ -228,13 +259,19 @@ def _run(args: argparse.Namespace, workdir: Path) -> list[dict]:
                     note=f"orphans_dropped {disk1['orphans_dropped']}, log: {h['log']}"))
     rows.append(row("restart to answering", h["restart_s"], "s", redis.restart_s if redis else None,
                     "redis-server load of its save file" if redis else None,
-                    note=f"{h['restart_s'] / max(pages_m, 1e-6):.1f} s per million pages"))
+                    note=f"{h['restart_s'] / max(pages_m, 1e-6):.1f} s per million pages ({h['restart_parts']})"))
+    rows.append(row("restart until every page is indexed", h["indexed_s"], "s", redis.restart_s if redis else None,
+                    "redis-server load of its save file" if redis else None,
+                    note="a tier of more than restore_sync_pages is indexed while the daemon answers"))
     rows.append(row("heap after restart vs before the kill", h["mem_restart"]["RssAnon"] / 1024, "MiB",
                     h["mem1"]["RssAnon"] / 1024, "before the kill"))
+    rows.append(row("engine deadline misses during the fill", rep.late, "",
+                    note=f"calls past their deadline (a miss or a skipped store, the connection kept) of "
+                         f"{rep.requests * 2} waited; {rep.late_reasons or 'none logged'}"))
     rows.append(row("engine outages during the fill", rep.outages, "",
-                    note=f"stores skipped {rep.skipped_puts}, misses while away {rep.misses_while_away}, "
-                         f"refusals {rep.refusals}, daemon log broken pipes {h['log']['broken_pipes']}; "
-                         f"{rep.reasons or 'no reasons logged'}"))
+                    note=f"connections given up; stores skipped {rep.skipped_puts}, misses while away "
+                         f"{rep.misses_while_away}, refusals {rep.refusals}, daemon log broken pipes "
+                         f"{h['log']['broken_pipes']}; {rep.reasons or 'no reasons logged'}"))
     if redis is not None:
         rows.append(row("redis-server: SET rate (pipelined)", redis.keys / redis.fill_s, "keys/s",
                         note=f"SAVE {redis.save_s:.1f} s, RSS {redis.rss_before_kib // 1024} MiB before, "

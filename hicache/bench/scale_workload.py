@@ -64,24 +64,28 @@ class FillReport:
     skipped_puts: int = 0  # puts not answered: the daemon away or late
     refused_puts: int = 0  # puts the daemon answered without pages: no host room for them
     uncovered: int = 0  # plans whose slabs could not be mapped (reported failed)
-    outages: int = 0  # times the client's breaker opened
+    outages: int = 0  # times the client's breaker opened: a connection given up (liveness), a refused hello
+    late: int = 0  # waited calls past their deadline (a miss or a skipped store; the connection stays)
     misses_while_away: int = 0
     refusals: int = 0
     reasons: dict[str, int] = field(default_factory=dict)  # why the breaker opened, by message
+    late_reasons: dict[str, int] = field(default_factory=dict)  # what went late, by the client's message
 
 
 class _Reasons(logging.Handler):
-    """Counts the client's 'daemon unavailable (why)' warnings by their reason."""
+    """Counts the client's 'daemon unavailable (why)' warnings (outages) and 'daemon slow
+    (why)' warnings (the first late call of a slow spell) by their reason."""
 
-    def __init__(self, into: dict[str, int]) -> None:
+    def __init__(self, outages: dict[str, int], late: dict[str, int]) -> None:
         super().__init__(logging.WARNING)
-        self.into = into
+        self.by_kind = (("unavailable (", outages), ("slow (", late))
 
     def emit(self, record: logging.LogRecord) -> None:
         msg = record.getMessage()
-        if "unavailable (" in msg:
-            why = msg.split("unavailable (", 1)[1].split(")", 1)[0]
-            self.into[why] = self.into.get(why, 0) + 1
+        for marker, into in self.by_kind:
+            if marker in msg:
+                why = msg.split(marker, 1)[1].split(")", 1)[0]
+                into[why] = into.get(why, 0) + 1
 
 
 class Engine:
@@ -102,7 +106,7 @@ class Engine:
         self._seen_prompts = 0
         self.pattern = self.rng.integers(0, 256, (64, LAYOUT.page_bytes), dtype=np.uint8)
         self.report = FillReport()
-        self._log_handler = _Reasons(self.report.reasons)
+        self._log_handler = _Reasons(self.report.reasons, self.report.late_reasons)
         logging.getLogger("hicache.client").addHandler(self._log_handler)
 
     def connect(self) -> None:
@@ -189,8 +193,8 @@ class Engine:
             done += self.step()
         self.report.seconds += time.monotonic() - t0
         c = self.client
-        self.report.outages, self.report.misses_while_away, self.report.refusals = (c.outages, c.misses_while_away,
-                                                                                    c.refusals)
+        r = self.report
+        r.outages, r.late, r.misses_while_away, r.refusals = c.outages, c.late, c.misses_while_away, c.refusals
         return done
 
     def time_matches(self, count: int) -> list[float]:

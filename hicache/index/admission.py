@@ -36,6 +36,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hicache.index import native_index
+from hicache.index.keys import KEY_BYTES, PackedKeys
+
 _M64 = (1 << 64) - 1
 _HALVE = bytes(x >> 1 for x in range(256))
 MAX_COUNT = 15
@@ -44,6 +47,8 @@ MAX_COUNT = 15
 def admission_key(page_key: bytes) -> int:
     """A page key (a 16-byte hash) as the int the sketches take."""
     return int.from_bytes(page_key[:8], "little")
+
+
 ADMISSION_MODES = ("all", "reuse")
 
 
@@ -56,46 +61,76 @@ def _mix(x: int) -> int:
 
 
 class FrequencySketch:
-    """Count-min sketch of recent accesses, with halving every `10 * width` additions."""
+    """Count-min sketch of recent accesses, with halving every `10 * width` additions.
 
-    __slots__ = ("width", "depth", "_mask", "_rows", "_added", "_sample")
+    The counters are one bytearray, row i at `i * width`. Keys come as ints (`add`,
+    `estimate`) or as 16-byte page keys (`add_pages`, `estimate_page`: the int is
+    admission_key's), which the index's C module counts without a Python step per key
+    (native_sketch.c, the same steps; tests/index/test_admission.py compares the two)."""
+
+    __slots__ = ("width", "depth", "_mask", "_table", "_added", "_sample", "_native_add", "_native_estimate")
 
     def __init__(self, width: int, depth: int = 4, sample_factor: int = 10) -> None:
         if width < 1 or depth < 1 or sample_factor < 1:
             raise ValueError("width, depth and sample_factor must be >= 1")
+        if depth > 16:
+            raise ValueError("depth must be <= 16")
         self.width = 1 << max(4, (width - 1).bit_length())  # a power of two: index by mask
         self.depth = depth
         self._mask = self.width - 1
-        self._rows = [bytearray(self.width) for _ in range(depth)]
+        self._table = bytearray(depth * self.width)
         self._added = 0
         self._sample = sample_factor * self.width
+        self.use_native(native_index.load())
+
+    def use_native(self, mod: object) -> None:
+        """Count page keys with the C loop of native_sketch.c (None: in Python)."""
+        self._native_add = None if mod is None else mod.sketch_add
+        self._native_estimate = None if mod is None else mod.sketch_estimate
 
     def _slots(self, key: int) -> list[int]:
         h = _mix(key)
         h1, h2 = h & 0xFFFFFFFF, (h >> 32) | 1  # double hashing (Kirsch-Mitzenmacher)
-        return [(h1 + i * h2) & self._mask for i in range(self.depth)]
+        w, mask = self.width, self._mask
+        return [i * w + ((h1 + i * h2) & mask) for i in range(self.depth)]
 
     def add(self, key: int) -> int:
         """Count one access; returns the estimate after it."""
         slots = self._slots(key)
-        rows = self._rows
-        low = min(rows[i][s] for i, s in enumerate(slots))
+        t = self._table
+        low = min(t[s] for s in slots)
         if low < MAX_COUNT:  # conservative update: raise only the counters at the minimum
-            for i, s in enumerate(slots):
-                if rows[i][s] == low:
-                    rows[i][s] = low + 1
+            for s in slots:
+                if t[s] == low:
+                    t[s] = low + 1
             low += 1
         self._added += 1
         if self._added >= self._sample:
             self._age()
         return low
 
+    def add_pages(self, blob: bytes) -> None:
+        """`add` of every page key packed in `blob` (16 bytes each), in order."""
+        if len(blob) % KEY_BYTES:
+            raise ValueError("keys must be packed 16-byte page keys")
+        if self._native_add is not None:
+            self._added = self._native_add(self._table, self.depth, self._mask, blob, self._added, self._sample)
+            return
+        for i in range(0, len(blob), KEY_BYTES):
+            self.add(int.from_bytes(blob[i:i + 8], "little"))
+
     def estimate(self, key: int) -> int:
-        rows = self._rows
-        return min(rows[i][s] for i, s in enumerate(self._slots(key)))
+        t = self._table
+        return min(t[s] for s in self._slots(key))
+
+    def estimate_page(self, page_key: bytes) -> int:
+        """`estimate` of a page key (16 bytes)."""
+        if self._native_estimate is not None:
+            return self._native_estimate(self._table, self.depth, self._mask, page_key)
+        return self.estimate(admission_key(page_key))
 
     def _age(self) -> None:
-        self._rows = [r.translate(_HALVE) for r in self._rows]
+        self._table = self._table.translate(_HALVE)
         self._added //= 2
 
 
@@ -154,6 +189,23 @@ class DiskAdmission:
         if cfg.tail:
             self._hinted.add(keys[-1])
         self._tails.add(keys[-1])
+
+    def request_pages(self, keys: list[bytes] | PackedKeys, matched: int) -> None:
+        """`request` of page keys as the engines send them (16 bytes each), counted
+        without turning each into an int first."""
+        blob = keys.blob if type(keys) is PackedKeys else b"".join(keys)
+        n = len(blob) // KEY_BYTES
+        if not n:
+            return
+        cfg = self.config
+        self.sketch.add_pages(blob)
+        if cfg.next_turn and 0 < matched < n and \
+                self._tails.estimate_page(blob[(matched - 1) * KEY_BYTES:matched * KEY_BYTES]):
+            self._hinted.add_pages(blob[matched * KEY_BYTES:])
+        last = blob[-KEY_BYTES:]
+        if cfg.tail:
+            self._hinted.add_pages(last)
+        self._tails.add_pages(last)
 
     def expects_reuse(self, key: int) -> bool:
         return self.config.mode == "all" or self.predicts_reuse(key)

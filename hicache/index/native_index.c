@@ -10,7 +10,10 @@
      is needed: RadixIndex.match_locked in one call;
    - `unlock_node(node, tier, key, root, protected, maybe_queue)`: RadixIndex.unlock after its
      argument checks (the path up and the held check here; a refusal is a small int for the
-     caller to raise, with nothing changed).
+     caller to raise, with nothing changed);
+   - the disk admission's frequency sketch: native_sketch.c;
+   - the restore's record check and chaining: native_restore.c;
+   - KeyRun, a node's page keys packed in one object: native_keys.c.
 */
 
 #define PY_SSIZE_T_CLEAN
@@ -19,27 +22,43 @@
 #include <string.h>
 
 #include "hicache/kernels/native_build.h"
+#include "hicache/index/native_keys.h"
+#include "hicache/index/native_restore.h"
+#include "hicache/index/native_sketch.h"
 
 #define KEY_BYTES 16
 
 static PyObject *s_children, *s_device, *s_host, *s_on_disk, *s_keys, *s_last_access, *s_hit_count;
 
-/* Whether node key `k` (a bytes object) equals the 16 bytes at `p`. */
-static int key_eq(PyObject *k, const char *p) {
-    return PyBytes_CheckExact(k) && PyBytes_GET_SIZE(k) == KEY_BYTES
-        && memcmp(PyBytes_AS_STRING(k), p, KEY_BYTES) == 0;
+static PyObject *s_blob;
+
+/* A node's keys, packed: a KeyRun's (native_keys.c) or the bytes `blob` of keys.py's KeyRun,
+   which *hold then keeps alive (release it after use); NULL with an exception otherwise. */
+static const char *node_keys(PyObject *ck, Py_ssize_t *n, PyObject **hold) {
+    *hold = NULL;
+    const char *d = hicache_key_run_data(ck, n);
+    if (d) return d;
+    PyObject *blob = PyObject_GetAttr(ck, s_blob);
+    if (blob && PyBytes_CheckExact(blob) && PyBytes_GET_SIZE(blob) % KEY_BYTES == 0) {
+        *hold = blob;
+        *n = PyBytes_GET_SIZE(blob) / KEY_BYTES;
+        return PyBytes_AS_STRING(blob);
+    }
+    Py_XDECREF(blob);
+    PyErr_Clear();
+    PyErr_SetString(PyExc_TypeError, "TreeNode.keys must be a KeyRun");
+    return NULL;
 }
 
-/* tree_walk.common_pages: leading pages of `ck` equal to the request's keys from
-   `start`, given that the first is; chained keys make equality monotone. */
-static Py_ssize_t common_pages(PyObject *ck, const char *blob, Py_ssize_t n, Py_ssize_t start) {
-    Py_ssize_t m = PyList_GET_SIZE(ck);
+/* tree_walk.common_pages: leading pages of the node's `m` keys at `ck` equal to the request's
+   keys from `start`, given that the first is; chained keys make equality monotone. */
+static Py_ssize_t common_pages(const char *ck, Py_ssize_t m, const char *blob, Py_ssize_t n, Py_ssize_t start) {
     if (n - start < m) m = n - start;
-    if (key_eq(PyList_GET_ITEM(ck, m - 1), blob + (start + m - 1) * KEY_BYTES)) return m;
+    if (memcmp(ck + (m - 1) * KEY_BYTES, blob + (start + m - 1) * KEY_BYTES, KEY_BYTES) == 0) return m;
     Py_ssize_t lo = 1, hi = m - 1;
     while (lo < hi) {
         Py_ssize_t mid = (lo + hi + 1) >> 1;
-        if (key_eq(PyList_GET_ITEM(ck, mid - 1), blob + (start + mid - 1) * KEY_BYTES)) lo = mid;
+        if (memcmp(ck + (mid - 1) * KEY_BYTES, blob + (start + mid - 1) * KEY_BYTES, KEY_BYTES) == 0) lo = mid;
         else hi = mid - 1;
     }
     return lo;
@@ -117,16 +136,18 @@ static PyObject *walk_path(PyObject *root, const Py_buffer *bp, PyObject *lane, 
             }
         }
         if (!fits) { Py_DECREF(child); break; }
-        PyObject *ck = PyObject_GetAttr(child, s_keys);
+        PyObject *ck = PyObject_GetAttr(child, s_keys), *hold = NULL;
         if (!ck) { Py_DECREF(child); goto fail; }
-        if (!PyList_CheckExact(ck) || PyList_GET_SIZE(ck) == 0) {
-            Py_DECREF(ck); Py_DECREF(child);
-            PyErr_SetString(PyExc_TypeError, "TreeNode.keys must be a non-empty list");
-            goto fail;
+        Py_ssize_t m = 0, step;
+        const char *kd = node_keys(ck, &m, &hold);
+        if (kd && m == 0) {
+            PyErr_SetString(PyExc_TypeError, "TreeNode.keys of a child must not be empty");
+            kd = NULL;
         }
-        Py_ssize_t m = PyList_GET_SIZE(ck), step;
-        if (i + m <= n && key_eq(PyList_GET_ITEM(ck, m - 1), blob + (i + m - 1) * KEY_BYTES)) step = m;
-        else step = common_pages(ck, blob, n, i);
+        if (!kd) { Py_XDECREF(hold); Py_DECREF(ck); Py_DECREF(child); goto fail; }
+        if (i + m <= n && memcmp(kd + (m - 1) * KEY_BYTES, blob + (i + m - 1) * KEY_BYTES, KEY_BYTES) == 0) step = m;
+        else step = common_pages(kd, m, blob, n, i);
+        Py_XDECREF(hold);
         Py_DECREF(ck);
         int appended = PyList_Append(path, child);
         if (appended < 0) { Py_DECREF(child); goto fail; }
@@ -207,13 +228,33 @@ static long dict_add(PyObject *d, PyObject *key, long delta, int missing_ok) {
     return r < 0 ? LONG_MIN : v;
 }
 
+static PyObject *empty_map;  /* stands in, read-only, for a node's shared empty map */
+
+/* A node's map (device, device_locks) to read: a dict, or node.NO_ENTRIES (any empty
+   mapping), read as an empty dict that nobody writes. */
 static PyObject *get_dict(PyObject *x, PyObject *name) {
     PyObject *d = PyObject_GetAttr(x, name);
     if (d && !PyDict_CheckExact(d)) {
+        Py_ssize_t n = PyMapping_Check(d) ? PyObject_Length(d) : -1;
         Py_DECREF(d);
+        if (n == 0) {
+            Py_INCREF(empty_map);
+            return empty_map;
+        }
+        PyErr_Clear();
         PyErr_Format(PyExc_TypeError, "TreeNode.%U must be a dict", name);
         return NULL;
     }
+    return d;
+}
+
+/* A node's map to write: node.NO_ENTRIES is replaced by a new dict first (policy.py does the same). */
+static PyObject *get_dict_mut(PyObject *x, PyObject *name) {
+    PyObject *d = get_dict(x, name);
+    if (d != empty_map) return d;
+    Py_DECREF(d);
+    d = PyDict_New();
+    if (d && PyObject_SetAttr(x, name, d) < 0) Py_CLEAR(d);
     return d;
 }
 
@@ -272,7 +313,7 @@ static int lock_nodes(PyObject *path, Py_ssize_t count, long tier, PyObject *eng
         Py_DECREF(r);
         if (v == LONG_MIN) return -1;
         if (tier == 0) {
-            PyObject *dl = get_dict(x, s_device_locks);
+            PyObject *dl = get_dict_mut(x, s_device_locks);
             if (!dl) return -1;
             long c = dict_add(dl, engine, 1, 1);
             PyObject *dev = c == 1 ? get_dict(x, s_device) : NULL;
@@ -377,7 +418,7 @@ static PyObject *unlock_nodes(PyObject *path, long tier, PyObject *engine, PyObj
         long v = list_add(r, tier, -1);
         if (v == LONG_MIN) { Py_DECREF(r); return NULL; }
         if (tier == 0) {
-            PyObject *dl = get_dict(x, s_device_locks);
+            PyObject *dl = get_dict_mut(x, s_device_locks);  /* holds the engine's lock: a dict */
             long c = dl ? dict_add(dl, engine, -1, 0) : LONG_MIN;
             if (c == 0 && PyDict_DelItem(dl, engine) < 0) c = LONG_MIN;
             PyObject *dev = c == 0 ? get_dict(x, s_device) : NULL;
@@ -506,6 +547,7 @@ PyMODINIT_FUNC PyInit__native_index(void) {
     if (!(s_host = PyUnicode_InternFromString("host"))) return NULL;
     if (!(s_on_disk = PyUnicode_InternFromString("on_disk"))) return NULL;
     if (!(s_keys = PyUnicode_InternFromString("keys"))) return NULL;
+    if (!(s_blob = PyUnicode_InternFromString("blob"))) return NULL;
     if (!(s_last_access = PyUnicode_InternFromString("last_access"))) return NULL;
     if (!(s_hit_count = PyUnicode_InternFromString("hit_count"))) return NULL;
     if (!(s_lock_ref = PyUnicode_InternFromString("lock_ref"))) return NULL;
@@ -513,7 +555,12 @@ PyMODINIT_FUNC PyInit__native_index(void) {
     if (!(s_queued = PyUnicode_InternFromString("queued"))) return NULL;
     if (!(s_removed = PyUnicode_InternFromString("removed"))) return NULL;
     if (!(s_parent = PyUnicode_InternFromString("parent"))) return NULL;
+    if (!(empty_map = PyDict_New())) return NULL;
     if (!(host_lane = PyLong_FromLong(-1))) return NULL;  /* node.HOST_LANE */
     if (!(disk_lane = PyLong_FromLong(-2))) return NULL;  /* node.DISK_LANE */
-    return PyModule_Create(&mod_def);
+    PyObject *m = PyModule_Create(&mod_def);
+    if (m && (PyModule_AddFunctions(m, hicache_sketch_methods) < 0  /* native_sketch.c */
+              || PyModule_AddFunctions(m, hicache_restore_methods) < 0  /* native_restore.c */
+              || hicache_add_key_run(m) < 0)) Py_CLEAR(m);  /* native_keys.c */
+    return m;
 }

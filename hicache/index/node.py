@@ -11,15 +11,16 @@ is `HOST_LANE`, the disk tier `DISK_LANE`.
 from __future__ import annotations
 
 import operator
-from hashlib import blake2b
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
+from types import MappingProxyType
 from typing import NamedTuple
 
 import numpy as np
 
 from hicache.errors import HiCacheError
-from hicache.index.keys import KEY_BYTES, PackedKeys, as_tokens
+from hicache.index.keys import KEY_BYTES, KEY_RUN_TYPES, KeyRun, PackedKeys, as_tokens
 
 
 class IndexInputError(HiCacheError, ValueError):
@@ -50,6 +51,13 @@ EMPTY_PAGES = _frozen(np.empty(0, dtype=np.int64))
 EMPTY_TOKENS = _frozen(np.empty(0, dtype=np.int32))
 
 
+# The maps of a node that has no device copy, device lock or child counted (most nodes at a
+# million pages: an engine that stores by puts never has device pages): one shared, read-only
+# empty map instead of three empty dicts a node (~200 B). Whoever writes one first replaces
+# it with a dict (policy.py, tree_walk.py), and puts it back once the dict is empty again.
+NO_ENTRIES: Mapping = MappingProxyType({})
+
+
 @dataclass(slots=True, eq=False)
 class TreeNode:
     """One run of pages. Identity matters (eq=False): callers hold nodes to lock them.
@@ -61,9 +69,9 @@ class TreeNode:
 
     parent: TreeNode | None
     children: dict[bytes, TreeNode]      # keyed by the child's first page key
-    keys: list[bytes]                    # chained 16-byte page key per page
+    keys: KeyRun                         # chained 16-byte page key per page, packed (keys.key_run)
     tokens: np.ndarray                   # int32, n_pages * page_size
-    device: dict[int, np.ndarray] = field(default_factory=dict)  # engine -> device page ids
+    device: Mapping[int, np.ndarray] = field(default_factory=lambda: NO_ENTRIES)  # engine -> device page ids
     host: np.ndarray | None = None       # host page-slot ids (int64) or None
     on_disk: bool = False
     lock_ref: list[int] = field(default_factory=lambda: [0, 0, 0])  # per Tier, this node and below
@@ -72,9 +80,9 @@ class TreeNode:
     state: object | None = None          # hybrid-model state checkpoint at the node's end
     policy_memo: tuple | None = None     # an EvictionPolicy's cached priority (see policy.py)
     # Bookkeeping of RadixIndex and its ResidencyLedger; read-only for everyone else.
-    device_locks: dict[int | None, int] = field(default_factory=dict)  # engine (None = all) -> refs
-    child_lanes: dict[int, int] = field(default_factory=dict)  # lane -> children resident in it
-    queued: set[int] = field(default_factory=set)  # lanes with an entry in an eviction heap
+    device_locks: Mapping[int | None, int] = field(default_factory=lambda: NO_ENTRIES)  # engine (None = all) -> refs
+    child_lanes: Mapping[int, int] = field(default_factory=lambda: NO_ENTRIES)  # lane -> children resident in it
+    queued: tuple[int, ...] = ()  # lanes with an entry in an eviction heap
     removed: bool = False
 
     @property
@@ -255,6 +263,8 @@ def not_own(theirs: np.ndarray, own: np.ndarray) -> np.ndarray:
 def check_keys(keys: object) -> list[bytes]:
     if type(keys) is PackedKeys:
         return keys  # validated when it was built from its blob
+    if isinstance(keys, KEY_RUN_TYPES):  # a node's own keys
+        return PackedKeys(bytes(keys))
     if type(keys) is not list:
         if not isinstance(keys, (list, tuple)):
             raise IndexInputError("keys must be a list of bytes")
@@ -314,80 +324,3 @@ def check_tier(tier: object) -> Tier:
         return Tier(tier)
     except ValueError as err:
         raise IndexInputError(f"no tier {tier!r}") from err
-
-
-@dataclass(slots=True)
-class DiskRun:
-    """Consecutive verified pages of one branch, to hang below the page `parent_key`."""
-
-    parent_key: bytes
-    keys: list[bytes]
-    tokens: np.ndarray
-    last_access: float  # the newest of its pages
-
-
-_LE_I4 = np.dtype("<i4")
-
-
-def disk_runs(records: object, salt: bytes, page_size: int) -> tuple[list[DiskRun], list[bytes]]:
-    """Check per-page disk records (any order) and chain them into runs, each run's
-    parent page in an earlier run (or the salt). A record is kept only if its key is
-    the hash of (parent key, tokens) -- or of (salt, tokens): a keyed engine's named
-    page (hicache.client.keyed), whose name in its tokens already commits to its whole
-    prefix and which the daemon chained by position -- and its parents reach the salt.
-    Returns the runs
-    and the keys of the records left out (orphans, corrupt, malformed), which the
-    caller may delete from disk."""
-    by_parent: dict[bytes, list[tuple[bytes, np.ndarray, float]]] = {}
-    seen: set[bytes] = set()
-    skipped: list[bytes] = []
-    for rec in records:
-        try:
-            key, parent_key, tokens, last_access = rec
-            if type(key) is not bytes or len(key) != KEY_BYTES:
-                continue  # no usable key to report
-            # disk records already hold little-endian int32 arrays: skip the conversion
-            toks = tokens if type(tokens) is np.ndarray and tokens.dtype == _LE_I4 and tokens.ndim == 1 \
-                and tokens.flags.c_contiguous else as_tokens(tokens)
-            la = float(last_access)
-        except (TypeError, ValueError, OverflowError):
-            continue
-        if type(parent_key) is not bytes or len(parent_key) != KEY_BYTES or len(toks) != page_size:
-            skipped.append(key)
-        elif key not in seen:
-            seen.add(key)
-            by_parent.setdefault(parent_key, []).append((key, toks, la))
-    runs: list[DiskRun] = []
-    kept: set[bytes] = set()
-    stack = [salt]
-    while stack:
-        parent_key = stack.pop()
-        for item in by_parent.pop(parent_key, ()):
-            keys: list[bytes] = []
-            toks_list: list[np.ndarray] = []
-            newest = float("-inf")
-            prev = parent_key
-            while True:  # a single-child chain becomes one run
-                key, toks, la = item
-                data = toks.tobytes()  # page_keys' chain step, or a named page's
-                if blake2b(prev + data, digest_size=KEY_BYTES).digest() != key \
-                        and blake2b(salt + data, digest_size=KEY_BYTES).digest() != key:
-                    skipped.append(key)  # corrupt: it and its descendants stay out
-                    break
-                keys.append(key)
-                toks_list.append(toks)
-                newest = max(newest, la)
-                prev = key
-                nxt = by_parent.get(key)
-                if nxt is None or len(nxt) != 1:
-                    break
-                del by_parent[key]
-                item = nxt[0]
-            if keys:
-                runs.append(DiskRun(parent_key, keys, np.concatenate(toks_list), newest))
-                kept.update(keys)
-                stack.append(prev)
-    # A malformed duplicate of a good record must not get the good page deleted.
-    left_out = [k for k in skipped if k not in kept]
-    left_out += [k for items in by_parent.values() for k, _, _ in items]
-    return runs, left_out

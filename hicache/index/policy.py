@@ -50,7 +50,7 @@ from typing import Any, TypeAlias
 
 import numpy as np
 
-from hicache.index.node import DISK_LANE, HOST_LANE, FreedCollector, Tier, TreeNode
+from hicache.index.node import DISK_LANE, HOST_LANE, NO_ENTRIES, FreedCollector, Tier, TreeNode
 
 Priority: TypeAlias = float | tuple[int, float]
 EvictionKey: TypeAlias = tuple[int, Priority]  # (hint priority, the policy's); lowest leaves first
@@ -184,7 +184,8 @@ class CandidateHeaps:
             heap = self.heaps[lane] = []
         key = self.key(node) if self._keyed else self.policy.get_priority(node)
         heappush(heap, (key, next(self._seq), node))
-        node.queued.add(lane)
+        if lane not in node.queued:
+            node.queued += (lane,)
         if len(heap) > 2 * bound + 64:
             self._compact(lane)
 
@@ -198,7 +199,7 @@ class CandidateHeaps:
             prio, _, node = heap[0]
             if not self.is_candidate(node, lane):
                 heappop(heap)
-                node.queued.discard(lane)
+                unqueue(node, lane)
                 continue
             cur = priority_of(node)
             if cur != prio:  # touched since it was queued: priorities only grow
@@ -206,7 +207,7 @@ class CandidateHeaps:
                 continue
             if pop:
                 heappop(heap)
-                node.queued.discard(lane)
+                unqueue(node, lane)
             return prio, node
         return None
 
@@ -227,7 +228,7 @@ class CandidateHeaps:
             if self.is_candidate(entry[2], lane):
                 keep.append((self.key(entry[2]), entry[1], entry[2]) if rekey else entry)
             else:
-                entry[2].queued.discard(lane)
+                unqueue(entry[2], lane)
         heapify(keep)
         self.heaps[lane] = keep
 
@@ -277,7 +278,10 @@ class ResidencyLedger:
 
     def add_lane(self, node: TreeNode, lane: int, pages: np.ndarray | None) -> None:
         if lane >= 0:
-            node.device[lane] = pages
+            dev = node.device
+            if dev is NO_ENTRIES:
+                dev = node.device = {}
+            dev[lane] = pages
         elif lane == HOST_LANE:
             node.host = pages
         else:
@@ -288,8 +292,7 @@ class ResidencyLedger:
             self.protected[lane] = self.protected.get(lane, 0) + n
         parent = node.parent
         if parent is not self.root:  # the root is never a candidate: no counts there
-            cl = parent.child_lanes
-            cl[lane] = cl.get(lane, 0) + 1
+            count_child(parent, lane)
         if any(node.lock_ref):  # a second tier can make its other lanes evictable
             for other in node.lanes():
                 self.maybe_queue(node, other)
@@ -299,6 +302,8 @@ class ResidencyLedger:
     def drop_lane(self, node: TreeNode, lane: int) -> np.ndarray | None:
         if lane >= 0:
             pages = node.device.pop(lane)
+            if not node.device:
+                node.device = NO_ENTRIES
         elif lane == HOST_LANE:
             pages, node.host = node.host, None
         else:
@@ -315,6 +320,8 @@ class ResidencyLedger:
                 cl[lane] = c
             else:
                 del cl[lane]
+                if not cl:
+                    parent.child_lanes = NO_ENTRIES
                 self.maybe_queue(parent, lane)
         return pages
 
@@ -349,21 +356,22 @@ class ResidencyLedger:
             x.removed = True
             x.parent = None
             x.children = {}
-            x.device = {}
+            x.device = NO_ENTRIES
             x.host = None
             x.on_disk = False
-            x.child_lanes = {}
+            x.child_lanes = NO_ENTRIES
 
     def forget_engine(self, nodes: list[TreeNode], engine: int, acc: FreedCollector) -> None:
         """Drop the engine's residency and device locks from `nodes` (every node of the
         tree), reporting its pages; the caller then reaps nodes left in no tier."""
         for x in nodes:
-            x.lock_ref[Tier.DEVICE] -= x.device_locks.pop(engine, 0)
-            x.child_lanes.pop(engine, None)
-            x.queued.discard(engine)
-            pages = x.device.pop(engine, None)
-            if pages is not None:
-                acc.add(engine, x.keys, pages)
+            if engine in x.device_locks:
+                x.lock_ref[Tier.DEVICE] -= _pop(x, "device_locks", engine)
+            if engine in x.child_lanes:
+                _pop(x, "child_lanes", engine)
+            unqueue(x, engine)
+            if engine in x.device:
+                acc.add(engine, x.keys, _pop(x, "device", engine))
         self.resident.pop(engine, None)
         self.protected.pop(engine, None)
         self.candidates.drop_lane(engine)
@@ -380,6 +388,8 @@ class ResidencyLedger:
             for x in path:
                 x.lock_ref[Tier.DEVICE] += 1
                 dl = x.device_locks
+                if dl is NO_ENTRIES:
+                    dl = x.device_locks = {}
                 c = dl.get(engine, 0) + 1
                 dl[engine] = c
                 if c == 1 and x.device:
@@ -420,6 +430,8 @@ class ResidencyLedger:
                             maybe_queue(x, e)
                 else:
                     del dl[engine]
+                if not dl:
+                    x.device_locks = NO_ENTRIES
             else:
                 r[tier] -= 1
                 if r[tier] == 0 and x.resident_in(lane):
@@ -434,6 +446,30 @@ class ResidencyLedger:
                 else:
                     doomed = x  # walking up: the last one found is the highest
         return doomed
+
+
+def unqueue(node: TreeNode, lane: int) -> None:
+    """The lane's heap entry of `node` is gone (node.queued is a tuple: one or two lanes)."""
+    q = node.queued
+    if lane in q:
+        node.queued = tuple(x for x in q if x != lane)
+
+
+def count_child(parent: TreeNode, lane: int) -> None:
+    """One more child of `parent` resident in `lane` (its first makes it a dict)."""
+    cl = parent.child_lanes
+    if cl is NO_ENTRIES:
+        cl = parent.child_lanes = {}
+    cl[lane] = cl.get(lane, 0) + 1
+
+
+def _pop(x: TreeNode, name: str, key: object) -> object:
+    """Remove `key` from one of x's maps (it holds it), the shared empty map once it empties."""
+    d = getattr(x, name)
+    value = d.pop(key)
+    if not d:
+        setattr(x, name, NO_ENTRIES)
+    return value
 
 
 def _engines_flipped(x: TreeNode, key: int | None) -> list[int]:

@@ -53,35 +53,29 @@ Not thread-safe: one event loop owns an index.
 
 from __future__ import annotations
 
-import gc
 import itertools
-import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
 from hicache.index.eviction import EvictionOps
-from hicache.index import native_index
+from hicache.index import native_index, restore
 from hicache.index.key_map import KeyMap
 from hicache.index.locks import LockOps
-from hicache.index.keys import KEY_BYTES, PackedKeys
+from hicache.index.keys import KEY_BYTES, PackedKeys, key_run
 from hicache.index.node import (
     DISK_LANE, EMPTY_PAGES, EMPTY_TOKENS, HOST_LANE, DiskRecord, Freed, FreedCollector, IndexInputError,
     IndexStateError, InsertResult, MatchResult, Tier, TreeNode, check_count, check_engine, check_keys,
-    check_pages, check_tier, check_tokens, concat_pages, disk_runs, not_own, segment_pages,
+    check_pages, check_tier, check_tokens, concat_pages, not_own, segment_pages,
 )
-from hicache.index.policy import EvictionPolicy, LruPolicy, ResidencyLedger
+from hicache.index.policy import EvictionPolicy, LruPolicy, ResidencyLedger, count_child
 from hicache.index.tree_walk import (
     check_live, common_pages, path_to_root, preorder, split_node, suffix_chain, walk_path,
 )
 
-__all__ = [
-    "DiskRecord", "Freed", "IndexInputError", "IndexStateError", "InsertResult", "MatchResult",
-    "RadixIndex", "Tier", "TreeNode",
-]
-
-logger = logging.getLogger(__name__)
+__all__ = ["DiskRecord", "Freed", "IndexInputError", "IndexStateError", "InsertResult", "MatchResult",
+           "RadixIndex", "Tier", "TreeNode"]
 
 _NO_LANE = -3  # match without an engine: no device segment
 
@@ -99,7 +93,7 @@ class RadixIndex(LockOps, EvictionOps):
         self.salt = salt
         self.policy = policy if policy is not None else LruPolicy()
         self.clock = clock
-        self.root = TreeNode(parent=None, children={}, keys=[], tokens=EMPTY_TOKENS)
+        self.root = TreeNode(parent=None, children={}, keys=key_run(b""), tokens=EMPTY_TOKENS)
         # Page key -> hint priority, kept by hicache/index/priorities.py: orders eviction
         # before the policy does (policy.py). Call refresh_order() after lowering any.
         self.hint_priority: dict[bytes, int] = {}
@@ -210,8 +204,9 @@ class RadixIndex(LockOps, EvictionOps):
         new_nodes: list[TreeNode] = []
         if i < n:
             ps = self.page_size
-            leaf = TreeNode(parent=node, children={}, keys=keys[i:],
-                            tokens=tokens[i * ps:].copy(), last_access=now)
+            rest = keys.blob[i * KEY_BYTES:] if type(keys) is PackedKeys else keys[i:]
+            leaf = TreeNode(parent=node, children={}, keys=key_run(rest), tokens=tokens[i * ps:].copy(),
+                            last_access=now)
             node.children[keys[i]] = leaf
             if dev is not None:
                 ledger.add_lane(leaf, lane, dev[i:])
@@ -307,9 +302,8 @@ class RadixIndex(LockOps, EvictionOps):
         node.parent = parent
         parent.children[node.keys[0]] = node
         if parent is not self.root:  # the root keeps no counts; the parent is no leaf of these lanes now
-            cl = parent.child_lanes
             for lane in node.lanes():
-                cl[lane] = cl.get(lane, 0) + 1
+                count_child(parent, lane)
         return True
 
     def node_ending_at(self, keys: list[bytes]) -> TreeNode | None:
@@ -452,29 +446,14 @@ class RadixIndex(LockOps, EvictionOps):
         """Rebuild the disk part of the tree from per-page records (key, parent_key,
         tokens, last_access) in any order, merging into what is there; return the pages
         restored. Records not reachable from the salt through verified parents are
-        skipped; their keys go to `orphans` when given, for the caller to delete."""
-        # A bulk build of millions of small objects: the cyclic GC would rescan them
-        # over and over (a third of the time at 1M pages) and can find nothing to free.
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            runs, left_out = disk_runs(records, self.salt, self.page_size)
-            ends: dict[bytes, TreeNode] = {self.salt: self.root}
-            restored = 0
-            for run in runs:  # each run's parent page ends an earlier run
-                res = self._insert_from(ends[run.parent_key], run.keys, run.tokens, None, None, None,
-                                        True, run.last_access, touch=False)
-                ends[run.keys[-1]] = res.nodes[-1]
-                restored += len(run.keys)
-        finally:
-            if gc_was_enabled:
-                gc.enable()
-        if orphans is not None:
-            orphans.extend(left_out)
-        if left_out:
-            logger.warning("restore_disk: %d records skipped (orphan, corrupt or malformed)", len(left_out))
-        logger.debug("restore_disk: %d pages restored", restored)
-        return restored
+        skipped; their keys go to `orphans` when given, for the caller to delete
+        (restore.py)."""
+        return restore.restore_records(self, records, orphans)
+
+    def restore_packed(self, records: restore.PackedRecords, orphans: list[bytes] | None = None) -> int:
+        """restore_disk of records as arrays (the disk tier's scan), checked and chained
+        in C where the index's module is built (restore.py)."""
+        return restore.restore_packed(self, records, orphans)
 
     # ------------------------------------------------------------------ introspection
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hicache.index.keys import KEY_BYTES, PackedKeys
-from hicache.index.node import IndexInputError, IndexStateError, TreeNode
+from hicache.index.node import NO_ENTRIES, IndexInputError, IndexStateError, TreeNode
 
 
 def common_pages(node_keys: list[bytes], keys: list[bytes], start: int) -> int:
@@ -32,12 +32,14 @@ def split_node(node: TreeNode, j: int, page_size: int) -> TreeNode:
     """Split `node` after its first j pages; return the new upper node."""
     ps = page_size
     keys = node.keys
+    lanes = node.lanes()
     upper = TreeNode(
         parent=node.parent, children={keys[j]: node}, keys=keys[:j], tokens=node.tokens[:j * ps],
-        device={e: a[:j] for e, a in node.device.items()},
+        device={e: a[:j] for e, a in node.device.items()} if node.device else NO_ENTRIES,
         host=None if node.host is None else node.host[:j], on_disk=node.on_disk,
         lock_ref=node.lock_ref.copy(), last_access=node.last_access, hit_count=node.hit_count,
-        device_locks=node.device_locks.copy(), child_lanes=dict.fromkeys(node.lanes(), 1))
+        device_locks=dict(node.device_locks) if node.device_locks else NO_ENTRIES,
+        child_lanes=dict.fromkeys(lanes, 1) if lanes else NO_ENTRIES)
     # Same residency as the lower half: the parent's child_lanes and the page counts
     # are unchanged, and the upper half is no candidate while the lower one is below it.
     node.parent.children[keys[0]] = upper

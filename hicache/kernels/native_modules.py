@@ -23,12 +23,16 @@ class NativeSpec(NamedTuple):
 
 
 SPECS = (
-    NativeSpec("hicache.index._native_index", ("hicache/index/native_index.c",), ()),
+    NativeSpec("hicache.index._native_index",
+               ("hicache/index/native_index.c", "hicache/index/native_sketch.c", "hicache/index/native_restore.c",
+                "hicache/index/native_keys.c"),
+               ("hicache/index/native_sketch.h", "hicache/index/native_restore.h", "hicache/index/native_blake2b.h",
+                "hicache/index/native_keys.h")),
     NativeSpec("hicache.rpc._native_conn",
                ("hicache/rpc/native_conn.c", "hicache/rpc/native_fast_parse.c", "hicache/rpc/native_fast_reply.c"),
                ("hicache/rpc/native_frames.h", "hicache/rpc/native_fast_parse.h",
                 "hicache/rpc/native_fast_reply.h")),
-    NativeSpec("hicache.tiers._disk_native", ("hicache/tiers/disk_native.c",), ()),
+    NativeSpec("hicache.tiers._disk_native", ("hicache/tiers/disk_native.c", "hicache/tiers/disk_scan.c"), ()),
     NativeSpec("hicache.kernels._native_copy", ("hicache/kernels/native_copy.c",), ()),
     NativeSpec("hicache.bench._native_echo", ("hicache/bench/native_echo.c",), ("hicache/rpc/native_frames.h",)),
 )

@@ -1,10 +1,11 @@
 /* The daemon's native frame loop (hicache/rpc/native_conn.py loads it): a CPython extension
    module `hicache.rpc._native_conn`.
 
-   `NativeConn(fd, handle, turn_end, closed, max_frame_bytes, frames_per_turn, flush_at)` is one
-   connection, installed as the event loop's reader callback (`loop.add_reader(fd, conn)`). A
-   call receives once, then `run()`s a turn: each whole frame's body (bytes) goes to
-   `handle(body)`, at most `frames_per_turn` of them and none while `paused`; the replies the
+   `NativeConn(fd, handle, turn_end, closed, max_frame_bytes, frames_per_turn, flush_at, turn_s=0)`
+   is one connection, installed as the event loop's reader callback (`loop.add_reader(fd, conn)`).
+   A call receives once, then `run()`s a turn: each whole frame's body (bytes) goes to
+   `handle(body)`, at most `frames_per_turn` of them, for at most `turn_s` seconds (0: no limit;
+   the frame running when it passes finishes) and none while `paused`; the replies the
    handlers queued (`send_body`, `write`) go out with one send at the turn's end. Python hears
    of a turn only when there is something to do: `turn_end(more, pending, buffered)` when frames
    remain for another turn, output is left unsent, or the bytes of partial frames held changed;
@@ -21,6 +22,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <time.h>
 
 #include "hicache/kernels/native_build.h"
 #include "hicache/rpc/native_fast_parse.h"
@@ -38,6 +40,7 @@ typedef struct {
     char broken;    /* a send failed: the peer is gone */
     uint32_t max;
     int frames_per_turn;
+    int64_t turn_ns;      /* a turn's time: frames past it wait for a later turn (0: no limit) */
     Py_ssize_t flush_at;  /* queued output that is sent at once, even within a turn */
     size_t accounted;     /* partial-frame bytes last reported to Python */
     buf_t in, out;
@@ -90,13 +93,24 @@ static int run_fast(NativeConn *c, const fast_req_t *q) {
     return r;
 }
 
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
 static PyObject *run_turn(NativeConn *c) {
     const char *body;
     uint32_t n;
     int r = 0, done = 0, stopped = 0;
     fast_req_t q;
+    int64_t end = c->turn_ns ? now_ns() + c->turn_ns : 0;
     c->in_turn = 1;
     while (c->fd >= 0 && !c->paused && done < c->frames_per_turn) {
+        if (end && done && now_ns() >= end) {  /* the turn's time is up: the rest after other callbacks */
+            stopped = 1;
+            break;
+        }
         if ((r = next_frame(&c->in, c->max, &body, &n)) != 1) break;
         done++;
         if (c->fast && c->fast != Py_None && fast_parse(body, n, &q) != FAST_NONE) {
@@ -203,14 +217,19 @@ static PyObject *conn_buffered(PyObject *self, void *Py_UNUSED(unused)) {
 
 static int conn_init(PyObject *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"fd", "handle", "turn_end", "closed", "max_frame_bytes", "frames_per_turn",
-                            "flush_at", NULL};
+                            "flush_at", "turn_s", NULL};
     NativeConn *c = (NativeConn *)self;
     PyObject *handle, *turn_end, *closed;
     int fd, fpt;
     unsigned int max;
     Py_ssize_t flush_at;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iOOOIin", names, &fd, &handle, &turn_end, &closed, &max,
-                                     &fpt, &flush_at)) return -1;
+    double turn_s = 0.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iOOOIin|d", names, &fd, &handle, &turn_end, &closed, &max,
+                                     &fpt, &flush_at, &turn_s)) return -1;
+    if (!(turn_s >= 0.0 && turn_s < 3600.0)) {
+        PyErr_SetString(PyExc_ValueError, "turn_s must be in [0, 3600)");
+        return -1;
+    }
     if (!PyCallable_Check(handle) || !PyCallable_Check(turn_end) || !PyCallable_Check(closed)) {
         PyErr_SetString(PyExc_TypeError, "handle, turn_end and closed must be callable");
         return -1;
@@ -228,6 +247,7 @@ static int conn_init(PyObject *self, PyObject *args, PyObject *kw) {
     c->fd = fd;  /* owned from here: closed by close() or at collection */
     c->max = max;
     c->frames_per_turn = fpt;
+    c->turn_ns = (int64_t)(turn_s * 1e9);
     c->flush_at = flush_at;
     return 0;
 }
@@ -292,7 +312,7 @@ static PyTypeObject NativeConnType = {
     .tp_name = "hicache.rpc._native_conn.NativeConn",
     .tp_basicsize = sizeof(NativeConn),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "NativeConn(fd, handle, turn_end, closed, max_frame_bytes, frames_per_turn, flush_at)",
+    .tp_doc = "NativeConn(fd, handle, turn_end, closed, max_frame_bytes, frames_per_turn, flush_at, turn_s=0)",
     .tp_new = conn_new,
     .tp_init = conn_init,
     .tp_call = conn_readable,

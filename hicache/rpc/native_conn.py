@@ -47,7 +47,7 @@ from typing import Any
 
 from hicache.kernels import native_build
 from hicache.rpc.protocol import Code
-from hicache.rpc.server import FRAMES_PER_TURN, HIGH_WATER_BYTES, Connection, RpcServer
+from hicache.rpc.server import FRAMES_PER_TURN, HIGH_WATER_BYTES, TURN_S, Connection, RpcServer
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class NativeConnection(Connection):
         self._low = self._high // 4
         self._oversized = mod.CLOSED_OVERSIZED
         self._native = mod.NativeConn(fd, self._handle, self._turn_end, self._closed, server.max_frame_bytes,
-                                      FRAMES_PER_TURN, self._high)
+                                      FRAMES_PER_TURN, self._high, turn_s=TURN_S)
         # match and release frames of the client's shape, answered by C around one Python call
         self._fast_handlers = {kind: (m, server.fast_handler(m))
                                for kind, m in ((mod.FAST_MATCH, "match"), (mod.FAST_RELEASE, "release"))}
@@ -130,7 +130,7 @@ class NativeConnection(Connection):
             self.server.counters.input_overflows += 1
             self._abort()
             return
-        if more and self._turn is None:  # FRAMES_PER_TURN handled: the rest on a later turn
+        if more and self._turn is None:  # FRAMES_PER_TURN or TURN_S used up: the rest on a later turn
             self._turn = self._loop.call_soon(self._next_turn)
         self._update_reading()
         self.server.shed_input()

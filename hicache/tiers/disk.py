@@ -113,7 +113,6 @@ Never carry an open tier across ``fork``.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import threading
@@ -125,7 +124,7 @@ import lmdb
 import numpy as np
 
 from hicache.errors import ConfigError, DiskTierError
-from hicache.tiers import disk_env
+from hicache.tiers import disk_env, disk_scan
 from hicache.tiers import disk_format as fmt
 from hicache.tiers.disk_batch import BatchDone, make_batch
 from hicache.tiers.disk_config import DiskTierConfig
@@ -244,6 +243,7 @@ class DiskTier:
         self._closed = True
         self._env.close()
         os.close(self._lock_fd)
+        disk_env.drop_scan(self.path)
 
     def __enter__(self) -> DiskTier:
         return self
@@ -431,22 +431,18 @@ class DiskTier:
         return result
 
     def iter_meta(self, chunk: int = 65536) -> Iterator[DiskRecord]:
-        """Every page's metadata, in key order, for the index rebuild at startup.
-        Reads `chunk` records per short read transaction; skips malformed ones."""
-        start: bytes | None = None
-        unpack = fmt.unpack_record
-        while True:
-            with self._env.begin() as txn:
-                cur = txn.cursor(db=self._meta)
-                positioned = cur.first() if start is None else cur.set_range(start)
-                items = list(itertools.islice(cur.iternext(), chunk)) if positioned else []
-            for k, v in items:
-                rec = unpack(k, v)
-                if rec is not None:
-                    yield rec
-            if len(items) < chunk:
-                return
-            start = items[-1][0] + b"\0"  # the first key after the last one read
+        """Every page's metadata, in key order, `chunk` records per short read transaction;
+        skips malformed ones (disk_scan.py)."""
+        return disk_scan.iter_meta(self._env, self._meta, chunk)
+
+    def scan_meta(self) -> disk_scan.MetaScan:
+        """Every page's metadata as arrays, for the index rebuild at startup: the verification
+        child's when nothing was committed since it read (disk_env.take_scan), else read now
+        (disk_scan.py)."""
+        handed = disk_env.take_scan(self.path, self._env.info()["last_txnid"])
+        if handed is not None:
+            return handed
+        return disk_scan.scan(self._env, self._meta, fmt.DB_META, self.num_pages)
 
     # ---------------------------------------------------------------------- stats
 

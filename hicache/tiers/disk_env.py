@@ -24,8 +24,9 @@ a SIGBUS. So before the owner touches an existing environment, a child process
 totals, every meta record and every page key (not the page bytes: a read
 checksums those). A child killed by a signal, or still running after
 ``VERIFY_TIMEOUT_S``, means a damaged environment: the daemon moves it aside
-instead of dying at every start. It costs a process start (~0.3 s here) and
-about a second per million pages.
+instead of dying at every start. It costs a process start (~0.3 s here) and,
+read in C (disk_scan.py), ~0.3 s per million pages; `hicache serve` starts it
+before its own imports (`start_verify`), so that the two overlap.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import lmdb
 
 from hicache.errors import DiskTierDamaged, DiskTierError
 from hicache.tiers import disk_format as fmt
+from hicache.tiers import disk_scan
 
 log = logging.getLogger(__name__)
 
@@ -159,30 +161,114 @@ def inspect_env(path: str) -> tuple[int, int] | None:
 # ----------------------------------------------------------- verification (child)
 
 
+class _Child(NamedTuple):
+    proc: subprocess.Popen
+    scan_fd: int  # a memfd the child writes its scan of the records into (disk_scan.dump)
+
+
+_early: dict[str, _Child] = {}  # children started before their environment is opened
+_scans: dict[str, int] = {}  # memfds of the scans the children of passed verifications wrote
+
+
+def start_verify(path: str) -> None:
+    """Start the child that reads the environment now, for `verify` to collect: the
+    daemon starts it before its own imports, so that the two overlap (~0.5 s of a start at
+    a million pages). Nothing when there is no environment yet."""
+    key = os.path.realpath(path)
+    if key not in _early and os.path.exists(os.path.join(key, "data.mdb")):
+        _early[key] = _spawn(key)
+
+
+def discard_verify(path: str) -> None:
+    """Forget (and stop) a child `start_verify` started: the environment is not read after all."""
+    child = _early.pop(os.path.realpath(path), None)
+    if child is not None:
+        child.proc.kill()
+        child.proc.communicate()
+        os.close(child.scan_fd)
+
+
 def verify(path: str, timeout_s: float = VERIFY_TIMEOUT_S) -> None:
     """Read the whole environment's structure in a child process (module
-    docstring); raises DiskTierDamaged or DiskTierError."""
+    docstring); raises DiskTierDamaged or DiskTierError. A child started early
+    (`start_verify`) is collected; one that found damage is not trusted alone: it read
+    before this process held the directory's lock, so the environment is read again.
+    The scan a passing child wrote waits for `take_scan`."""
+    key = os.path.realpath(path)
+    child = _early.pop(key, None)
+    if child is not None:
+        try:
+            return _verdict(path, child, timeout_s)
+        except DiskTierDamaged:
+            log.info("%s: damage found by the early read; reading it again under the lock", path)
+    _verdict(path, _spawn(key), timeout_s)
+
+
+def take_scan(path: str, last_txn_id: int) -> disk_scan.MetaScan | None:
+    """The records the verification child scanned (disk_scan.load), if it read them in
+    transaction `last_txn_id`, the environment's last now: nothing committed since. None
+    otherwise (the caller scans): a scan is never trusted over the environment."""
+    fd = _scans.pop(os.path.realpath(path), None)
+    if fd is None:
+        return None
+    try:
+        handed = disk_scan.load(fd)
+    finally:
+        os.close(fd)
+    if handed is None or handed[1] != last_txn_id:
+        return None
+    return handed[0]
+
+
+def drop_scan(path: str) -> None:
+    """Free a scan nobody took (the tier closes without having scanned)."""
+    fd = _scans.pop(os.path.realpath(path), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _spawn(path: str) -> _Child:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    fd = os.memfd_create("hicache-disk-scan", os.MFD_CLOEXEC)
+    proc = subprocess.Popen([sys.executable, "-m", "hicache.tiers.disk_env", path, str(fd)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, stdin=subprocess.DEVNULL, pass_fds=(fd,))
+    return _Child(proc, fd)
+
+
+def _verdict(path: str, child: _Child, timeout_s: float) -> None:
+    proc = child.proc
     try:
-        out = subprocess.run([sys.executable, "-m", "hicache.tiers.disk_env", path], capture_output=True,
-                             text=True, timeout=timeout_s, env=env, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        raise DiskTierDamaged(f"{path}: reading the environment did not finish in {timeout_s:.0f}s") from None
-    lines = (out.stdout.strip() or out.stderr.strip()).splitlines()
-    why = lines[-1] if lines else f"exit status {out.returncode}"
-    if out.returncode == 0:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise DiskTierDamaged(f"{path}: reading the environment did not finish in {timeout_s:.0f}s") from None
+    except BaseException:
+        os.close(child.scan_fd)
+        raise
+    if proc.returncode == 0:
+        old = _scans.pop(os.path.realpath(path), None)
+        if old is not None:
+            os.close(old)
+        _scans[os.path.realpath(path)] = child.scan_fd
         return
-    if out.returncode < 0:
-        sig = signal.Signals(-out.returncode).name
+    os.close(child.scan_fd)
+    lines = (stdout.strip() or stderr.strip()).splitlines()
+    why = lines[-1] if lines else f"exit status {proc.returncode}"
+    if proc.returncode < 0:
+        sig = signal.Signals(-proc.returncode).name
         raise DiskTierDamaged(f"{path}: reading the environment kills the reader ({sig}: {why})")
-    if out.returncode == _EXIT_DAMAGED:
+    if proc.returncode == _EXIT_DAMAGED:
         raise DiskTierDamaged(why)
     raise DiskTierError(f"{path}: cannot verify the environment: {why}")
 
 
-def _scan(path: str) -> int:
-    """What the child reads: every record the rebuild reads, and every page key."""
+def _scan(path: str, scan_fd: int | None = None) -> int:
+    """What the child reads: every record the rebuild reads, and every page key (in C
+    where the disk tier's library is usable: disk_scan.py, which then writes what it read
+    of the records to `scan_fd` for the daemon: the module docstring of disk_scan.py)."""
     try:
         env = lmdb.open(path, readonly=True, create=False, max_dbs=8, lock=False)
     except DAMAGE_ERRORS as e:
@@ -191,8 +277,17 @@ def _scan(path: str) -> int:
         with env.begin() as txn:
             if txn.stat()["entries"] == 0:
                 return 0  # created, never written: inspect_env calls it fresh
+        scanner = disk_scan.native_scanner(env)  # outside a transaction: it opens one of its own
+        with env.begin() as txn:
             dbs = _hicache_dbs(env, txn, path)
-            fmt.unpack_totals(txn.get(fmt.INFO_TOTALS_KEY, db=dbs[fmt.DB_INFO]), path)
+            _, num_pages = fmt.unpack_totals(txn.get(fmt.INFO_TOTALS_KEY, db=dbs[fmt.DB_INFO]), path)
+            if scanner is not None:
+                n = scanner.count_keys(txn, fmt.DB_PAGES)
+                if scan_fd is None:
+                    return n + scanner.count_keys(txn, fmt.DB_META, read_values=True)
+                scan = scanner.meta(txn, fmt.DB_META, num_pages)  # reads every record: the check of them too
+                disk_scan.dump(scan, txn.id(), scan_fd)
+                return n + len(scan) + scan.malformed
             n = 0
             for _key, value in txn.cursor(db=dbs[fmt.DB_META]):
                 n += len(value) > 0
@@ -203,9 +298,9 @@ def _scan(path: str) -> int:
         env.close()
 
 
-def _child_main(path: str) -> int:
+def _child_main(path: str, scan_fd: int | None) -> int:
     try:
-        _scan(path)
+        _scan(path, scan_fd)
     except DiskTierDamaged as e:
         print(e, flush=True)
         return _EXIT_DAMAGED
@@ -268,6 +363,7 @@ def _open_locked(path: str, lock_fd: int, map_size: int, durability: str, reset:
     data_file = os.path.join(path, "data.mdb")
     try:
         if reset:
+            discard_verify(path)
             for name in fmt.ENV_FILES:
                 try:
                     os.unlink(os.path.join(path, name))
@@ -277,18 +373,21 @@ def _open_locked(path: str, lock_fd: int, map_size: int, durability: str, reset:
     except OSError as e:
         raise unusable(path, e) from e
     totals = None
-    if size_before is not None:
-        state = read_state(path)
-        if size_before == 0:
-            if state is not None:  # an environment was here: its data file was emptied
-                raise DiskTierDamaged(f"{path}: data.mdb is empty")
-        else:
-            if (state is not None and not state.get("clean", True) and state.get("durability") == "none"
-                    and state.get("boot_id") and state.get("boot_id") != boot_id()):
-                raise DiskTierDamaged(f"{path}: the machine went down while this environment was open "
-                                      "with durability='none'; it may be torn")
-            verify(path)
-            totals = inspect_env(path)
+    try:
+        if size_before is not None:
+            state = read_state(path)
+            if size_before == 0:
+                if state is not None:  # an environment was here: its data file was emptied
+                    raise DiskTierDamaged(f"{path}: data.mdb is empty")
+            else:
+                if (state is not None and not state.get("clean", True) and state.get("durability") == "none"
+                        and state.get("boot_id") and state.get("boot_id") != boot_id()):
+                    raise DiskTierDamaged(f"{path}: the machine went down while this environment was open "
+                                          "with durability='none'; it may be torn")
+                verify(path)
+                totals = inspect_env(path)
+    finally:
+        discard_verify(path)  # a child started early and not collected (refused before it)
     fresh = totals is None
     try:
         try:
@@ -372,4 +471,4 @@ def quarantine(path: str) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(_child_main(sys.argv[1]))
+    sys.exit(_child_main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else None))

@@ -87,10 +87,15 @@ class NativePutLoop:
         self._get = ctypes.cast(getattr(lmdb_lib, f"mdb{engine}_get"), ctypes.c_void_p).value
         self._put = ctypes.cast(getattr(lmdb_lib, f"mdb{engine}_put"), ctypes.c_void_p).value
         self._dbi_open = ctypes.cast(getattr(lmdb_lib, f"mdb{engine}_dbi_open"), ctypes.c_void_p).value
+        self.lib, self.lmdb_lib = lib, lmdb_lib  # the start-up scans use both (disk_scan.py)
         self._strerror = getattr(lmdb_lib, f"mdb{engine}_strerror")
         self._strerror.argtypes = [ctypes.c_int]
         self._strerror.restype = ctypes.c_char_p
         self._hash = hash_fn
+
+    def lmdb_function(self, name: str) -> int:
+        """The address of LMDB's `name` (e.g. "cursor_get") in this py-lmdb build."""
+        return ctypes.cast(getattr(self.lmdb_lib, f"mdb{self.engine}_{name}"), ctypes.c_void_p).value
 
     def txn_pointer(self, txn: lmdb.Transaction) -> int:
         return ctypes.c_void_p.from_address(id(txn) + self._txn_offset).value or 0

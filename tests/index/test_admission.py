@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
+from hicache.index import native_index
 from hicache.index.admission import MAX_COUNT, AdmissionConfig, DiskAdmission, FrequencySketch, admission_key
+from hicache.index.keys import PackedKeys
 
 
 def test_the_sketch_never_undercounts_and_saturates():
@@ -70,3 +74,48 @@ def test_mode_all_admits_every_page():
 
 def test_page_keys_map_to_ints_by_their_first_eight_bytes():
     assert admission_key(bytes(range(16))) == int.from_bytes(bytes(range(8)), "little")
+
+
+def _page_keys(rng, n):
+    return [rng.randbytes(16) for _ in range(n)]
+
+
+@pytest.mark.skipif(native_index.load() is None, reason="the index's C module is not built here")
+def test_the_c_sketch_counts_and_ages_as_the_python_one():
+    rng = random.Random(7)
+    py, c = FrequencySketch(16), FrequencySketch(16)  # small: it ages every 160 additions
+    py.use_native(None)
+    pool = _page_keys(rng, 300)
+    for _ in range(60):
+        batch = rng.choices(pool, k=rng.randrange(0, 40))
+        blob = b"".join(batch)
+        for k in batch:
+            py.add(admission_key(k))
+        c.add_pages(blob)
+        assert c._table == py._table and c._added == py._added
+    assert [c.estimate_page(k) for k in pool] == [py.estimate(admission_key(k)) for k in pool]
+    assert any(c.estimate_page(k) for k in pool)
+
+
+def test_requests_of_page_keys_count_as_requests_of_their_ints():
+    rng = random.Random(3)
+    by_int, by_key = DiskAdmission(AdmissionConfig(tail=True), 1000), DiskAdmission(AdmissionConfig(tail=True), 1000)
+    turn = _page_keys(rng, 5)
+    for keys, matched in ((turn[:3], 0), (turn, 3), (turn[:2] + _page_keys(rng, 2), 2)):
+        by_int.request([admission_key(k) for k in keys], matched)
+        by_key.request_pages(PackedKeys(b"".join(keys)), matched)
+        by_key.request_pages(list(keys), matched)
+        by_int.request([admission_key(k) for k in keys], matched)
+    for sk in ("sketch", "_tails", "_hinted"):
+        assert getattr(by_key, sk)._table == getattr(by_int, sk)._table
+    by_key.request_pages([], 0)  # nothing to count
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_blob_of_partial_keys_is_refused(native):
+    s = FrequencySketch(16)
+    if not native:
+        s.use_native(None)
+    with pytest.raises(ValueError, match="16-byte"):
+        s.add_pages(b"x" * 15)
+    assert not any(s._table)

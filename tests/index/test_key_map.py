@@ -62,7 +62,7 @@ def test_a_chain_root_adopted_by_its_late_parent_is_evicted_before_it():
     assert tail[0].parent is head[-1] and tail[0].keys[0] in head[-1].children
     check_invariants(idx)
     freed = idx.evict(HOST, 2)  # the tail is older, yet only leaves go: page 4, then page 3
-    assert [k for f in freed for k in f.keys] == tail[1].keys + tail[0].keys
+    assert [k for f in freed for k in f.keys] == [*tail[1].keys, *tail[0].keys]
     assert not head[-1].removed
     check_invariants(idx)
 

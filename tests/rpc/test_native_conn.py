@@ -9,6 +9,7 @@ import asyncio
 import os
 import struct
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,11 +40,12 @@ def new_loop() -> asyncio.AbstractEventLoop:
 
 
 @contextmanager
-def serving(path: str, native: bool | None, **limits: int) -> Iterator[tuple[RpcServer, Counter]]:
+def serving(path: str, native: bool | None, extra: dict | None = None,
+            **limits: int) -> Iterator[tuple[RpcServer, Counter]]:
     """An RpcServer on its own loop thread; `big` answers 4 MiB, more than a socket holds."""
     lost: Counter = Counter()
     handlers = {"hello": lambda conn, p: {"version": 1}, "ping": lambda conn, p: "pong",
-                "big": lambda conn, p: b"x" * (4 << 20)}
+                "big": lambda conn, p: b"x" * (4 << 20), **(extra or {})}
     server = RpcServer(handlers, max_frame_bytes=16 << 20, max_buffer_bytes=32 << 20, max_inflight=16,
                        allowed_uids={os.getuid(), 0}, allowed_gids=set(),
                        on_disconnect=lambda conn: lost.update([id(conn)]), native=native, **limits)
@@ -137,3 +139,37 @@ def test_without_the_extension_the_server_serves_on_asyncio(tmp_path, monkeypatc
         loop.run_until_complete(required.start(path=str(tmp_path / "x.sock")))
     loop.close()
     assert not (tmp_path / "x.sock").exists()
+
+
+@pytest.mark.parametrize("native", [pytest.param(True, marks=needs_native), False], ids=["native", "asyncio"])
+def test_a_burst_of_slow_frames_gives_way_to_another_connection_after_a_turn(tmp_path, native):
+    """A connection's frames run for at most TURN_S a loop turn (FRAMES_PER_TURN was the only
+    limit: 64 frames of 20-45 ms of put_done held another engine's match as long)."""
+    path = str(tmp_path / "s.sock")
+    order: list[object] = []
+    sent = threading.Event()
+
+    def slow(conn, p):  # a handler's work, holding the loop; the first waits for the other's frame
+        if p["i"] == 0:
+            assert sent.wait(30)
+        end = time.perf_counter() + 0.003
+        while time.perf_counter() < end:
+            pass
+        order.append(p["i"])
+
+    def other(conn, p):
+        order.append("other")
+        return "pong"
+
+    with serving(path, native, {"slow": slow, "other": other}):
+        a, b = raw(path), raw(path)
+        greet(a)
+        greet(b)
+        a.sendall(b"".join(pack_frame({"id": i + 1, "method": "slow", "params": {"i": i}}) for i in range(40)))
+        b.sendall(pack_frame({"id": 7, "method": "other", "params": {}}))
+        sent.set()
+        assert wait_until(lambda: len(order) == 41, 30)
+        a.close()
+        b.close()
+    # 40 x 3 ms would have run first; a turn ends after 2 ms, so the other frame came within two
+    assert order.index("other") <= 2, order

@@ -34,6 +34,7 @@ class NamespaceState:
     # Engines that store by puts or keyed stores (vLLM, SGLang) report no whole requests
     # (no insert): their lookups tell the disk admission what is requested instead.
     lookups_feed_admission: bool = False
+    restoring: bool = False  # its disk pages are being indexed (movers/disk_restore.py): kept
 
 
 @dataclass(slots=True, eq=False)

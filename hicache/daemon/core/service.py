@@ -47,7 +47,7 @@ from hicache.daemon.ingest.backups import PendingBackup, place_backup, plan_back
 from hicache.daemon.ingest.protocol import Ingest
 from hicache.daemon.core.slab_reclaim import reclaim_slab
 from hicache.daemon.core.validation import check_device_pages
-from hicache.index.admission import DiskAdmission, admission_key
+from hicache.index.admission import DiskAdmission
 from hicache.index.keys import Namespace
 from hicache.index.node import Freed, IndexStateError, Tier, TreeNode
 from hicache.index.policy import EvictionPolicy, LruPolicy
@@ -106,12 +106,13 @@ class CacheService:
         return {r.res_id: r.data for r in self.ingest.reservations.values() if r.kind == "backup"}
 
     # -- registry ---------------------------------------------------------
-    def namespace_state(self, namespace: Namespace) -> NamespaceState:
+    def namespace_state(self, namespace: Namespace, index: RadixIndex | None = None) -> NamespaceState:
+        """Made on first use (`index`: built already, by the disk restore, with our policy and clock)."""
         salt = namespace.salt()
         ns = self.namespaces.get(salt)
         if ns is None:
             cls = self.host.page_class(salt, namespace.layout.page_bytes)
-            index = RadixIndex(namespace.layout.page_size, salt, self.eviction_policy, self.clock)
+            index = index or RadixIndex(namespace.layout.page_size, salt, self.eviction_policy, self.clock)
             ns = NamespaceState(namespace, salt, index, cls)
             self.namespaces[salt] = ns
         return ns
@@ -162,7 +163,7 @@ class CacheService:
         if disk_nodes and self.on_match is not None:
             self.on_match(pin, disk_nodes)
         if self.admission is not None and rec.ns.lookups_feed_admission:
-            self.admission.request([admission_key(k) for k in keys], local + n_disk)
+            self.admission.request_pages(keys, local + n_disk)
         c = self.counters
         c.matches += 1
         c.requested_pages += len(keys)
@@ -312,7 +313,7 @@ class CacheService:
         self.counters.inserts += 1
         self.counters.inserted_pages += len(keys) - res.present_pages
         if self.admission is not None:
-            self.admission.request([admission_key(k) for k in keys], res.present_pages)
+            self.admission.request_pages(keys, res.present_pages)
         if pin is not None and res.nodes:
             ns.index.lock(res.nodes[-1], Tier.DEVICE, rec.engine_id)
             pin.locks.append((res.nodes[-1], Tier.DEVICE, rec.engine_id))
@@ -528,7 +529,7 @@ class CacheService:
         class gives its slabs back): clients registering ever new namespaces must not grow
         the daemon without bound. A namespace with pages anywhere, or host pages in
         flight (a prefetch, a state backup), stays."""
-        if ns.engines or ns.page_class.used_pages or self.namespaces.get(ns.salt) is not ns:
+        if ns.engines or ns.restoring or ns.page_class.used_pages or self.namespaces.get(ns.salt) is not ns:
             return
         if any(ns.index.num_pages(t) for t in (Tier.DEVICE, Tier.HOST, Tier.DISK)):
             return

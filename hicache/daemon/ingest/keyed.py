@@ -47,7 +47,6 @@ import numpy as np
 from hicache.daemon.core.service import CacheService, NamespaceState, Pin
 from hicache.daemon.ingest.protocol import Reservation
 from hicache.daemon.ingest.puts import PutCounters
-from hicache.index.admission import admission_key
 from hicache.index.keys import PackedKeys
 from hicache.index.radix import RadixIndex, Tier, TreeNode
 from hicache.rpc.protocol import Code, RpcError
@@ -115,7 +114,7 @@ class KeyedPages:
             c.matched_pages["host" if node.host is not None else "disk"] += 1
         adm = self.service.admission
         if adm is not None and ns.lookups_feed_admission:
-            adm.request([admission_key(k) for k in keys], found)
+            adm.request_pages(keys, found)
         return found
 
     async def fetch(self, owner: object, engine_id: Any, keys: PackedKeys, disk: Any) -> tuple[Pin, np.ndarray]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,7 +38,7 @@ class DiskWrite:
     wid: int
     ns: NamespaceState
     node: TreeNode  # write-through: HOST- and DISK-locked until the write commits
-    keys: list[bytes]  # the node's keys when accepted (a split may shorten node.keys)
+    keys: Sequence[bytes]  # the node's keys when accepted (a KeyRun: a split may shorten node.keys)
     parent: bytes | None  # the key of the page above the first one (None: the namespace's root)
     tokens: np.ndarray  # the pages' tokens, page after page
     slots: np.ndarray | None  # write-through: the pages' host slots (locked: they stay the pages')

@@ -55,7 +55,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -63,10 +62,10 @@ import numpy as np
 from hicache.config import Config
 from hicache.daemon.core.service import CacheService, NamespaceState, Pin
 from hicache.daemon.movers.disk_jobs import PageViews, Prefetch
-from hicache.daemon.movers.disk_namespaces import NAMESPACES_FILE, NamespaceFile
-from hicache.daemon.movers.disk_startup import Quarantine, open_tier
+from hicache.daemon.movers.disk_namespaces import NamespaceFile
+from hicache.daemon.movers.disk_restore import RestoreJob, adopt
+from hicache.daemon.movers.disk_startup import DiskOpening, Quarantine, open_and_chain
 from hicache.daemon.movers.disk_writes import HostToDisk
-from hicache.daemon.movers.state_dir import prepare_state_dir
 from hicache.index.admission import admission_key
 from hicache.index.node import DISK_LANE
 from hicache.index.radix import Tier, TreeNode
@@ -78,8 +77,8 @@ log = logging.getLogger(__name__)
 POSTED_SLICE_S = 0.002  # the longest the disk threads' completions hold the event loop at a time
 
 class DiskMover(HostToDisk):
-    def __init__(self, config: Config, service: CacheService, tier: DiskTier, loop: asyncio.AbstractEventLoop
-                 ) -> None:
+    def __init__(self, config: Config, service: CacheService, tier: DiskTier, loop: asyncio.AbstractEventLoop,
+                 namespaces: NamespaceFile | None = None) -> None:
         self.config = config
         self.service = service
         self.tier = tier
@@ -95,9 +94,10 @@ class DiskMover(HostToDisk):
         self._posted: deque[tuple[Callable[..., None], tuple]] = deque()  # see post()
         self._post_lock = threading.Lock()
         self._drain_scheduled = False
-        self.namespaces = NamespaceFile(config.state_dir)
+        self.namespaces = namespaces if namespaces is not None else NamespaceFile(config.state_dir)
         self.quarantine: Quarantine | None = None
         self.rebuilt = dict(restored_pages=0, orphans_dropped=0, unknown_ns_pages_dropped=0)
+        self.restore: RestoreJob | None = None  # a big tier's restore while the daemon answers
         service.on_host_stored = self.write_through
         service.before_host_evict = self.demote
         service.on_disk_freed = self.delete
@@ -137,54 +137,47 @@ class DiskMover(HostToDisk):
                 return
 
     @classmethod
-    def start(cls, config: Config, service: CacheService) -> DiskMover:
-        """Open the tier (moving a damaged environment aside) and rebuild the index;
-        raises DiskTierError, in one line, when the state directory is unusable."""
-        prepare_state_dir(Path(config.state_dir))
+    def start(cls, config: Config, service: CacheService, opening: DiskOpening | None = None) -> DiskMover:
+        """Open the tier (moving a damaged environment aside) and restore the index
+        (disk_restore.py: at once, or for a big tier while the daemon answers); raises
+        DiskTierError, in one line, when the state directory is unusable. `opening`: the
+        tier opened and its records chained meanwhile (disk_startup.py)."""
+        loop = asyncio.get_running_loop()
+        if opening is None:
+            opened, lazy = open_and_chain(config), False
+        else:
+            opened, lazy = opening.opened(), opening.lazy
         t0 = time.monotonic()
-        tier, by_salt, quarantined = open_tier(config)
+        tier = opened.tier
         try:
-            if config.reset_disk:
-                (Path(config.state_dir) / NAMESPACES_FILE).unlink(missing_ok=True)
-            mover = cls(config, service, tier, asyncio.get_running_loop())
-            mover.quarantine = quarantined
-            n = mover.rebuild(by_salt)
+            mover = cls(config, service, tier, loop, opened.namespaces)
+            mover.quarantine = opened.quarantine
+            if lazy:
+                mover.restore = RestoreJob(mover, opened, asyncio.wrap_future(opening.chained, loop=loop))
+                loop.create_task(mover.restore.run())
+                log.info("disk tier: %d pages to index while the daemon answers (opened and read in %.2fs)",
+                         len(opened.scan), opened.open_s)
+                return mover
+            if opening is not None:
+                opening.chained.result()
+            n = adopt(mover, opened)
         except BaseException:
             tier.close()
             raise
-        log.info("disk tier: %d pages restored in %.2fs (%s used of %s)", n, time.monotonic() - t0,
-                 tier.used_bytes, config.disk_capacity)
+        log.info("disk tier: %d pages restored (open and scan %.2fs, records checked %.2fs, index %.2fs; "
+                 "%s used of %s)", n, opened.open_s, opened.chain_s, time.monotonic() - t0, tier.used_bytes,
+                 config.disk_capacity)
         return mover
 
     def _remember(self, ns: NamespaceState) -> bool:
         return self.namespaces.remember(ns)
 
-    def rebuild(self, by_salt: dict[bytes, list[tuple]]) -> int:
-        """Restore the disk part of each namespace's tree from the page metadata
-        (scanned by disk_startup.open_tier), grouped by salt."""
-        restored = 0
-        unknown: list[tuple[bytes, list[tuple]]] = []
-        for salt, records in by_salt.items():
-            namespace = self.namespaces.namespace(salt)
-            ns = self.service.namespace_state(namespace) if namespace is not None else None
-            if ns is None:
-                unknown.append((salt, records))
-                continue
-            orphans: list[bytes] = []
-            restored += ns.index.restore_disk(records, orphans)
-            if orphans:
-                log.warning("dropping %d disk pages whose prefix is gone", len(orphans))
-                self.rebuilt["orphans_dropped"] += len(orphans)
-                self.tier.delete_async(orphans)
-        hybrid = self.service.hybrid
-        for salt, records in unknown:  # after the KV: state checkpoints hang on restored nodes
-            if hybrid is not None and hybrid.restore_disk(salt, records, self.tier):
-                continue
-            log.warning("dropping %d disk pages of an unknown namespace %s", len(records), salt.hex()[:16])
-            self.rebuilt["unknown_ns_pages_dropped"] += len(records)
-            self.tier.delete_async(r[0] for r in records)
-        self.rebuilt["restored_pages"] += restored
-        return restored
+    def when_restored(self, fn: Callable[[], None]) -> None:
+        """Run `fn` once every page on disk is indexed (now, unless a restore is running)."""
+        if self.restore is None:
+            fn()
+        else:
+            self.restore.when_restored(fn)
 
     # -- host -> disk ----------------------------------------------------------------
     def _host_view(self, ns: NamespaceState) -> PageViews:
@@ -373,6 +366,7 @@ class DiskMover(HostToDisk):
                 "last_write_time": st["last_write_time"],
                 "durability": st["durability"], "rejected_budget": st["rejected_budget"],
                 "rejected_orphan": st["rejected_orphan"], **self.rebuilt,
+                "restoring": self.restore is not None and not self.restore.done,
                 "quarantined": int(q is not None), "quarantine_path": q.path if q else None,
                 "quarantine_reason": q.reason if q else None,
                 "writable": not degraded, "degraded": degraded, "write_faults": st["write_faults"] + self.namespaces.faults}

@@ -153,7 +153,7 @@ class HostToDisk:
         n = node.n_pages
         parent = node.parent.keys[-1] if node.parent is not None and node.parent.keys else None
         self._wid += 1
-        w = DiskWrite(self._wid, ns, node, list(node.keys[:n]), parent, node.tokens[:n * ns.index.page_size],
+        w = DiskWrite(self._wid, ns, node, node.keys[:n], parent, node.tokens[:n * ns.index.page_size],
                       slots, rows, n, n, started=time.monotonic(), demote=demote)
         self.writes[w.wid] = w
         self._writing[id(node)] = w.wid

@@ -170,15 +170,24 @@ class Daemon:
             remote_store = open_store(cfg.remote_url, password_file=cfg.remote_password_file,
                                       timeout_s=cfg.remote_timeout_s)
             remote_auth = RecordAuth.from_file(cfg.remote_secret_file) if cfg.remote_secret_file else None
-        self.host = HostTier(cfg.host_capacity, mlock=cfg.mlock)
+        # The disk tier opens, scans and checks its records on a thread meanwhile: the arena's
+        # mlock and those wait on the kernel or run in C (hicache/daemon/movers/disk_startup.py).
+        clock, policy = index_clock(cfg.index_clock), make_policy(cfg.eviction_policy)  # the restored indexes' too
+        opening = self._open_disk(clock, policy) if cfg.disk_enabled else None
+        try:
+            self.host = HostTier(cfg.host_capacity, mlock=cfg.mlock)
+        except BaseException:
+            if opening is not None:
+                opening.abandon()
+            raise
         native_index.load()  # the index's C loops: loaded now, not in a first request
         log.info("host tier: %s arena (%s slabs of %s), mlock=%s", format_size(self.host.capacity_bytes),
                  self.host.num_slabs, format_size(self.host.slab_bytes), self.host.arena.locked)
         self.service = CacheService(self.host, write_policy=WritePolicy(cfg.write_policy),
                                     write_hit_threshold=cfg.write_hit_threshold, emit=self._emit,
-                                    clock=index_clock(cfg.index_clock),
+                                    clock=clock,
                                     max_device_pages=cfg.max_device_pages,
-                                    eviction_policy=make_policy(cfg.eviction_policy))
+                                    eviction_policy=policy)
         self.service.fetch_cost = FetchOrRecompute(enabled=cfg.fetch_or_recompute,
                                                    context_tokens=cfg.recompute_context_tokens,
                                                    remeasure_s=cfg.fetch_remeasure_s)
@@ -199,7 +208,7 @@ class Daemon:
             # The capacity is what the disk tier takes: its LMDB file, allocated whole at start.
             log.info("disk tier: %s at %s (the LMDB file, allocated up front; --disk-capacity to change, "
                      "--no-disk for none)", format_size(cfg.disk_capacity), cfg.disk_dir)
-            self._start_disk()
+            self._start_disk(opening)
         else:
             log.info("disk tier: off")
         self.hybrid.attach_disk(self.disk.tier if self.disk is not None else None, loop)
@@ -212,7 +221,7 @@ class Daemon:
                                    priority_max_share=cfg.priority_max_share, priority_ttl_s=cfg.priority_ttl_s)
         if self.disk is not None:
             self.retention.write_pinned = self.disk.write_pinned
-            self.retention.restore()
+            self.disk.when_restored(self.retention.restore)  # on the whole index
         if remote_store is not None:
             from hicache.daemon.movers.remote_mover import RemoteMover  # the remote tier is optional
 
@@ -348,11 +357,16 @@ class Daemon:
             out.append((ns.salt.hex(), ns.namespace.model, tiers))
         return out
 
-    def _start_disk(self) -> None:
-        from hicache.daemon.movers.disk_mover import DiskMover  # the disk tier is optional
+    def _open_disk(self, clock: Callable[[], float], policy: Any) -> Any:
+        from hicache.daemon.movers.disk_startup import DiskOpening  # the disk tier is optional
+
+        return DiskOpening(self.config, clock, policy)
+
+    def _start_disk(self, opening: Any) -> None:
+        from hicache.daemon.movers.disk_mover import DiskMover
 
         try:
-            self.disk = DiskMover.start(self.config, self.service)
+            self.disk = DiskMover.start(self.config, self.service, opening)
         except HiCacheError as e:  # read-only, full, not ours: one line, not a traceback
             raise HiCacheError(f"the disk tier cannot start: {e}; fix the state directory "
                                f"({self.config.state_dir}) or run with --no-disk") from e

@@ -407,18 +407,19 @@ def build_handlers(daemon: DaemonContext) -> dict[str, Any]:
         return out
 
     async def settle(conn: Connection, p: dict) -> Any:
-        """Wait until every disk write and delete queued so far is committed and no write is
-        in flight, nor a remote write (at most `timeout_s`): a replay calls it between
-        requests so that what reaches the disk and the remote store, and the disk budget's
-        totals, do not depend on the writer threads' timing. {"settled": False} when the
-        deadline passed first."""
+        """Wait until the disk's pages are indexed (a big tier's restore), every disk write and
+        delete queued so far is committed and no write is in flight, nor a remote write (at
+        most `timeout_s`): a replay calls it between requests so that what reaches the disk
+        and the remote store, and the disk budget's totals, do not depend on the writer
+        threads' timing. {"settled": False} when the deadline passed first."""
         timeout = p.get("timeout_s", 10.0)
         if type(timeout) not in (int, float) or not 0 <= timeout <= MAX_SETTLE_S:
             raise RpcError(Code.BAD_PARAMS, f"timeout_s must be a number in [0, {MAX_SETTLE_S:g}]")
         deadline = time.monotonic() + timeout
         disk, remote = daemon.disk, daemon.remote
         if disk is not None:
-            if not await asyncio.to_thread(disk.tier.flush, timeout):  # deletes and touches too
+            restored = disk.restore is None or await disk.restore.wait(deadline - time.monotonic())
+            if not restored or not await asyncio.to_thread(disk.tier.flush, timeout):  # deletes and touches too
                 return {"settled": False}
             while disk.writes:
                 if time.monotonic() >= deadline:
