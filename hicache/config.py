@@ -269,7 +269,7 @@ class Config:
     disk_capacity: int = 0  # bytes; 0 = derive from free disk space
     disk_enabled: bool = True
     reset_disk: bool = False
-    durability: str = "none"  # see hicache/tiers/disk.py for the measured trade-off
+    durability: str = "none"  # see hicache/tiers/disk/tier.py for the measured trade-off
     write_policy: str = "write_through"
     write_hit_threshold: int = 2  # write_through_selective: back up after this many hits
     load_policy: str = "best_effort"
@@ -371,7 +371,7 @@ class Config:
         if self.max_device_pages > MAX_DEVICE_PAGES_LIMIT:
             raise ConfigError(f"max_device_pages must be <= {MAX_DEVICE_PAGES_LIMIT} (page ids travel as int32)")
         if self.remote_url:
-            from hicache.tiers.remote_store import backend_for  # errors name only the redacted URL
+            from hicache.tiers.remote.store import backend_for  # errors name only the redacted URL
 
             backend_for(self.remote_url)
         if not 0 < self.remote_timeout_s <= 60:

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from hicache.bench import native_echo
+from hicache.bench.rpc import native_echo
 from hicache.daemon.serve.launcher import LocalDaemon
 from hicache.index import native_index
 from hicache.kernels import native_build, native_copy
 from hicache.rpc import native_conn
-from hicache.tiers import disk_native
+from hicache.tiers.disk import native as disk_native
 
 # Daemons, engine workers and CLI runs are child processes: they must import the
 # tree under test, not whatever `hicache` is installed (e.g. an editable install of

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hicache.layout import KVLayout
-from hicache.tiers.device import DevicePool
+from hicache.tiers.device.pool import DevicePool
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -15,9 +15,9 @@ import pytest
 
 # imported here, as root: the child running as another user cannot read the interpreter's files
 import hicache.bench.cli  # noqa: F401
-import hicache.cli_admin  # noqa: F401
-from hicache.cli import CLEAR_SCREEN
-from hicache.cli import main as cli_main
+import hicache.cli.admin  # noqa: F401
+from hicache.cli.main import CLEAR_SCREEN
+from hicache.cli.main import main as cli_main
 from tests.pty_run import run_on_pty
 from tests.wait import wait_until
 
@@ -164,7 +164,7 @@ def test_count_without_watch_is_a_usage_error(daemon):
 
 
 def test_the_interval_line_gives_hit_rates_between_two_views():
-    from hicache.cli import _interval_line
+    from hicache.cli.main import _interval_line
 
     def view(matches: int, asked: int, device: int, host: int) -> dict:
         return {"requests": {"matches": matches, "requested_pages": asked},

@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from hicache.cli_doctor import daemon_checks
+from hicache.cli.doctor import daemon_checks
 from hicache.client.connection import RpcConnection
-from hicache.portable_format import (
-    CRC, FILE_HEAD, XXH3, ExportHeader, decode_header, encode_end, encode_page, head_size, header_length,
-    record_rest,
-)
 from hicache.errors import ClientError
 from hicache.index.keys import Namespace, page_keys
 from hicache.layout import KVLayout
+from hicache.portable.format import (
+    CRC, FILE_HEAD, XXH3, ExportHeader, decode_header, encode_end, encode_page, head_size, header_length,
+    record_rest,
+)
 from tests.conftest import DaemonProcess
 from tests.daemon.engine_worker import LAYOUTS, tokens_for
 from tests.daemon.test_cycle import run_worker

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache.cli import build_parser
+from hicache.cli.main import build_parser
 
 REPO = Path(__file__).resolve().parent.parent
 PAGES = sorted((REPO / "docs").rglob("*.md")) + [REPO / "README.md"]
@@ -54,7 +54,7 @@ OUTSIDE_TOOLS = {
     "useradd": "the service user (docs/operations/systemd.md)",
     "usermod": "the service group",
     "cp": "copies the unit files",
-    "systemd-analyze": "tests/service/test_units.py verifies the units",
+    "systemd-analyze": "tests/systemd/test_units.py verifies the units",
     "systemctl": "starts the units",
     "openssl": "makes a cluster secret",
 }

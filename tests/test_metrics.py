@@ -8,8 +8,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from hicache.daemon.serve.metrics import Metrics, MetricsError
 from hicache.errors import ConfigError
-from hicache.metrics import Metrics, MetricsError
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -173,7 +173,7 @@ def test_namespace_series_follow_the_namespaces_and_stay_bounded():
     assert 'model="qwen"' not in text
     assert 'hicache_namespace_pages{model="llama",namespace="aaaaaaaaaaaa",tier="host"} 2.0' in text
     # thousands of tenants: only the largest namespaces get series
-    from hicache.metrics import MAX_NAMESPACE_SERIES
+    from hicache.daemon.serve.metrics import MAX_NAMESPACE_SERIES
 
     m.set_namespaces([(f"{i:012x}" + "0" * 20, "m", {"host": (i, i)}) for i in range(MAX_NAMESPACE_SERIES + 50)])
     text = m.render().decode()

@@ -24,7 +24,7 @@ from hicache.client.connection import RpcConnection
 from hicache.errors import ClientError
 from hicache.index.keys import Namespace, page_keys
 from hicache.layout import KVLayout
-from hicache.portable_format import PAGE_HEAD, TAG_PAGE, XXH3, ExportHeader, decode_header, encode_page
+from hicache.portable.format import PAGE_HEAD, TAG_PAGE, XXH3, ExportHeader, decode_header, encode_page
 from tests.conftest import DaemonProcess
 from tests.daemon.engine_worker import LAYOUTS, tokens_for
 from tests.daemon.test_cycle import run_worker

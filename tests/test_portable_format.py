@@ -8,7 +8,7 @@ import zlib
 import pytest
 
 from hicache.index.keys import Namespace, page_keys
-from hicache.portable_format import (
+from hicache.portable.format import (
     CRC, FILE_HEAD, XXH3, ExportHeader, PortableFormatError, decode_header, encode_end, encode_page, parse_records,
 )
 from tests.daemon.engine_worker import LAYOUTS, tokens_for

@@ -8,15 +8,15 @@ import platform
 import sys
 import time
 
-from hicache.bench.native_echo import VARIANTS as NATIVE_ECHO_VARIANTS
-from hicache.bench.pin_bench import add_arguments as pin_arguments
+from hicache.bench.daemon.scale_bench import add_arguments as scale_arguments
+from hicache.bench.daemon.soak_bench import add_arguments as soak_arguments
+from hicache.bench.engines.sglang_serve_bench import add_arguments as sglang_serve_arguments
+from hicache.bench.engines.vllm_bench import add_arguments as vllm_arguments
 from hicache.bench.plot import plot, plot_file, require_matplotlib
+from hicache.bench.policy.pin_bench import add_arguments as pin_arguments
 from hicache.bench.report import print_rows
-from hicache.bench.scale_bench import add_arguments as scale_arguments
-from hicache.bench.sglang_serve_bench import add_arguments as sglang_serve_arguments
-from hicache.bench.soak_bench import add_arguments as soak_arguments
-from hicache.bench.trace_files import DEFAULT_TRACE
-from hicache.bench.vllm_bench import add_arguments as vllm_arguments
+from hicache.bench.rpc.native_echo import VARIANTS as NATIVE_ECHO_VARIANTS
+from hicache.bench.traces.trace_files import DEFAULT_TRACE
 from hicache.config import DISK_ADMISSION, DISK_PLACEMENTS, EVICTION_POLICIES
 
 
@@ -203,74 +203,74 @@ def run(args: argparse.Namespace) -> int:
         require_matplotlib(chart)  # before the run, not after minutes of it
     t0 = time.time()
     if args.bench == "rpc":
-        from hicache.bench.rpc_bench import run as go
+        from hicache.bench.rpc.rpc_bench import run as go
         calls = tuple(c for c in args.calls if c != "handlers")
         rows = go(args.socket_path, args.prompt_tokens, args.requests, tuple(args.clients), args.repeats, args.pin,
                   calls, tuple(args.servers)) if calls else []
         if "handlers" in args.calls:
-            from hicache.bench.handler_bench import run as in_process
+            from hicache.bench.rpc.handler_bench import run as in_process
             rows += in_process(args.prompt_tokens, args.requests, args.repeats)
     elif args.bench == "native":
-        from hicache.bench.native_bench import run as go
+        from hicache.bench.rpc.native_bench import run as go
         rows = go(tuple(args.paths), index_pages=args.index_pages, requests=args.requests,
                   disk_pages=args.disk_pages, repeats=args.repeats)
     elif args.bench == "transfer" and args.device == "cuda":
-        from hicache.bench.device_transfer_bench import run as go
+        from hicache.bench.tiers.device_transfer_bench import run as go
         rows = go(tuple(args.page_sizes), device="cuda", repeats=args.repeats,
                   target_bytes=args.target_mib << 20, run_pages=args.run_pages)
     elif args.bench == "transfer":
-        from hicache.bench.transfer_bench import run as go
+        from hicache.bench.tiers.transfer_bench import run as go
         rows = go(tuple(args.page_sizes), repeats=args.repeats, target_bytes=args.target_mib << 20,
                   threads=tuple(args.threads) if args.threads else None)
     elif args.bench == "blockcopy" and args.device == "cuda":
-        from hicache.bench.blockcopy_cuda_bench import run as go
+        from hicache.bench.tiers.blockcopy_cuda_bench import run as go
         rows = go(args)
     elif args.bench == "blockcopy":
-        from hicache.bench.blockcopy_bench import run as go
+        from hicache.bench.tiers.blockcopy_bench import run as go
         rows = go(args)
     elif args.bench == "disk":
-        from hicache.bench.disk_bench import run as go
+        from hicache.bench.tiers.disk_bench import run as go
         rows = go(total_bytes=args.total_mib << 20, workdir=args.workdir, repeats=args.repeats,
                   rebuild_records=args.rebuild_records)
     elif args.bench == "index":
-        from hicache.bench.index_bench import run as go
+        from hicache.bench.traces.index_bench import run as go
         rows = go(args.trace, limit=args.limit, capacity_pages=args.capacity)
     elif args.bench == "trace":
-        from hicache.bench.trace_bench import run as go
+        from hicache.bench.traces.trace_bench import run as go
         rows = go(args)
     elif args.bench == "quota":
-        from hicache.bench.quota_bench import run as go
+        from hicache.bench.policy.quota_bench import run as go
         rows = go(args)
     elif args.bench == "remote":
         if args.backend == "mooncake":
-            from hicache.bench.mooncake_bench import run as go
+            from hicache.bench.tiers.mooncake_bench import run as go
         else:
-            from hicache.bench.remote_bench import run as go
+            from hicache.bench.tiers.remote_bench import run as go
         rows = go(args.url, tuple(args.page_kib), args.total_mib, args.repeats)
     elif args.bench == "soak":
-        from hicache.bench.soak_bench import run as go
+        from hicache.bench.daemon.soak_bench import run as go
         rows = go(args)
     elif args.bench == "vllm":
-        from hicache.bench.vllm_bench import run as go
+        from hicache.bench.engines.vllm_bench import run as go
         rows = go(args)
     elif args.bench == "sglang":
-        from hicache.bench.sglang_bench import run as go
+        from hicache.bench.engines.sglang_bench import run as go
         rows = go(args.socket_path, tuple(args.layouts), tuple(args.page_sizes), target_bytes=args.target_mib << 20,
                   repeats=args.repeats)
     elif args.bench == "sglang-serve":
-        from hicache.bench.sglang_serve_bench import run as go
+        from hicache.bench.engines.sglang_serve_bench import run as go
         rows = go(args)
     elif args.bench == "pauses":
-        from hicache.bench.pause_bench import run as go
+        from hicache.bench.daemon.pause_bench import run as go
         rows = go(args.nodes, args.seconds, args.workdir)
     elif args.bench == "pins":
-        from hicache.bench.pin_bench import run as go
+        from hicache.bench.policy.pin_bench import run as go
         rows = go(args)
     elif args.bench == "scale":
-        from hicache.bench.scale_bench import run as go
+        from hicache.bench.daemon.scale_bench import run as go
         rows = go(args)
     elif args.bench == "multiturn":
-        from hicache.bench.multiturn_bench import run as go
+        from hicache.bench.engines.multiturn_bench import run as go
         rows = go(args)
     else:  # pragma: no cover - argparse restricts the choices
         raise SystemExit(f"unknown bench {args.bench}")

@@ -51,7 +51,7 @@ from hicache.client.cycle import CycleCalls
 from hicache.client.slabs import SlabCalls
 from hicache.client.reports import ReportCalls
 from hicache.client.retention import RetentionCalls
-from hicache.tiers.arena import HostArena
+from hicache.tiers.host.arena import HostArena
 
 log = logging.getLogger(__name__)
 

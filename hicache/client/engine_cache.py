@@ -51,8 +51,8 @@ import torch
 from hicache.client.client import EMPTY, BackupPlan, HiCacheClient, InsertReply, Match
 from hicache.client.replies import LATE
 from hicache.errors import HiCacheError
-from hicache.tiers.device import DevicePool
-from hicache.tiers.host import HostArena, HostKVCache, check_dma_min_run_pages
+from hicache.tiers.device.pool import DevicePool
+from hicache.tiers.host.kv_cache import HostArena, HostKVCache, check_dma_min_run_pages
 from hicache.transfer.executor import LoadHandle, TransferExecutor
 
 log = logging.getLogger(__name__)

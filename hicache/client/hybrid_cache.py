@@ -27,8 +27,8 @@ import numpy as np
 from hicache.client.client import HiCacheClient
 from hicache.client.engine_cache import EngineCache, Prefix
 from hicache.errors import ClientError
-from hicache.tiers.device import DevicePool
-from hicache.tiers.state_pool import StatePool
+from hicache.tiers.device.pool import DevicePool
+from hicache.tiers.device.state_pool import StatePool
 
 log = logging.getLogger(__name__)
 

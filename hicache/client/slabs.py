@@ -22,7 +22,7 @@ from hicache.errors import ClientError, DaemonSlow, DaemonUnavailable, HiCacheEr
 
 if TYPE_CHECKING:
     from hicache.client.deadlines import CallDeadlines
-    from hicache.tiers.arena import HostArena
+    from hicache.tiers.host.arena import HostArena
 
 log = logging.getLogger(__name__)
 

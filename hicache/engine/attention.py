@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from hicache.errors import HiCacheError
-from hicache.tiers.device import DevicePool
+from hicache.tiers.device.pool import DevicePool
 
 # Upper bound on the broadcast product `rowdot` materializes per chunk (elements).
 MAX_PRODUCT_ELEMS = 1 << 22

@@ -53,8 +53,8 @@ from hicache.client.engine_cache import EngineCache, Prefix
 from hicache.engine.attention import EngineError
 from hicache.engine.model import ModelConfig, TinyTransformer
 from hicache.engine.runner import Engine, Request
-from hicache.tiers.allocator import PagedTokenToKVPoolAllocator
-from hicache.tiers.device import DevicePool
+from hicache.tiers.device.allocator import PagedTokenToKVPoolAllocator
+from hicache.tiers.device.pool import DevicePool
 
 log = logging.getLogger(__name__)
 

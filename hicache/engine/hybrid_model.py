@@ -35,8 +35,8 @@ from hicache.engine.model import LayerHook, _rms_norm, _rope, _silu_rows, rope_t
 from hicache.errors import ConfigError, LayoutError
 from hicache.layout import KVLayout
 from hicache.state_layout import DEFAULT_CHUNK_SIZE, StateLayout
-from hicache.tiers.device import DevicePool
-from hicache.tiers.state_pool import StatePool
+from hicache.tiers.device.pool import DevicePool
+from hicache.tiers.device.state_pool import StatePool
 
 LAYER_TYPES = ("attention", "recurrent")
 

@@ -32,7 +32,7 @@ from hicache.engine.attention import (
 )
 from hicache.errors import ConfigError, LayoutError
 from hicache.layout import KVLayout
-from hicache.tiers.device import DevicePool, torch_dtype
+from hicache.tiers.device.pool import DevicePool, torch_dtype
 
 LayerHook = Callable[[int], None]
 

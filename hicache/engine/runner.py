@@ -25,13 +25,13 @@ import torch
 from hicache.engine.attention import EngineError, ForwardBatch
 from hicache.engine.model import LayerHook, TinyTransformer
 from hicache.errors import LayoutError
-from hicache.tiers.device import DevicePool
+from hicache.tiers.device.pool import DevicePool
 
 logger = logging.getLogger(__name__)
 
 
 class SlotAllocator(Protocol):
-    """What the engine needs of `hicache.tiers.allocator.PagedTokenToKVPoolAllocator`."""
+    """What the engine needs of `hicache.tiers.device.allocator.PagedTokenToKVPoolAllocator`."""
 
     page_size: int
 

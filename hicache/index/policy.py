@@ -33,7 +33,7 @@ Policies (`make_policy(name)`, the daemon's `eviction_policy`):
   were one such lifetime younger, hit three times two lifetimes: shared system
   prompts and documents outlive one-shot scans and never-continued chats, while
   W follows the capacity and the request rate without a tuning knob. Chosen on
-  the simulated traces (hicache/bench/policy_sim.py, `FrecencySim`): on the
+  the simulated traces (hicache/bench/policy/policy_sim.py, `FrecencySim`): on the
   Mooncake trace it matches or beats the best of LRU, SLRU, S3-FIFO, ARC and
   LFU-aging at 10-15% capacity and is within 0.003 of it at 5-60%; on generated
   workloads the specialists lead it by up to 0.036. See the README's trace bench.
@@ -127,7 +127,7 @@ class FrecencyPolicy(EvictionPolicy):
 
 
 def frecency(last_access: float, hits: int, unit: float) -> float:
-    """The frecency priority (also simulated by hicache/bench/policy_sim.py)."""
+    """The frecency priority (also simulated by hicache/bench/policy/policy_sim.py)."""
     return last_access + unit * math.log2(1 + hits) if hits else last_access
 
 

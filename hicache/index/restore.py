@@ -11,7 +11,7 @@ as a whole. A chain of pages with one child each becomes one run, one node.
 Two ways in, one result:
 - `disk_runs` over records in any iterable (tuples or DiskRecord): Python, per record;
 - `chain_packed` over `PackedRecords` (arrays, as the disk tier's scan returns them:
-  hicache/tiers/disk_scan.py): the check and the chaining in C (native_restore.c, the
+  hicache/tiers/disk/scan.py): the check and the chaining in C (native_restore.c, the
   hashing on every core), ~0.4 s per million records against ~8 s in Python, then
   `restore_packed` hangs the runs; where the index's C module is not built, the same
   records go through `disk_runs`. tests/index/test_restore_packed.py compares the two on

@@ -52,7 +52,7 @@ from hicache.errors import LayoutError
 from hicache.kernels import copy_triton
 from hicache.kernels.copy import ChunkCopier, wide_dtype
 from hicache.layout import KVLayout
-from hicache.tiers.arena import HostArena
+from hicache.tiers.host.arena import HostArena
 
 CopyMethod = Literal["auto", "native", "triton", "torch"]
 

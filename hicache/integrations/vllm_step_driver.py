@@ -1,5 +1,5 @@
 """One vLLM engine in this process, kept for a whole bench run and driven step by step:
-`hicache bench vllm --concurrency N` (hicache/bench/vllm_steps.py) starts one per configuration.
+`hicache bench vllm --concurrency N` (hicache/bench/engines/vllm_steps.py) starts one per configuration.
 
     python -m hicache.integrations.vllm_step_driver SPEC.json RESULT_FD
 

@@ -14,7 +14,7 @@ lengths, duplicate destinations) before calling in. The memcpy path works on
 raw addresses, so that validation is what keeps it inside its buffers.
 
 Why two CPU paths (measured on the 2-core dev VM, 32 layers x 8 heads x 128
-fp16, 1 GiB of random pages, `python -m hicache.bench.transfer_bench`). The
+fp16, 1 GiB of random pages, `python -m hicache.bench.tiers.transfer_bench`). The
 twin moves rows through `index_select` + `index_copy_` on wide (int64) views:
 correct on any device, but two passes over the bytes (gather into a
 temporary, scatter out of it), ~0.45-0.55x a contiguous `copy_`; blocking it

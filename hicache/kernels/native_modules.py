@@ -32,9 +32,9 @@ SPECS = (
                ("hicache/rpc/native_conn.c", "hicache/rpc/native_fast_parse.c", "hicache/rpc/native_fast_reply.c"),
                ("hicache/rpc/native_frames.h", "hicache/rpc/native_fast_parse.h",
                 "hicache/rpc/native_fast_reply.h")),
-    NativeSpec("hicache.tiers._disk_native", ("hicache/tiers/disk_native.c", "hicache/tiers/disk_scan.c"), ()),
+    NativeSpec("hicache.tiers.disk._native", ("hicache/tiers/disk/native.c", "hicache/tiers/disk/scan.c"), ()),
     NativeSpec("hicache.kernels._native_copy", ("hicache/kernels/native_copy.c",), ()),
-    NativeSpec("hicache.bench._native_echo", ("hicache/bench/native_echo.c",), ("hicache/rpc/native_frames.h",)),
+    NativeSpec("hicache.bench.rpc._native_echo", ("hicache/bench/rpc/native_echo.c",), ("hicache/rpc/native_frames.h",)),
 )
 BY_NAME = {s.name: s for s in SPECS}
 

@@ -1,5 +1,5 @@
 /* hicache's framing in C, shared by the daemon's native frame loop (native_conn.c) and the
-   bench's echo servers (hicache/bench/native_echo.c): byte buffers, one non-blocking recv, a
+   bench's echo servers (hicache/bench/rpc/native_echo.c): byte buffers, one non-blocking recv, a
    flush, and splitting whole frames (a 4-byte big-endian length, then the body; the Python
    side of the same format is hicache/rpc/framing.py). Plain C, no Python: the frame splitter
    is what every byte a peer sends goes through (tests/native/fuzz_frames.c fuzzes it). */

@@ -27,8 +27,8 @@ from collections.abc import Callable
 import torch
 
 from hicache.errors import HiCacheError
-from hicache.tiers.device import DevicePool
-from hicache.tiers.host import HostKVCache, PagePlan
+from hicache.tiers.device.pool import DevicePool
+from hicache.tiers.host.kv_cache import HostKVCache, PagePlan
 
 log = logging.getLogger(__name__)
 

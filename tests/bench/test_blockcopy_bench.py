@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from hicache.cli import main
+from hicache.cli.main import main
 
 
 def test_blockcopy_rows_for_each_dtype_and_method(capsys):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hicache.bench.device_host_sim import PLACEMENTS, DeviceHostSim, device_host_rows, simulate_device_host
-from hicache.bench.policy_sim import LruPolicy, OptPolicy, replay, simulate
+from hicache.bench.policy.device_host_sim import PLACEMENTS, DeviceHostSim, device_host_rows, simulate_device_host
+from hicache.bench.policy.policy_sim import LruPolicy, OptPolicy, replay, simulate
 from tests.bench.test_policy_sim import random_tree_trace, trace_of
 
 

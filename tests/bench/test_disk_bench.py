@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import os
 
-from hicache.bench import disk_bench
+from hicache.bench.tiers import disk_bench
 
 
 def test_disk_bench_rows_on_a_tiny_workload(tmp_path):

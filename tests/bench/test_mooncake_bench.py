@@ -4,7 +4,7 @@ the bench itself)."""
 
 from __future__ import annotations
 
-from hicache.bench.mooncake_bench import run
+from hicache.bench.tiers.mooncake_bench import run
 from tests.remote.conftest import _require_mooncake, _require_redis
 
 

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from hicache.bench.multiturn_bench import infinite_prefill
+from hicache.bench.engines.multiturn_bench import infinite_prefill
 
 
 def test_infinite_prefill_reuses_whole_pages_of_prompts_and_answers():

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from hicache.bench import native_bench
-from hicache.cli_doctor import measured_costs
+from hicache.bench.rpc import native_bench
+from hicache.cli.doctor import measured_costs
 from hicache.index import native_index
 
 

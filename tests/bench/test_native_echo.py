@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from hicache.bench import native_echo, rpc_bench
+from hicache.bench.rpc import native_echo, rpc_bench
 from hicache.client.connection import RpcConnection
 from hicache.rpc.framing import pack_frame, unpack_body
 from tests.wait import wait_until

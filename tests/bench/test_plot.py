@@ -72,7 +72,7 @@ def test_bench_plot_redraws_a_saved_json_and_refuses_what_is_not_one(tmp_path):
 
 def test_without_matplotlib_plot_fails_at_once_with_the_fix(tmp_path):
     # matplotlib made unimportable in this process only: the stand-in for an install without the extra
-    code = ("import sys; sys.modules['matplotlib'] = None; from hicache.cli import main; "
+    code = ("import sys; sys.modules['matplotlib'] = None; from hicache.cli.main import main; "
             "sys.exit(main(sys.argv[1:]))")
     r = subprocess.run([sys.executable, "-c", code, "bench", "trace", "--sim-only", "--workload", "chat",
                         "--plot", str(tmp_path / "x.png")], capture_output=True, text=True, timeout=120)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hicache.bench.policy_sim import (
+from hicache.bench.policy.policy_sim import (
     ONLINE,
     BlockTrace,
     InfinitePolicy,
@@ -138,7 +138,7 @@ def test_block_trace_drops_the_partial_block_but_counts_its_tokens():
 def test_frecency_sim_is_deterministic_and_resists_scans():
     """hicache's policy, simulated: same hits on a replay, and on the scan workload (one-shot
     documents between conversations) it keeps more of the hot set than LRU."""
-    from hicache.bench.workloads import generate
+    from hicache.bench.traces.workloads import generate
 
     t = block_trace(generate("scan", 1500, seed=3), 512)
     cap = t.unique_blocks() // 10

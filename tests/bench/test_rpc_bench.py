@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import shutil
 
-from hicache.bench.rpc_bench import STEP_PUTS, run
+from hicache.bench.rpc.rpc_bench import STEP_PUTS, run
 
 
 def test_the_puts_rows_compare_pipelined_with_one_by_one():
@@ -17,7 +17,7 @@ def test_the_puts_rows_compare_pipelined_with_one_by_one():
 
 
 def test_the_handlers_rows_time_the_daemons_match_path_in_process_against_echo_frames():
-    from hicache.bench.handler_bench import run as in_process
+    from hicache.bench.rpc.handler_bench import run as in_process
 
     rows = in_process(prompt_tokens=256, requests=50, repeats=2)
     assert [r["name"] for r in rows] == [

@@ -3,8 +3,8 @@ the bench itself; tests/integrations/test_sglang_server.py runs the same server 
 
 from __future__ import annotations
 
-from hicache.bench.sglang_serve_bench import _server_args, rows
-from hicache.cli import build_parser
+from hicache.bench.engines.sglang_serve_bench import _server_args, rows
+from hicache.cli.main import build_parser
 
 
 def measured(prefill_cached: list[int], storage: list[int], outputs: list[list[int]], ttft: float) -> dict:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hicache.bench.policy_sim import LruPolicy, OptPolicy, simulate
-from hicache.bench.signal_sim import BASES, SIGNALS, SignalSim, signal_rows
+from hicache.bench.policy.policy_sim import LruPolicy, OptPolicy, simulate
+from hicache.bench.policy.signal_sim import BASES, SIGNALS, SignalSim, signal_rows
 from tests.bench.test_policy_sim import random_tree_trace
 
 VARIANTS = [(b, s) for b in BASES for s in SIGNALS]

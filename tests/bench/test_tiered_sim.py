@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from hicache.bench.policy_sim import BlockTrace, block_trace
-from hicache.bench.tiered_sim import VARIANTS, TieredSim, simulate_tiered, simulate_variants
-from hicache.bench.workloads import generate
+from hicache.bench.policy.policy_sim import BlockTrace, block_trace
+from hicache.bench.policy.tiered_sim import VARIANTS, TieredSim, simulate_tiered, simulate_variants
+from hicache.bench.traces.workloads import generate
 from hicache.index.admission import AdmissionConfig
 
 

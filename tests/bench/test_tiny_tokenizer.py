@@ -7,8 +7,8 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from hicache.bench.tiny_llama import build_tiny_llama
-from hicache.bench.tiny_tokenizer import SPECIAL_TOKENS, build_tiny_tokenizer, word
+from hicache.bench.engines.tiny_llama import build_tiny_llama
+from hicache.bench.engines.tiny_tokenizer import SPECIAL_TOKENS, build_tiny_tokenizer, word
 
 
 @pytest.fixture(scope="module")

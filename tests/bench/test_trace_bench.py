@@ -134,7 +134,7 @@ def test_trace_bench_reports_remote_writes_per_remote_hit_with_and_without_admis
     """A generated chat trace through a 16-page host and a small Redis as the remote tier (no
     disk), replayed per remote admission mode: the remote tier serves what the host lost, and
     its writes per hit are reported against admit-all's in the same run."""
-    from hicache.bench.redis_procs import redis_server_binary
+    from hicache.bench.procs.redis_procs import redis_server_binary
 
     if redis_server_binary() is None:
         import os

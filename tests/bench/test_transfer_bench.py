@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from hicache.bench import transfer_bench
+from hicache.bench.tiers import transfer_bench
 
 
 def test_rows_carry_paired_ratios_and_the_worst_row():

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from hicache.bench.vllm_peers import parse_compare
-from hicache.bench.vllm_workload import conversations, poisson_gaps
+from hicache.bench.engines.vllm_peers import parse_compare
+from hicache.bench.engines.vllm_workload import conversations, poisson_gaps
 
 try:
     import vllm  # noqa: F401
@@ -71,7 +71,7 @@ def test_compare_names_are_checked_and_vllm_alone_comes_first():
 
 def test_naming_lmcache_without_it_installed_exits_2_with_how_to_install(tmp_path):
     # sys.modules[name] = None is Python's own way to make a package unimportable
-    code = ("import sys; sys.modules['lmcache'] = None; from hicache.cli import main; "
+    code = ("import sys; sys.modules['lmcache'] = None; from hicache.cli.main import main; "
             "sys.exit(main(['bench', 'vllm', '--compare', 'none,lmcache', '--workdir', sys.argv[1]]))")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
@@ -98,7 +98,7 @@ def measured(tmp_path_factory):
         if os.environ.get("CI"):
             raise RuntimeError("vLLM is not installed: scripts/setup.sh installs it")
         pytest.skip("vLLM is not installed (scripts/setup.sh installs it)")
-    from hicache.bench.vllm_bench import measure
+    from hicache.bench.engines.vllm_bench import measure
 
     args = _tiny_args(str(tmp_path_factory.mktemp("bench-vllm")))
     return args, measure(args)
@@ -107,7 +107,7 @@ def measured(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_hicache_computes_only_the_new_tokens_of_warm_turns(measured):
-    from hicache.bench.vllm_bench import kv_bytes_per_token, rows
+    from hicache.bench.engines.vllm_bench import kv_bytes_per_token, rows
 
     args, m = measured
     assert list(m) == ["none", "hicache"]
@@ -161,7 +161,7 @@ def test_the_ttft_parts_come_from_the_engine_core_timestamps():
 
 
 def test_rows_split_the_ttft_into_the_engines_queue_and_the_prefill():
-    from hicache.bench.vllm_bench import Measured, rows
+    from hicache.bench.engines.vllm_bench import Measured, rows
 
     def run(name: str, queued: list[float]) -> Measured:
         reqs = [{"conversation": c, "turn": t, "outputs": [1], "cached": 0, "ttft": 0.5, "queued": q,
@@ -184,7 +184,7 @@ def test_rows_split_the_ttft_into_the_engines_queue_and_the_prefill():
 
 
 def test_rows_of_a_peer_without_step_times_say_not_exposed():
-    from hicache.bench.vllm_bench import Measured, rows
+    from hicache.bench.engines.vllm_bench import Measured, rows
 
     def run(name: str, ttft: float, step_s: list[float] | None) -> Measured:
         reqs = [{"conversation": 0, "turn": t, "outputs": [1], "cached": 0, "ttft": ttft, "prompt_tokens": 64}
@@ -214,7 +214,7 @@ def test_rows_of_a_peer_without_step_times_say_not_exposed():
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_outputs_that_differ_are_refused(measured):
-    from hicache.bench.vllm_bench import OutputsDiffer, check_outputs_equal
+    from hicache.bench.engines.vllm_bench import OutputsDiffer, check_outputs_equal
 
     _, m = measured
     check_outputs_equal(m)  # the real run: equal
@@ -236,8 +236,8 @@ def test_the_chart_of_a_run_is_drawn_from_its_json(measured, tmp_path):
         pytest.importorskip("matplotlib")
     from PIL import Image
 
+    from hicache.bench.engines.vllm_bench import kv_bytes_per_token, rows
     from hicache.bench.report import print_rows
-    from hicache.bench.vllm_bench import kv_bytes_per_token, rows
 
     args, m = measured
     results = tmp_path / "vllm.json"
@@ -251,11 +251,11 @@ def test_the_chart_of_a_run_is_drawn_from_its_json(measured, tmp_path):
         assert im.format == "PNG" and im.size[0] > 300
 
 
-# -- the concurrent mode (`--concurrency N`): hicache/bench/vllm_steps.py ---------------------------
+# -- the concurrent mode (`--concurrency N`): hicache/bench/engines/vllm_steps.py ---------------------------
 
 
 def test_concurrent_prompts_share_a_few_prefixes_and_differ_after_them():
-    from hicache.bench.vllm_workload import shared_prefix_prompts
+    from hicache.bench.engines.vllm_workload import shared_prefix_prompts
 
     prompts = shared_prefix_prompts(12, 4, prefix_tokens=40, min_tokens=50, max_tokens=90, seed=3)
     assert prompts == shared_prefix_prompts(12, 4, 40, 50, 90, seed=3)
@@ -272,8 +272,8 @@ def test_concurrent_prompts_share_a_few_prefixes_and_differ_after_them():
 
 
 def test_a_hicache_daemon_may_be_placed_and_a_bad_placement_is_refused():
-    from hicache.bench.vllm_peers import split_name
-    from hicache.bench.vllm_placement import DaemonPlacement
+    from hicache.bench.engines.vllm_peers import split_name
+    from hicache.bench.engines.vllm_placement import DaemonPlacement
 
     assert parse_compare("hicache:cpus=1,lmcache") == ["none", "hicache:cpus=1", "lmcache"]
     base, placement = split_name("hicache-host:nice=-5:cpus=0-1:weight=500")
@@ -286,7 +286,7 @@ def test_a_hicache_daemon_may_be_placed_and_a_bad_placement_is_refused():
 
 
 def test_nice_reaches_every_thread_of_the_daemon_and_the_threads_it_starts_later(tmp_path):
-    from hicache.bench.vllm_placement import DaemonPlacement
+    from hicache.bench.engines.vllm_placement import DaemonPlacement
 
     def nice_of(pid: int, tid: str) -> int:  # field 19 of stat, after the command's parentheses
         stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
@@ -314,7 +314,7 @@ def test_nice_reaches_every_thread_of_the_daemon_and_the_threads_it_starts_later
 
 
 def test_the_cpu_hogs_run_until_the_bench_ends():
-    from hicache.bench.vllm_placement import CpuHogs
+    from hicache.bench.engines.vllm_placement import CpuHogs
 
     with CpuHogs(2) as hogs:
         assert len(hogs.procs) == 2 and all(p.poll() is None for p in hogs.procs)
@@ -324,7 +324,7 @@ def test_the_cpu_hogs_run_until_the_bench_ends():
 
 def _phase_run(config: str, repeat: int, phase: str, wall_s: float, step_s: float, connector_s: float,
                cached: int = 0, outputs: list[int] | None = None):
-    from hicache.bench.vllm_steps_report import PhaseRun
+    from hicache.bench.engines.vllm_steps_report import PhaseRun
 
     reqs = [{"outputs": outputs or [1, 2], "cached": cached, "prompt_tokens": 100, "ttft": 0.1 * (i + 1)}
             for i in range(4)]
@@ -338,7 +338,7 @@ def _phase_run(config: str, repeat: int, phase: str, wall_s: float, step_s: floa
 
 
 def test_rows_of_the_concurrent_mode_are_medians_over_repeats_against_vllm_alone():
-    from hicache.bench.vllm_steps_report import rows, summary_table
+    from hicache.bench.engines.vllm_steps_report import rows, summary_table
 
     runs = []
     for repeat, (alone, cached) in enumerate(((1.0, 64), (2.0, 64), (4.0, 96))):
@@ -374,8 +374,8 @@ def test_rows_of_the_concurrent_mode_are_medians_over_repeats_against_vllm_alone
 
 
 def test_concurrent_outputs_that_differ_are_refused():
-    from hicache.bench.vllm_bench import OutputsDiffer
-    from hicache.bench.vllm_steps import check_outputs
+    from hicache.bench.engines.vllm_bench import OutputsDiffer
+    from hicache.bench.engines.vllm_steps import check_outputs
 
     runs = [_phase_run("none", 0, "reuse", 1.0, 0.02, 0.0), _phase_run("hicache", 0, "reuse", 1.0, 0.02, 0.0)]
     check_outputs(runs)
@@ -391,7 +391,7 @@ def test_concurrent_outputs_that_differ_are_refused():
     (["--concurrency", "8", "--arrivals", "poisson"], "a mode of its own"),
 ])
 def test_the_concurrent_mode_refuses_bad_options_before_starting_anything(tmp_path, flags, message):
-    code = ("import sys; from hicache.cli import main; "
+    code = ("import sys; from hicache.cli.main import main; "
             "sys.exit(main(['bench', 'vllm', *sys.argv[2:], '--workdir', sys.argv[1]]))")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "w"), *flags], capture_output=True,
                          text=True, timeout=120)
@@ -447,8 +447,8 @@ def concurrent(tmp_path_factory):
             raise RuntimeError("vLLM is not installed: scripts/setup.sh installs it")
         pytest.skip("vLLM is not installed (scripts/setup.sh installs it)")
     from hicache.bench.cli import add_parser
-    from hicache.bench.vllm_bench import resolve_defaults
-    from hicache.bench.vllm_steps import measure
+    from hicache.bench.engines.vllm_bench import resolve_defaults
+    from hicache.bench.engines.vllm_steps import measure
 
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="command"))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hicache.bench.policy_sim import block_trace, simulate_all
-from hicache.bench.workloads import BLOCK, WORKLOADS, generate
+from hicache.bench.policy.policy_sim import block_trace, simulate_all
+from hicache.bench.traces.workloads import BLOCK, WORKLOADS, generate
 
 
 @pytest.mark.parametrize("name", WORKLOADS)

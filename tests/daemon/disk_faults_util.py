@@ -18,7 +18,7 @@ import pytest
 
 from hicache.client.async_client import AsyncRpcConnection
 from hicache.client.connection import RpcConnection
-from hicache.tiers import disk_format as fmt
+from hicache.tiers.disk import format as fmt
 from tests.wait import wait_until
 
 WAIT = {"HICACHE_LOAD_POLICY": "wait_complete"}

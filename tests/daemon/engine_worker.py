@@ -22,8 +22,8 @@ import torch  # noqa: E402
 from hicache.client.client import HiCacheClient
 from hicache.client.engine_cache import EngineCache
 from hicache.layout import KVLayout
-from hicache.tiers.allocator import PagedTokenToKVPoolAllocator
-from hicache.tiers.device import DevicePool
+from hicache.tiers.device.allocator import PagedTokenToKVPoolAllocator
+from hicache.tiers.device.pool import DevicePool
 
 LAYOUTS = {
     "mha": KVLayout("mha", num_layers=3, page_size=4, dtype="float16", num_kv_heads=2, head_dim=8),

@@ -33,9 +33,9 @@ from hicache.client.client import HiCacheClient
 from hicache.client.hybrid_cache import HybridEngineCache
 from hicache.engine.attention import ForwardBatch
 from hicache.engine.hybrid_model import HybridConfig, HybridModel
-from hicache.tiers.allocator import PagedTokenToKVPoolAllocator
-from hicache.tiers.device import DevicePool
-from hicache.tiers.state_pool import StatePool
+from hicache.tiers.device.allocator import PagedTokenToKVPoolAllocator
+from hicache.tiers.device.pool import DevicePool
+from hicache.tiers.device.state_pool import StatePool
 
 PS = 16
 BLOCK = 256

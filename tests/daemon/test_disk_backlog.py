@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from hicache.bench.scale_workload import Engine, Workload
+from hicache.bench.daemon.scale_workload import Engine, Workload
 from hicache.client.client import CallDeadlines
 from hicache.client.connection import RpcConnection
 

@@ -17,7 +17,7 @@ import pytest
 
 from hicache.errors import HiCacheError
 from hicache.index.keys import Namespace, page_keys
-from hicache.tiers import disk_format as fmt
+from hicache.tiers.disk import format as fmt
 
 from tests.daemon.disk_faults_util import (WAIT, DiskAcks, admin, damage, disk_settled, free_port, metrics_text,
                                            reachable_keys, remount_ro, stats, tmpfs, wait_for)

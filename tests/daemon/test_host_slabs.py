@@ -15,7 +15,7 @@ from hicache.daemon.core.service import CacheService
 from hicache.index.keys import Namespace
 from hicache.index.node import Tier
 from hicache.layout import KVLayout
-from hicache.tiers.arena import SEALS, HostArena
+from hicache.tiers.host.arena import SEALS, HostArena
 from tests.daemon.test_service import Clock, seq
 
 LAYOUT = KVLayout("mha", num_layers=2, page_size=4, dtype="float16", num_kv_heads=1, head_dim=8)  # 256 B pages

@@ -154,7 +154,7 @@ def test_bad_offers_change_nothing():
 def test_a_checkpoint_demoted_to_disk_is_read_back_at_match(tmp_path):
     import asyncio
 
-    from hicache.tiers.disk import DiskTier
+    from hicache.tiers.disk.tier import DiskTier
 
     async def scenario() -> None:
         s = Setup(budget_checkpoints=1)

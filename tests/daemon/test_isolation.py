@@ -17,8 +17,8 @@ from hicache.errors import ClientError
 from hicache.layout import KVLayout
 from hicache.rpc.framing import pack_frame
 from tests.rpc.wire import unread_bytes
-from hicache.tiers.allocator import PagedTokenToKVPoolAllocator
-from hicache.tiers.device import DevicePool
+from hicache.tiers.device.allocator import PagedTokenToKVPoolAllocator
+from hicache.tiers.device.pool import DevicePool
 from tests.daemon.engine_worker import check_pages, write_pages
 
 LAYOUT = KVLayout("mha", num_layers=4, page_size=16, dtype="float16", num_kv_heads=4, head_dim=64)  # 64 KiB pages

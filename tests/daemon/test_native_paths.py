@@ -13,13 +13,13 @@ import sys
 
 import pytest
 
-from hicache.cli_doctor import cost_line, measured_costs, native_checks
+from hicache.cli.doctor import cost_line, measured_costs, native_checks
+from hicache.daemon.serve.metrics import NATIVE_PATHS, NATIVE_STATES
 from hicache.daemon.serve.native_paths import PATHS, RUNS
 from hicache.index import native_index
 from hicache.kernels import native_build, native_copy
-from hicache.metrics import NATIVE_PATHS, NATIVE_STATES
 from hicache.rpc import native_conn
-from hicache.tiers import disk_native
+from hicache.tiers.disk import native as disk_native
 from tests.daemon.disk_faults_util import free_port, metrics_text
 from tests.wait import wait_until
 

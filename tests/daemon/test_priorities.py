@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hicache.bench.pin_bench import LAYOUT, _pattern, _store, _tokens
-from hicache.cli import main as cli
+from hicache.bench.policy.pin_bench import LAYOUT, _pattern, _store, _tokens
+from hicache.cli.main import main as cli
 from hicache.client.client import HiCacheClient
 from hicache.client.connection import RpcConnection
 from hicache.client.hints import RetainHint

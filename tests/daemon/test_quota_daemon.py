@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from hicache.bench.quota_bench import QuotaWorkload, run_scenario
+from hicache.bench.policy.quota_bench import QuotaWorkload, run_scenario
 from hicache.client.connection import RpcConnection
 from hicache.errors import ClientError
 from tests.test_cli_admin import cli

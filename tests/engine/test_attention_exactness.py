@@ -14,7 +14,7 @@ import torch
 
 from hicache.engine.attention import ATTN_BLOCK, EngineError, ForwardBatch, attention_width, causal_attend
 from hicache.engine.model import ModelConfig, TinyTransformer
-from hicache.tiers.device import DevicePool
+from hicache.tiers.device.pool import DevicePool
 
 SMALL = dict(num_layers=2, hidden=64, head_dim=16, intermediate=128)
 CONFIGS = {

@@ -8,7 +8,7 @@ import torch
 from hicache.engine.attention import EngineError, ForwardBatch, rowdot
 from hicache.engine.model import ModelConfig, TinyTransformer
 from hicache.errors import ConfigError, LayoutError
-from hicache.tiers.device import DevicePool
+from hicache.tiers.device.pool import DevicePool
 
 CONFIGS = {"mha": ModelConfig(), "mla": ModelConfig.tiny_mla()}
 

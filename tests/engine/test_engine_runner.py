@@ -11,8 +11,8 @@ from hicache.engine.attention import EngineError
 from hicache.engine.model import ModelConfig, TinyTransformer
 from hicache.engine.runner import Engine, Request
 from hicache.errors import LayoutError
-from hicache.tiers.allocator import PagedTokenToKVPoolAllocator
-from hicache.tiers.device import DevicePool
+from hicache.tiers.device.allocator import PagedTokenToKVPoolAllocator
+from hicache.tiers.device.pool import DevicePool
 
 PAGE = 4
 CONFIGS = {"mha": ModelConfig(), "mla": ModelConfig.tiny_mla()}

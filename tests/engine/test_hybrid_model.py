@@ -9,8 +9,8 @@ import torch
 from hicache.engine.attention import EngineError, ForwardBatch
 from hicache.engine.hybrid_model import HybridConfig, HybridModel
 from hicache.errors import ConfigError
-from hicache.tiers.device import DevicePool
-from hicache.tiers.state_pool import StatePool, StatePoolError
+from hicache.tiers.device.pool import DevicePool
+from hicache.tiers.device.state_pool import StatePool, StatePoolError
 
 PS = 16
 

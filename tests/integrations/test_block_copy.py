@@ -23,7 +23,7 @@ from hicache.errors import LayoutError
 from hicache.integrations.block_copy import BlockCopier, BlockRuns
 from hicache.kernels import triton_env
 from hicache.layout import KVLayout
-from hicache.tiers.arena import HostArena
+from hicache.tiers.host.arena import HostArena
 
 NUM_BLOCKS = 13
 LAYERS, HEADS, BLOCK, HEAD = 3, 2, 16, 32
@@ -248,7 +248,7 @@ _INTERPRET_RUNNER = textwrap.dedent("""
     import numpy as np, torch
     from tests.integrations import test_block_copy as t
     from hicache.integrations.block_copy import BlockCopier
-    from hicache.tiers.arena import HostArena
+    from hicache.tiers.host.arena import HostArena
     kinds = ("cpu", "cuda", "heads-outer", "token-major")
     for kind in kinds:
         for dtype in (torch.float32, torch.bfloat16):

@@ -26,7 +26,7 @@ from hicache.client.connection import RpcConnection
 from hicache.client.keyed import named_page
 from hicache.errors import ConfigError
 from hicache.integrations.sglang import HiCacheStore
-from hicache.tiers import disk_format as fmt
+from hicache.tiers.disk import format as fmt
 
 DISK = ("--host-capacity", "64MiB", "--disk-capacity", "256MiB")
 

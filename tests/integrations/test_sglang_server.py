@@ -22,8 +22,8 @@ from tests.daemon.disk_faults_util import free_port
 from tests.integrations.sglang_util import StorageBackendFactory  # noqa: F401 - fails under CI without sglang
 from tests.wait import wait_until
 
-from hicache.bench.sglang_server import SGLangServer, server_args
-from hicache.bench.tiny_llama import build_tiny_llama
+from hicache.bench.engines.tiny_llama import build_tiny_llama
+from hicache.bench.procs.sglang_server import SGLangServer, server_args
 from hicache.client.connection import RpcConnection
 
 PREFIX, SUFFIX, PROMPTS = 320, 80, 4

@@ -23,7 +23,7 @@ import pytest
 
 from tests.integrations.vllm_required import PATIENT  # skips, or fails under CI, without vLLM
 
-from hicache.bench.tiny_llama import build_tiny_llama  # noqa: E402
+from hicache.bench.engines.tiny_llama import build_tiny_llama  # noqa: E402
 from hicache.client.connection import RpcConnection  # noqa: E402
 from hicache.daemon.serve.launcher import LocalDaemon  # noqa: E402
 from hicache.integrations.vllm_driver import run_in_process  # noqa: E402

@@ -16,7 +16,7 @@ from hicache.integrations.block_copy import BlockCopier
 from hicache.integrations.block_streams import StreamCopies
 from hicache.kernels import copy_triton
 from hicache.layout import KVLayout
-from hicache.tiers.arena import HostArena
+from hicache.tiers.host.arena import HostArena
 from tests.wait import wait_until
 
 pytestmark = [pytest.mark.gpu,

@@ -39,7 +39,7 @@ import msgspec  # noqa: E402
 import zmq  # noqa: E402
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
 
-from hicache.bench.tiny_llama import build_tiny_llama  # noqa: E402
+from hicache.bench.engines.tiny_llama import build_tiny_llama  # noqa: E402
 from hicache.client.connection import RpcConnection  # noqa: E402
 from hicache.daemon.serve.launcher import LocalDaemon  # noqa: E402
 from hicache.integrations.vllm_driver import run_in_process  # noqa: E402

@@ -40,7 +40,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     SlidingWindowSpec,
 )
 
-from hicache.bench.tiny_llama import build_tiny_llama  # noqa: E402
+from hicache.bench.engines.tiny_llama import build_tiny_llama  # noqa: E402
 from hicache.client.connection import RpcConnection  # noqa: E402
 from hicache.daemon.serve.launcher import LocalDaemon  # noqa: E402
 from hicache.integrations.vllm.layout import UnsupportedModel, engine_shape  # noqa: E402

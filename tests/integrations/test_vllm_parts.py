@@ -16,7 +16,7 @@ from hicache.index.keys import page_keys
 from hicache.integrations.block_copy import BlockCopier, arrangement
 from hicache.integrations.request_keys import RequestKeys
 from hicache.layout import KVLayout
-from hicache.tiers.arena import HostArena
+from hicache.tiers.host.arena import HostArena
 
 try:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec

@@ -16,7 +16,7 @@ the connector (started after the first one stopped) is the reference:
 3. the reference server, whose cache was cleared the same way, finds none of them.
 
 The model is the tiny seeded Llama with a word-level tokenizer and chat template
-(hicache/bench/tiny_tokenizer.py). Under CI=true a missing vLLM fails the suite.
+(hicache/bench/engines/tiny_tokenizer.py). Under CI=true a missing vLLM fails the suite.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import pytest
 
 import tests.integrations.vllm_required  # noqa: F401  (skips, or fails under CI, without vLLM)
 
-from hicache.bench.tiny_llama import build_tiny_llama  # noqa: E402
-from hicache.bench.tiny_tokenizer import SPECIAL_TOKENS, word  # noqa: E402
+from hicache.bench.engines.tiny_llama import build_tiny_llama  # noqa: E402
+from hicache.bench.engines.tiny_tokenizer import SPECIAL_TOKENS, word  # noqa: E402
 from hicache.client.connection import RpcConnection  # noqa: E402
 from hicache.daemon.serve.launcher import LocalDaemon  # noqa: E402
 from tests.integrations.vllm_server import VllmServer  # noqa: E402

@@ -157,7 +157,7 @@ def test_empty_batches():
 _INTERPRET_RUNNER = textwrap.dedent("""
     import sys, torch
     from hicache.kernels.alloc_triton import alloc_decode_triton, alloc_extend_triton, triton_usable
-    from hicache.tiers.allocator import PagedTokenToKVPoolAllocator
+    from hicache.tiers.device.allocator import PagedTokenToKVPoolAllocator
     assert triton_usable(torch.device("cpu"))
     cases = torch.load(sys.argv[1])
     kernels = []

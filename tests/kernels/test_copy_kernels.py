@@ -17,8 +17,8 @@ import torch
 from hicache.kernels import copy as kcopy
 from hicache.kernels import copy_triton, triton_env
 from hicache.layout import KVLayout
-from hicache.tiers.device import DevicePool
-from hicache.tiers.host import HostArena, HostKVCache
+from hicache.tiers.device.pool import DevicePool
+from hicache.tiers.host.kv_cache import HostArena, HostKVCache
 from tests.kv_pages import random_pool, run_triton_aot
 
 REPO = Path(__file__).resolve().parents[2]
@@ -251,7 +251,7 @@ def test_triton_kernels_equal_twin_on_cuda(name, n):
 
 
 def test_transfer_bench_rows_are_well_formed():
-    from hicache.bench import transfer_bench
+    from hicache.bench.tiers import transfer_bench
 
     rows = transfer_bench.run(page_sizes=(4,), num_layers=2, num_kv_heads=2, head_dim=64,
                               target_bytes=1 << 20, repeats=1, threads=(1,))
@@ -264,7 +264,7 @@ def test_transfer_bench_rows_are_well_formed():
 def test_device_transfer_bench_runs_every_method_on_cpu():
     # The GPU bench's code path on CPU pools: every method moves the bytes (the
     # bench checks each one) and reports against the contiguous copy.
-    from hicache.bench import device_transfer_bench as dtb
+    from hicache.bench.tiers import device_transfer_bench as dtb
 
     rows = dtb.run(page_sizes=(4,), device="cpu", num_layers=2, num_kv_heads=2, head_dim=64,
                    target_bytes=1 << 20, repeats=1, run_pages=8)
@@ -281,7 +281,7 @@ def test_device_transfer_bench_runs_every_method_on_cpu():
 
 @pytest.mark.parametrize("pattern", ["scattered", "runs"])
 def test_bench_page_pairs(pattern):
-    from hicache.bench import device_transfer_bench as dtb
+    from hicache.bench.tiers import device_transfer_bench as dtb
     from hicache.kernels import dma
 
     rng = np.random.default_rng(1)
@@ -296,7 +296,7 @@ def test_bench_page_pairs(pattern):
 
 
 def test_bench_catches_a_method_that_copies_wrong_bytes(monkeypatch):
-    from hicache.bench import device_transfer_bench as dtb
+    from hicache.bench.tiers import device_transfer_bench as dtb
     from hicache.kernels import dma
 
     real = dma.load_layer_copies

@@ -13,8 +13,8 @@ from hicache.errors import LayoutError
 from hicache.kernels import dma
 from hicache.kernels import copy as kcopy
 from hicache.layout import KVLayout
-from hicache.tiers.device import DevicePool
-from hicache.tiers.host import HostArena, HostKVCache
+from hicache.tiers.device.pool import DevicePool
+from hicache.tiers.host.kv_cache import HostArena, HostKVCache
 from tests.kv_pages import random_pool
 
 LAYOUTS = {

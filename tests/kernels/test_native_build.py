@@ -15,22 +15,22 @@ from pathlib import Path
 
 import pytest
 
-from hicache.bench import native_echo
+from hicache.bench.rpc import native_echo
 from hicache.index import native_index
 from hicache.kernels import native_build, native_copy, native_modules
 from hicache.rpc import native_conn
-from hicache.tiers import disk_native
+from hicache.tiers.disk import native as disk_native
 
 ROOT = Path(__file__).resolve().parents[2]
 LOADERS = (native_index.EXTENSION, native_conn.EXTENSION, disk_native.LIBRARY, native_copy.LIBRARY,
            native_echo.EXTENSION)
 PROBE = """
 import json
-from hicache.bench import native_echo
+from hicache.bench.rpc import native_echo
 from hicache.index import native_index
 from hicache.kernels import native_copy
 from hicache.rpc import native_conn
-from hicache.tiers import disk_native
+from hicache.tiers.disk import native as disk_native
 mods = (native_index.EXTENSION, native_conn.EXTENSION, disk_native.LIBRARY, native_copy.LIBRARY, native_echo.EXTENSION)
 print(json.dumps({m.name: [m.load() is not None, m.unavailable_reason()] for m in mods}))
 """
@@ -87,7 +87,7 @@ def test_a_module_older_than_its_c_is_refused_as_stale_and_the_rest_load(tmp_pat
     frames = tree / "hicache" / "rpc" / "native_frames.h"  # shared by the frame loop and the echo servers
     frames.write_text(frames.read_text() + "/* edited after the build */\n")
     loaded = probe(tree, {"HICACHE_NATIVE_INDEX": "0"})
-    stale = {"hicache.rpc._native_conn", "hicache.bench._native_echo"}
+    stale = {"hicache.rpc._native_conn", "hicache.bench.rpc._native_echo"}
     for name, (ok, why) in loaded.items():
         if name in stale:
             assert not ok and why.startswith("stale build: ") and "pip install -e ." in why, (name, why)

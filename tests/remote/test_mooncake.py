@@ -17,11 +17,11 @@ import torch
 from hicache.engine.cached import CachedEngine
 from hicache.engine.model import ModelConfig, TinyTransformer
 from hicache.errors import ConfigError
-from hicache.tiers import remote_record as rr
-from hicache.tiers.mooncake_store import MooncakeStore
-from hicache.tiers.remote_auth import RecordAuth
-from hicache.tiers.remote_record import HEADER_BYTES
-from hicache.tiers.remote_store import PageAddress, RemoteStoreError, address, open_store
+from hicache.tiers.remote import record as rr
+from hicache.tiers.remote.auth import RecordAuth
+from hicache.tiers.remote.mooncake.store import MooncakeStore
+from hicache.tiers.remote.record import HEADER_BYTES
+from hicache.tiers.remote.store import PageAddress, RemoteStoreError, address, open_store
 from tests.daemon.test_isolation import LAYOUT, engine, store, tokens
 from tests.remote.test_auth import ATTACKER, SECRET, _secret_file
 from tests.remote.test_faults import _misses

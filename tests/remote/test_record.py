@@ -11,11 +11,11 @@ import pytest
 from hicache.config import Config, load_config
 from hicache.errors import ConfigError
 from hicache.index.keys import page_keys
-from hicache.tiers import disk_format as fmt
-from hicache.tiers import remote_record as rr
-from hicache.tiers.redis_store import record_key
-from hicache.tiers.remote_store import redact_url
-from hicache.tiers.remote_store import RUN_PAGES, address, addresses
+from hicache.tiers.disk import format as fmt
+from hicache.tiers.remote import record as rr
+from hicache.tiers.remote.redis_store import record_key
+from hicache.tiers.remote.store import redact_url
+from hicache.tiers.remote.store import RUN_PAGES, address, addresses
 
 SALT = bytes(range(16))
 FP = bytes(range(16, 32))
@@ -180,7 +180,7 @@ def test_the_removed_lookup_deadline_is_refused_naming_what_replaced_it(tmp_path
 
 
 def test_a_missing_or_empty_password_file_is_a_clear_error(tmp_path):
-    from hicache.tiers.redis_store import RedisStore
+    from hicache.tiers.remote.redis_store import RedisStore
 
     with pytest.raises(ConfigError, match="remote_password_file"):
         RedisStore("redis://h:1", password_file=str(tmp_path / "none"))
@@ -220,7 +220,7 @@ def _as_version_1(rec: memoryview) -> bytearray:
 
 
 def test_a_signed_record_round_trips_and_a_forged_one_is_refused():
-    from hicache.tiers.remote_auth import RecordAuth
+    from hicache.tiers.remote.auth import RecordAuth
 
     toks, keys = _chain()
     page = _page(4096)
@@ -241,7 +241,7 @@ def test_a_signed_record_round_trips_and_a_forged_one_is_refused():
 
 
 def test_a_signed_record_refuses_any_edit_its_checksums_would_miss():
-    from hicache.tiers.remote_auth import RecordAuth
+    from hicache.tiers.remote.auth import RecordAuth
 
     toks, keys = _chain()
     auth = RecordAuth([NEW_SECRET])
@@ -261,7 +261,7 @@ def test_a_signed_record_refuses_any_edit_its_checksums_would_miss():
 
 
 def test_after_rotation_records_under_the_old_secret_still_read():
-    from hicache.tiers.remote_auth import RecordAuth
+    from hicache.tiers.remote.auth import RecordAuth
 
     toks, keys = _chain()
     page = _page(4096)
@@ -274,7 +274,7 @@ def test_after_rotation_records_under_the_old_secret_still_read():
 
 
 def test_secret_files_are_read_line_by_line_and_bad_ones_refused(tmp_path):
-    from hicache.tiers.remote_auth import RecordAuth
+    from hicache.tiers.remote.auth import RecordAuth
 
     f = tmp_path / "secret"
     f.write_bytes(b"# rotated 2026-11\n" + NEW_SECRET + b"\n\n  " + OLD_SECRET + b"  \n")

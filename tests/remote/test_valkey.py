@@ -8,8 +8,8 @@ import pytest
 
 redis = pytest.importorskip("redis")  # the test extra; missing only on a machine set up without it
 
-from hicache.tiers.redis_store import record_key
-from hicache.tiers.remote_store import address
+from hicache.tiers.remote.redis_store import record_key
+from hicache.tiers.remote.store import address
 from tests.daemon.test_isolation import engine, store, tokens
 from tests.remote.util import DAEMON_FLAGS, load_remote, remote_env, remote_stats, wait_remote_up, wait_written
 

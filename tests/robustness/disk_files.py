@@ -6,7 +6,7 @@ from pathlib import Path
 
 import lmdb
 
-from hicache.tiers import disk_format as fmt
+from hicache.tiers.disk import format as fmt
 
 
 def committed_pages(disk_dir: str | Path) -> dict[bytes, tuple[bytes | None, bytes]]:

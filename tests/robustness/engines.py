@@ -13,8 +13,8 @@ import numpy as np
 
 from hicache.client.client import HiCacheClient
 from hicache.client.engine_cache import EngineCache
-from hicache.tiers.allocator import PagedTokenToKVPoolAllocator
-from hicache.tiers.device import DevicePool
+from hicache.tiers.device.allocator import PagedTokenToKVPoolAllocator
+from hicache.tiers.device.pool import DevicePool
 
 from tests.daemon.engine_worker import LAYOUTS, load, write_pages
 

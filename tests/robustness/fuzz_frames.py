@@ -25,7 +25,7 @@ import numpy as np
 
 from hicache.index.keys import Namespace, page_keys
 from hicache.layout import KVLayout
-from hicache.portable_format import ExportHeader, encode_end, encode_page
+from hicache.portable.format import ExportHeader, encode_end, encode_page
 from hicache.rpc.protocol import PROTOCOL_VERSION
 from hicache.state_layout import StateLayout
 
@@ -144,7 +144,7 @@ class Context:
             self.exports.append(result["export"])
         elif f.method == "import_open" and isinstance(result.get("import"), int):
             try:
-                from hicache.portable_format import decode_header
+                from hicache.portable.format import decode_header
                 self.imports.append((result["import"], decode_header(p["header"])))
             except Exception:
                 pass

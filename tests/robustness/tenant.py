@@ -154,7 +154,7 @@ def _preload() -> None:
 
     import hicache.index.keys  # noqa: F401
     import hicache.layout  # noqa: F401
-    import hicache.portable_format  # noqa: F401
+    import hicache.portable.format  # noqa: F401
     import tests.daemon.engine_worker  # noqa: F401
     import tests.robustness.contracts  # noqa: F401
     import tests.robustness.engines  # noqa: F401
@@ -167,7 +167,7 @@ def _tenant_b(socket: str, a: dict, inbox: Lines, out: int) -> None:
     torch.set_num_threads(1)
     from hicache.index.keys import Namespace, page_keys
     from hicache.layout import KVLayout
-    from hicache.portable_format import ExportHeader, encode_end, encode_page
+    from hicache.portable.format import ExportHeader, encode_end, encode_page
 
     from tests.daemon.engine_worker import load
     from tests.robustness.contracts import error_code

@@ -8,7 +8,7 @@ CI soaks ~25 s; `--long` a few minutes (the driver is `hicache bench soak`).
 
 from __future__ import annotations
 
-from hicache.bench.soak_bench import run_soak
+from hicache.bench.daemon.soak_bench import run_soak
 
 CI_SECONDS = 25.0
 LONG_SECONDS = 240.0

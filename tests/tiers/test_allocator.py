@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hicache.errors import HiCacheError
-from hicache.tiers.allocator import AllocatorError, PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from hicache.tiers.device.allocator import AllocatorError, PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 
 
 def pages_of(slots: torch.Tensor, page_size: int) -> list[int]:

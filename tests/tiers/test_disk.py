@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from hicache.errors import ConfigError, DiskTierError
-from hicache.tiers import disk_format as fmt
-from hicache.tiers.disk import DiskTier, DiskTierConfig
+from hicache.tiers.disk import format as fmt
+from hicache.tiers.disk.tier import DiskTier, DiskTierConfig
 from tests.wait import wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -151,7 +151,7 @@ def test_iter_meta_spans_several_read_transactions(open_tier):
 _CHILD = textwrap.dedent("""
     import os, sys
     import numpy as np
-    from hicache.tiers.disk import DiskTier
+    from hicache.tiers.disk.tier import DiskTier
     path, durability = sys.argv[1], sys.argv[2]
     size = 256 << 10
     salt = bytes(range(16))

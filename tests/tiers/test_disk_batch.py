@@ -1,4 +1,4 @@
-"""DiskTier.put_many_async (hicache/tiers/disk_batch.py) on real LMDB environments: a
+"""DiskTier.put_many_async (hicache/tiers/disk/batch.py) on real LMDB environments: a
 batch is read from rows of one buffer, chained parent to child, answered once with a
 result per page; bad input raises and queues nothing; a nearly full queue takes the
 first pages only. The C and Python writers are compared in test_disk_native.py."""
@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from hicache.tiers.disk import DiskTier, DiskTierConfig
+from hicache.tiers.disk.tier import DiskTier, DiskTierConfig
 
 SALT = bytes(range(16))
 KiB = 1 << 10

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from hicache.errors import DiskTierDamaged, DiskTierError
-from hicache.tiers import disk_env
-from hicache.tiers.disk import DiskTier, DiskTierConfig
+from hicache.tiers.disk import env as disk_env
+from hicache.tiers.disk.tier import DiskTier, DiskTierConfig
 
 from tests.tiers.test_disk import SALT_A, Done, MiB, key, page_for, toks
 

@@ -1,4 +1,4 @@
-"""LMDB's free list as the disk writer reads it (hicache/tiers/disk_freelist.py): the pages
+"""LMDB's free list as the disk writer reads it (hicache/tiers/disk/freelist.py): the pages
 a deletion frees show up as one run once the next write transaction may reuse them."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import lmdb
 import numpy as np
 import pytest
 
-from hicache.tiers.disk_freelist import open_free_list
+from hicache.tiers.disk.freelist import open_free_list
 
 
 def _runs(pages: np.ndarray) -> list[int]:

@@ -12,8 +12,8 @@ from collections import deque
 import numpy as np
 import pytest
 
-from hicache.tiers.disk import DiskTier
-from hicache.tiers.disk_config import DiskTierConfig
+from hicache.tiers.disk.config import DiskTierConfig
+from hicache.tiers.disk.tier import DiskTier
 from tests.wait import wait_until
 
 MiB = 1 << 20
@@ -85,7 +85,7 @@ def test_one_put_transactions_between_batches_never_fill_the_map(tmp_path, nativ
     transactions (each waits for its answer), then batches of 21 pages of 64 KiB (one
     transaction each). The one-put transactions' B-tree page copies cut the 17-page runs
     that evictions free; the batches need 21 such runs. The writer must see the free
-    pages that are too scattered (disk_freelist.py) and evict or wait instead of
+    pages that are too scattered (disk/freelist.py) and evict or wait instead of
     meeting MDB_MAP_FULL (it did, every time, with a fixed 1/16 reserve)."""
     page_bytes, tokens, capacity = 64 << 10, 512, 24 * MiB
     owner = LruOwner(page_bytes)

@@ -1,4 +1,4 @@
-"""The disk writer's C put loop (hicache/tiers/disk_native.py) against the Python
+"""The disk writer's C put loop (hicache/tiers/disk/native.py) against the Python
 loop it replaces: the same scripted batches (chains, orphans, duplicates, keys
 rewritten under another namespace or size, deletions between puts, a budget the
 evict hook has to make room in, a map small enough to defer, and the same cases
@@ -15,9 +15,9 @@ import lmdb
 import numpy as np
 import pytest
 
-from hicache.tiers import disk_format as fmt
-from hicache.tiers import disk_native
-from hicache.tiers.disk import DiskTier, DiskTierConfig
+from hicache.tiers.disk import format as fmt
+from hicache.tiers.disk import native as disk_native
+from hicache.tiers.disk.tier import DiskTier, DiskTierConfig
 
 SALT_A = bytes(range(16))
 SALT_B = bytes(range(16, 32))

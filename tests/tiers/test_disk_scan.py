@@ -1,4 +1,4 @@
-"""The start-up scan of the disk tier's records (hicache/tiers/disk_scan.py) on real LMDB
+"""The start-up scan of the disk tier's records (hicache/tiers/disk/scan.py) on real LMDB
 environments: the C scan and the Python one give the same arrays, malformed records are
 skipped, a scan in several calls misses nothing, and the verification child reads it all."""
 
@@ -8,9 +8,11 @@ import lmdb
 import numpy as np
 import pytest
 
-from hicache.tiers import disk_env, disk_native, disk_scan
-from hicache.tiers import disk_format as fmt
-from hicache.tiers.disk import DiskTier
+from hicache.tiers.disk import env as disk_env
+from hicache.tiers.disk import native as disk_native
+from hicache.tiers.disk import scan as disk_scan
+from hicache.tiers.disk import format as fmt
+from hicache.tiers.disk.tier import DiskTier
 
 SALT_A = bytes(range(16))
 SALT_B = bytes(range(16, 32))

@@ -18,8 +18,8 @@ import torch
 from hicache.errors import HiCacheError, LayoutError
 from hicache.kernels import triton_env
 from hicache.layout import KVLayout
-from hicache.tiers.device import DevicePool
-from hicache.tiers.host import HostArena, HostCacheError, HostKVCache, HostSlotAllocator
+from hicache.tiers.device.pool import DevicePool
+from hicache.tiers.host.kv_cache import HostArena, HostCacheError, HostKVCache, HostSlotAllocator
 from tests.wait import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -143,7 +143,7 @@ _MLOCK_REFUSED = textwrap.dedent("""
     assert libc.capset(ctypes.byref(hdr), data) == 0
     resource.setrlimit(resource.RLIMIT_MEMLOCK, (0, 0))
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(message)s")
-    from hicache.tiers.host import HostArena
+    from hicache.tiers.host.kv_cache import HostArena
     a = HostArena.create(1 << 20, mlock=True)
     b = HostArena.create(1 << 20, mlock=True)
     a.array[:] = 1  # usable all the same
@@ -162,7 +162,7 @@ def test_arena_mlock_refusal_is_logged_once_and_not_fatal():
 _CHILD = textwrap.dedent("""
     import hashlib, sys
     from hicache.layout import KVLayout
-    from hicache.tiers.host import HostArena, HostKVCache
+    from hicache.tiers.host.kv_cache import HostArena, HostKVCache
     fd, nbytes, digest = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     layout = KVLayout("mha", 3, 4, "bfloat16", num_kv_heads=2, head_dim=8, v_head_dim=4)
     arena = HostArena.from_fd(fd, nbytes)

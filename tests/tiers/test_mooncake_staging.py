@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from hicache.tiers.mooncake_staging import ALIGN, Staging
-from hicache.tiers.remote_store import RemoteStoreError
+from hicache.tiers.remote.mooncake.staging import ALIGN, Staging
+from hicache.tiers.remote.store import RemoteStoreError
 
 
 def test_extents_are_aligned_first_fit_and_merge_back():

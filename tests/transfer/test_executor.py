@@ -11,8 +11,8 @@ import torch
 
 from hicache.errors import HiCacheError
 from hicache.layout import KVLayout
-from hicache.tiers.device import DevicePool
-from hicache.tiers.host import HostArena, HostCacheError, HostKVCache
+from hicache.tiers.device.pool import DevicePool
+from hicache.tiers.host.kv_cache import HostArena, HostCacheError, HostKVCache
 from hicache.transfer.executor import BackupHandle, LoadHandle, TransferError, TransferExecutor
 from tests.kv_pages import random_pool
 from tests.wait import wait_until

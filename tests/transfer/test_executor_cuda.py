@@ -15,8 +15,8 @@ import torch
 
 from hicache.kernels import copy_triton
 from hicache.layout import KVLayout
-from hicache.tiers.device import DevicePool
-from hicache.tiers.host import HostArena, HostKVCache
+from hicache.tiers.device.pool import DevicePool
+from hicache.tiers.host.kv_cache import HostArena, HostKVCache
 from hicache.transfer.executor import CudaBackupHandle, CudaLoadHandle, TransferExecutor
 from tests.kv_pages import random_pool
 

@@ -2,7 +2,7 @@
 
 Engines of different models and tenants share one host budget, but no engine
 may see another namespace's pages. The arena is cut into equal *slabs*, each
-backed by its own memfd (hicache/tiers/arena.py); a slab belongs to at most one
+backed by its own memfd (hicache/tiers/host/arena.py); a slab belongs to at most one
 owner (a namespace salt) at a time, and only its owner's engines are sent its
 fd (`slabs_of`). An owner's *page class* (one per page size and kind: KV
 pages, or a hybrid model's state checkpoints) takes slabs as it grows and
@@ -39,8 +39,8 @@ import logging
 import numpy as np
 
 from hicache.errors import HiCacheError
-from hicache.tiers.arena import MAX_SLABS, HostArena
-from hicache.tiers.host_slots import HostSlotAllocator
+from hicache.tiers.host.arena import MAX_SLABS, HostArena
+from hicache.tiers.host.slots import HostSlotAllocator
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from hicache.index.checkpoints import Checkpoint, checkpoint_disk_key
 from hicache.index.node import Tier, TreeNode
 
 if TYPE_CHECKING:
-    from hicache.tiers.disk import DiskTier
+    from hicache.tiers.disk.tier import DiskTier
 
 log = logging.getLogger(__name__)
 

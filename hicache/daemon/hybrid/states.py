@@ -60,7 +60,7 @@ from hicache.rpc.protocol import Code, RpcError
 from hicache.state_layout import StateLayout
 
 if TYPE_CHECKING:
-    from hicache.tiers.disk import DiskTier
+    from hicache.tiers.disk.tier import DiskTier
 
 
 def state_salt(salt: bytes) -> bytes:

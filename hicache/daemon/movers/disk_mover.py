@@ -69,8 +69,8 @@ from hicache.daemon.movers.disk_writes import HostToDisk
 from hicache.index.admission import admission_key
 from hicache.index.node import DISK_LANE
 from hicache.index.radix import Tier, TreeNode
-from hicache.tiers.disk import DiskTier
-from hicache.tiers.disk_format import footprint
+from hicache.tiers.disk.format import footprint
+from hicache.tiers.disk.tier import DiskTier
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class DiskMover(HostToDisk):
 
     def _page_budget(self, ns: NamespaceState) -> int:
         """The page bytes the disk tier's map holds, at this namespace's footprint per
-        page (the capacity is the LMDB file: hicache/tiers/disk_writer.py charges each
+        page (the capacity is the LMDB file: hicache/tiers/disk/writer.py charges each
         page its overflow pages and B-tree records, and turns away what would not fit)."""
         page_bytes = ns.page_class.page_bytes
         charge = footprint(page_bytes, ns.index.page_size)

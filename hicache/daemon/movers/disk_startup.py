@@ -1,10 +1,10 @@
 """Opening the disk tier at daemon start: a damaged environment (refused by the
 tier's open protocol, or unreadable in the metadata scan) is moved aside once,
 with one log line, and an empty tier opened in its place (see
-hicache/tiers/disk_env.py); any other failure is the caller's one-line error.
+hicache/tiers/disk/env.py); any other failure is the caller's one-line error.
 
 The index rebuild is prepared here too (`open_and_chain`): every page's record scanned
-(hicache/tiers/disk_scan.py: by the verification child, which hands its scan over),
+(hicache/tiers/disk/scan.py: by the verification child, which hands its scan over),
 each known namespace's records checked and chained into runs (hicache/index/restore.py,
 in C) and, given the daemon's eviction policy and clock, hung on a new index of the
 namespace that nothing else can see yet; DiskMover's rebuild on the event loop adopts
@@ -34,10 +34,10 @@ from hicache.index.keys import Namespace
 from hicache.index.policy import EvictionPolicy
 from hicache.index.radix import RadixIndex
 from hicache.index.restore import ChainedRecords, PackedRecords, chain_packed
-from hicache.tiers import disk_env
-from hicache.tiers.disk import DiskTier
-from hicache.tiers.disk_config import DiskTierConfig
-from hicache.tiers.disk_scan import MetaScan
+from hicache.tiers.disk import env as disk_env
+from hicache.tiers.disk.config import DiskTierConfig
+from hicache.tiers.disk.scan import MetaScan
+from hicache.tiers.disk.tier import DiskTier
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +52,14 @@ class Quarantine:
 
 def open_tier(config: Config) -> tuple[DiskTier, MetaScan, Quarantine | None]:
     """Open the tier and scan its metadata (every page's record, as arrays:
-    hicache/tiers/disk_scan.py); a damaged environment (at open, or in the scan) is moved
+    hicache/tiers/disk/scan.py); a damaged environment (at open, or in the scan) is moved
     aside once, with one log line, and an empty one opened instead."""
     path = str(config.disk_dir)
     quarantined: Quarantine | None = None
     while True:
         try:
             # The capacity is the file: the map is allocated whole, and the pages with
-            # their LMDB records are kept within it (hicache/tiers/disk_writer.py).
+            # their LMDB records are kept within it (hicache/tiers/disk/writer.py).
             tier = DiskTier.open(path, config.disk_capacity, map_size=config.disk_capacity,
                                  reset=config.reset_disk,
                                  durability=config.durability,

@@ -48,7 +48,7 @@ from hicache.index.radix import Tier, TreeNode
 if TYPE_CHECKING:
     from hicache.config import Config
     from hicache.daemon.core.service import CacheService
-    from hicache.tiers.disk import DiskTier
+    from hicache.tiers.disk.tier import DiskTier
 
 DRAIN_RETRY_S = 0.005  # a backlog with none of our pages queued (the queue full of others') is retried after this
 

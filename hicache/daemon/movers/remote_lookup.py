@@ -51,10 +51,10 @@ import numpy as np
 from hicache.config import Config
 from hicache.daemon.core.service import CacheService, NamespaceState, Pin
 from hicache.index.radix import Tier, TreeNode
-from hicache.tiers import remote_record
-from hicache.tiers.remote_auth import RecordAuth
-from hicache.tiers.remote_store import PageAddress, RemoteStore, address, addresses
-from hicache.tiers.remote_worker import RemoteWorker
+from hicache.tiers.remote import record as remote_record
+from hicache.tiers.remote.auth import RecordAuth
+from hicache.tiers.remote.store import PageAddress, RemoteStore, address, addresses
+from hicache.tiers.remote.worker import RemoteWorker
 
 log = logging.getLogger(__name__)
 

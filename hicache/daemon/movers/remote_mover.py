@@ -1,6 +1,6 @@
 """RemoteMover: the remote tier (L4) behind the disk tier, on the daemon's event loop.
 
-The remote store (hicache/tiers/remote_store.py, Redis by default) is shared by
+The remote store (hicache/tiers/remote/store.py, Redis by default) is shared by
 daemons on many machines: a prefix one of them computed is a hit for the others.
 hicache keeps no record of what the store holds — anything may be evicted or lost
 there at any moment — so the store is asked, not remembered:
@@ -23,11 +23,11 @@ there at any moment — so the store is asked, not remembered:
   moment loses nothing.
 - Faults. Every operation is bounded by the op timeout (`remote_timeout_s`); an
   error or an overrun is a failure for the worker's circuit breaker
-  (hicache/tiers/remote_worker.py, rule in remote_breaker.py), and the lookup it
+  (hicache/tiers/remote/worker.py, rule in remote/breaker.py), and the lookup it
   belonged to a miss. While the breaker is open lookups skip the store at no cost
   and writes wait (as above), until a background PING succeeds.
 - Authentication. With `remote_secret_file`, records are signed and every record
-  read must carry a MAC under one of its secrets (hicache/tiers/remote_auth.py);
+  read must carry a MAC under one of its secrets (hicache/tiers/remote/auth.py);
   without it records are unsigned and the store is trusted, said once at start.
 """
 
@@ -47,10 +47,10 @@ from hicache.daemon.core.service import CacheService, NamespaceState, path_with_
 from hicache.daemon.movers.remote_admission import RemoteAdmission
 from hicache.daemon.movers.remote_lookup import RemoteLookups
 from hicache.index.radix import Tier, TreeNode
-from hicache.tiers import remote_record
-from hicache.tiers.remote_auth import RecordAuth
-from hicache.tiers.remote_store import PageAddress, PartialWrite, RemoteStore, addresses
-from hicache.tiers.remote_worker import BACKOFF_S, RemoteWorker, is_full_store
+from hicache.tiers.remote import record as remote_record
+from hicache.tiers.remote.auth import RecordAuth
+from hicache.tiers.remote.store import PageAddress, PartialWrite, RemoteStore, addresses
+from hicache.tiers.remote.worker import BACKOFF_S, RemoteWorker, is_full_store
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from hicache.daemon.core.service import CacheService, NamespaceState, path_with_offsets
 from hicache.index.radix import Tier, TreeNode
-from hicache.tiers.remote_store import addresses
+from hicache.tiers.remote.store import addresses
 
 log = logging.getLogger(__name__)
 

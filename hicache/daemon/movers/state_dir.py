@@ -17,7 +17,7 @@ import stat
 from pathlib import Path
 
 from hicache.errors import HiCacheError
-from hicache.tiers.disk_env import unusable
+from hicache.tiers.disk.env import unusable
 
 log = logging.getLogger(__name__)
 

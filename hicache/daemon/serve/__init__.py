@@ -9,4 +9,6 @@ prefixes), portable.py (export / import sessions), quota_rpc.py (the tenant
 quotas' admin methods), tree_view.py (the `tree` view of a namespace's index),
 native_paths.py (which hot paths run in C, for stats and the doctor), placement.py
 (`--cpus`: the CPUs the daemon and its threads run on).
+
+metrics.py (Prometheus metrics of the daemon, and a loopback-only /metrics endpoint).
 """

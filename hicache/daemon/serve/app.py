@@ -45,8 +45,8 @@ from hicache.index.admission import AdmissionConfig, DiskAdmission, admission_ca
 from hicache.index.policy import make_policy
 from hicache.index.radix import Tier
 from hicache.rpc.server import Connection, RpcServer
-from hicache.service.activation import listen_fds_with_names
-from hicache.service.sdnotify import Notifier, watchdog_loop
+from hicache.systemd.activation import listen_fds_with_names
+from hicache.systemd.sdnotify import Notifier, watchdog_loop
 from hicache.transfer.policy import WritePolicy
 
 log = logging.getLogger(__name__)
@@ -164,8 +164,8 @@ class Daemon:
             prepare_socket_path(cfg.socket_path)
         remote_store, remote_auth = None, None
         if cfg.remote_url:  # a bad password or secret file is refused before anything is allocated or opened
-            from hicache.tiers.remote_auth import RecordAuth
-            from hicache.tiers.remote_store import open_store
+            from hicache.tiers.remote.auth import RecordAuth
+            from hicache.tiers.remote.store import open_store
 
             remote_store = open_store(cfg.remote_url, password_file=cfg.remote_password_file,
                                       timeout_s=cfg.remote_timeout_s)
@@ -255,7 +255,7 @@ class Daemon:
             self._bound_path = cfg.socket_path
             log.info("serving on %s", cfg.socket_path)
         if cfg.metrics_port:
-            from hicache.metrics import TIERS, Metrics
+            from hicache.daemon.serve.metrics import TIERS, Metrics
 
             self.metrics = Metrics(tiers=(*TIERS, "remote") if self.remote is not None else TIERS)
             self._metrics_http = self.metrics.start_http(cfg.metrics_port)

@@ -1,6 +1,6 @@
 """Which of the daemon's hot paths run in C and which in Python, and why: the `native` section
 of `stats` (`hicache stats`, and /metrics as `hicache_native_path`), from which `hicache
-doctor` warns for every path in Python with what that costs (hicache/cli_doctor.py).
+doctor` warns for every path in Python with what that costs (hicache/cli/doctor.py).
 
 Each path is `{"runs": "native" | "python" | "unused", "reason": ..., "build": ...}`:
 `reason` names the loaded module, or says why the Python path runs (the switch that turned
@@ -14,7 +14,7 @@ from __future__ import annotations
 from hicache.index import native_index
 from hicache.kernels import native_build, native_copy
 from hicache.rpc import native_conn
-from hicache.tiers import disk_native
+from hicache.tiers.disk import native as disk_native
 
 PATHS = ("index", "frame_loop", "disk_writer", "copy")
 RUNS = ("native", "python", "unused")

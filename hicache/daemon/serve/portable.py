@@ -1,7 +1,7 @@
 """Export / import RPCs: stream a namespace's disk tier out of one daemon and into another.
 
-The file format (and its checks) is in hicache/portable_format.py; the CLI side
-is in hicache/cli_admin.py.
+The file format (and its checks) is in hicache/portable/format.py; the CLI side
+is in hicache/cli/admin.py.
 
 Daemon side (RPC methods, registered in handlers.py):
 
@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from hicache.portable_format import (
+from hicache.portable.format import (
     DEFAULT_CHUNK_BYTES, MAX_EXPORT_CHUNK_BYTES, ExportHeader, PageRecord, PathEntry, PathStack,
     PortableFormatError, decode_header, encode_end, encode_page, page_record_bytes, parse_records,
 )
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from hicache.daemon.serve.context import DaemonContext
     from hicache.daemon.core.service import NamespaceState
     from hicache.rpc.server import Connection
-    from hicache.tiers.disk import DiskRecord, DiskTier
+    from hicache.tiers.disk.tier import DiskRecord, DiskTier
 
 log = logging.getLogger(__name__)
 
