@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import os
 
-from hicache.bench.tiers import disk_bench
+from hicache.bench.tiers import disk_baselines, disk_bench
 
 
 def test_disk_bench_rows_on_a_tiny_workload(tmp_path):
@@ -30,6 +30,6 @@ def test_disk_bench_rows_on_a_tiny_workload(tmp_path):
 def test_resident_fraction_sees_a_file_leave_the_page_cache(tmp_path):
     path = tmp_path / "data.mdb"
     path.write_bytes(os.urandom(1 << 20))
-    assert disk_bench._resident_fraction(str(path)) == 1.0  # just written: cached
-    left = disk_bench._drop_cache(str(tmp_path))
+    assert disk_baselines.resident_fraction(str(path)) == 1.0  # just written: cached
+    left = disk_baselines.drop_cache(str(tmp_path))
     assert not math.isnan(left) and left < 1.0

@@ -59,125 +59,35 @@ is what the tier's read path loses, chain_pread_vs_dd_read what the device gives
 such runs against a sweep (docs/benchmarks.md, "Disk tier", has what these measured).
 
 The rebuild case writes `rebuild_records` tiny-page records and times
-``iter_meta`` after a reopen.
+``iter_meta`` after a reopen, then the daemon's whole rebuild of the index
+(disk_rebuild_bench.py). The baselines and the tools both sides measure with
+(clock, destination pages, page-cache eviction, rows) are in disk_baselines.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
-import gc
 import json
-import mmap
 import os
-import re
 import shutil
 import statistics
-import subprocess
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 
-import lmdb
 import numpy as np
 
+from hicache.bench.tiers.disk_baselines import (SYNC_FLAGS, Clock, dd_read, dd_write, destination_ring, drop_cache,
+                                               fresh_dir, random_pread, raw_cold_get, raw_put_get, result_row,
+                                               seq_pread)
+from hicache.bench.tiers.disk_rebuild_bench import index_rebuild_row, iter_meta_row
 from hicache.tiers.disk.tier import DEFAULT_DURABILITY, DiskTier, DiskTierConfig
-
-_SYNC = {"none": (False, False), "batch": (True, False), "sync": (True, True)}
-GB = 1e9
-
-
-def _row(name: str, value: float, unit: str, baseline: float | None = None) -> dict:
-    ratio = None if not baseline else round(value / baseline, 3)
-    return {"name": name, "value": round(value, 4), "unit": unit,
-            "baseline": None if baseline is None else round(baseline, 4), "ratio": ratio}
-
-
-def _fresh(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-    os.makedirs(path)
 
 
 def _make_pages(size: int, count: int = 8) -> list[np.ndarray]:
     rng = np.random.default_rng(size)
     return [rng.integers(0, 256, size=size, dtype=np.uint8) for _ in range(count)]
-
-
-def _ring(size: int, nbytes: int = 64 << 20) -> list[np.ndarray]:
-    """Destination pages, touched once: reads land in distinct host pages, as in the arena."""
-    outs = [np.empty(size, dtype=np.uint8) for _ in range(max(1, nbytes // size))]
-    for o in outs:
-        o.fill(0)
-    return outs
-
-
-class _Clock:
-    """Wall and process-CPU time of a section: on a shared machine the CPU time
-    (all threads of this process) is far less sensitive to the neighbours."""
-
-    def __enter__(self) -> _Clock:
-        self.wall, self.cpu = time.perf_counter(), time.process_time()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.wall = time.perf_counter() - self.wall
-        self.cpu = time.process_time() - self.cpu
-
-    def rates(self, nbytes: int) -> tuple[float, float]:
-        return nbytes / self.wall / GB, nbytes / max(self.cpu, 1e-9) / GB
-
-
-def _raw_put_get(path: str, size: int, keys: list[bytes], shuffled: list[bytes], pages: list[np.ndarray],
-                 map_size: int, durability: str, batch: int) -> tuple[tuple[float, float], ...]:
-    """Raw py-lmdb under the tier's flags: batched puts into a fresh environment,
-    delete all, batched puts again (reusing the freed pages), then warm gets."""
-    sync, metasync = _SYNC[durability]
-    env = lmdb.open(path, map_size=map_size, writemap=True, sync=sync, metasync=metasync, max_dbs=4,
-                    meminit=False)
-    db = env.open_db(b"pages")
-
-    def put_all() -> _Clock:
-        with _Clock() as clock:
-            for i in range(0, len(keys), batch):
-                with env.begin(write=True, db=db) as txn:
-                    for j in range(i, min(len(keys), i + batch)):
-                        txn.put(keys[j], pages[j % len(pages)])
-        return clock
-
-    fresh = put_all()
-    with env.begin(write=True, db=db) as txn:
-        for k in keys:
-            txn.delete(k)
-    for i in range(2):  # LMDB reuses pages freed by transaction T from T+2 on
-        with env.begin(write=True, db=db) as txn:
-            txn.put(b"tick", bytes([i]))
-    steady = put_all()
-    outs = _ring(size)
-    for _ in range(2):  # the first pass maps the pages, the second is timed
-        with _Clock() as get:
-            for i, k in enumerate(shuffled):
-                with env.begin(db=db, buffers=True) as txn:
-                    np.copyto(outs[i % len(outs)], np.frombuffer(txn.get(k), dtype=np.uint8))
-    env.close()
-    n = len(keys) * size
-    return fresh.rates(n), steady.rates(n), get.rates(n)
-
-
-def _raw_cold_get(path: str, size: int, keys: list[bytes]) -> tuple[float, float]:
-    """GB/s of one pass after evicting the file (once the environment is open),
-    and the fraction of the file still cached when the pass began."""
-    env = lmdb.open(path, readonly=True, max_dbs=4, lock=False)
-    db = env.open_db(b"pages", create=False)
-    outs = _ring(size)
-    resident = _drop_cache(path)
-    with _Clock() as get:
-        for i, k in enumerate(keys):
-            with env.begin(db=db, buffers=True) as txn:
-                np.copyto(outs[i % len(outs)], np.frombuffer(txn.get(k), dtype=np.uint8))
-    env.close()
-    return get.rates(len(keys) * size)[0], resident
 
 
 def _tier_put(tier: DiskTier, salt: bytes, size: int, keys: list[bytes],
@@ -199,7 +109,7 @@ def _tier_put(tier: DiskTier, salt: bytes, size: int, keys: list[bytes],
         results.extend(oks)
         room.release()
 
-    with _Clock() as put:
+    with Clock() as put:
         for i in range(0, len(keys), batch):
             n = min(batch, len(keys) - i)
             if not room.acquire(timeout=60):
@@ -226,9 +136,9 @@ def _tier_put_twice(tier: DiskTier, salt: bytes, size: int, keys: list[bytes],
 
 def _tier_get(tier: DiskTier, salt: bytes, size: int, keys: list[bytes], passes: int = 2) -> tuple[float, float]:
     """`passes` passes over `keys`; the last one is timed (warm: the earlier ones map the pages)."""
-    outs = _ring(size)
+    outs = destination_ring(size)
     for _ in range(passes):
-        with _Clock() as get:
+        with Clock() as get:
             for i, k in enumerate(keys):
                 if not tier.get_into(salt, k, outs[i % len(outs)]):
                     raise RuntimeError("miss in the benchmark")
@@ -238,9 +148,9 @@ def _tier_get(tier: DiskTier, salt: bytes, size: int, keys: list[bytes], passes:
 def _tier_prefetch(tier: DiskTier, salt: bytes, size: int, chains: list[list[bytes]]) -> float:
     """GB/s of the daemon's disk prefetch pattern: one ``get_many_async`` per chain
     (a prefix's pages, written one after another), the chains in the given order."""
-    ring = _ring(size)
+    ring = destination_ring(size)
     n = 0
-    with _Clock() as get:
+    with Clock() as get:
         for chain in chains:
             outs = [ring[(n + j) % len(ring)] for j in range(len(chain))]
             n += len(chain)
@@ -250,117 +160,14 @@ def _tier_prefetch(tier: DiskTier, salt: bytes, size: int, chains: list[list[byt
 
 
 def _tier_get_many(tier: DiskTier, salt: bytes, size: int, keys: list[bytes], group: int = 32) -> float:
-    ring = _ring(size)
-    with _Clock() as get:
+    ring = destination_ring(size)
+    with Clock() as get:
         for i in range(0, len(keys), group):
             chunk = keys[i:i + group]
             outs = [ring[(i + j) % len(ring)] for j in range(len(chunk))]
             if not all(tier.get_many_async(salt, chunk, outs).result()):
                 raise RuntimeError("miss in the benchmark")
     return get.rates(len(keys) * size)[0]
-
-
-def _drop_cache(path: str) -> float:
-    """Evict the environment's file from the page cache without root: fsync, then
-    POSIX_FADV_DONTNEED (the file is closed: nothing maps it). The kernel may keep
-    some pages; the fraction still resident is returned and reported. A virtual
-    disk may still be cached by its host: "cold" is this kernel's view."""
-    data = os.path.join(path, "data.mdb")
-    fd = os.open(data, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    return _resident_fraction(data)
-
-
-def _resident_fraction(path: str, nbytes: int | None = None) -> float:
-    """Fraction of the first `nbytes` of `path` in the page cache (mincore(2))."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    size = os.path.getsize(path) if nbytes is None else nbytes
-    if size == 0:
-        return 0.0
-    page = os.sysconf("SC_PAGE_SIZE")
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr in (None, ctypes.c_void_p(-1).value):
-            return float("nan")
-        try:
-            vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
-            if libc.mincore(addr, size, vec) != 0:
-                return float("nan")
-            return sum(b & 1 for b in vec) / len(vec)
-        finally:
-            libc.munmap(addr, size)
-    finally:
-        os.close(fd)
-
-
-def _dd_read(path: str, size: int, count: int) -> float:
-    """GB/s of dd reading `count` blocks of `size` from `path` through the page cache,
-    sequentially, right after the same eviction as the cold gets."""
-    _drop_cache(os.path.dirname(path))
-    res = subprocess.run(["dd", f"if={path}", "of=/dev/null", f"bs={size}", f"count={count}"],
-                         capture_output=True, text=True, check=True)
-    m = re.search(r"copied, ([0-9.eE+-]+) s", res.stderr)
-    if not m:
-        raise RuntimeError(f"cannot read dd's timing: {res.stderr.strip()}")
-    return size * count / float(m.group(1)) / GB
-
-
-def _random_pread(path: str, size: int, count: int, run: int = 1) -> float:
-    """GB/s of `count` reads of `size` bytes at shuffled `size`-aligned offsets of the
-    first `count * size` bytes of `path`, one at a time, right after the same eviction:
-    the device's rate for the tier's access pattern (dd reads the same bytes in order,
-    so the kernel's readahead streams them). With `run` > 1, one ``preadv`` reads `run`
-    consecutive pages at a time (the runs in shuffled order): the device's rate for the
-    prefetch's pattern, chains of consecutive pages from shuffled places in the file."""
-    _drop_cache(os.path.dirname(path))
-    runs = max(1, count // run)
-    order = np.random.default_rng(2).permutation(runs)
-    ring = _ring(size)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        with _Clock() as clock:
-            for i, j in enumerate(order.tolist()):
-                os.preadv(fd, [ring[(i * run + k) % len(ring)] for k in range(run)], j * run * size)
-    finally:
-        os.close(fd)
-    return clock.rates(runs * run * size)[0]
-
-
-def _seq_pread(path: str, size: int, count: int) -> float:
-    """GB/s of `count` reads of `size` bytes from the start of `path`, in order, one at
-    a time, into the same destination pages as the tier, right after the same eviction:
-    what dd does, from this process (the kernel's readahead streams it)."""
-    _drop_cache(os.path.dirname(path))
-    ring = _ring(size)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        with _Clock() as clock:
-            for i in range(count):
-                os.preadv(fd, [ring[i % len(ring)]], i * size)
-    finally:
-        os.close(fd)
-    return clock.rates(count * size)[0]
-
-
-def _dd(path: str, size: int, count: int) -> float:
-    t0 = time.perf_counter()
-    res = subprocess.run(["dd", "if=/dev/zero", f"of={path}", f"bs={size}", f"count={count}",
-                          "conv=fdatasync"], capture_output=True, text=True, check=True)
-    dt = time.perf_counter() - t0
-    m = re.search(r"copied, ([0-9.eE+-]+) s", res.stderr)
-    secs = float(m.group(1)) if m else dt
-    os.unlink(path)
-    return size * count / secs / GB
-
 
 def _median(fn: Callable[[], float], prepare: Callable[[], None], repeats: int) -> float:
     vals = []
@@ -402,16 +209,16 @@ def run(sizes: tuple[int, ...] = SIZES, total_bytes: int = 512 << 20,
             chains = [keys[i:i + PREFETCH_CHAIN_PAGES] for i in range(0, n, PREFETCH_CHAIN_PAGES)]
             chains = [chains[i] for i in np.random.default_rng(3).permutation(len(chains))]
             for _ in range(repeats):  # alternate raw and tier so that noise hits both
-                _fresh(raw_dir)
+                fresh_dir(raw_dir)
                 batch = max(1, min(config.batch_pages, config.batch_bytes // size))  # the tier's limit
-                fresh, (put_w, put_c), (get_w, get_c) = _raw_put_get(raw_dir, size, keys, shuffled, pages,
-                                                                    map_size, durability, batch)
+                fresh, (put_w, put_c), (get_w, get_c) = raw_put_get(raw_dir, size, keys, shuffled, pages,
+                                                                   map_size, durability, batch)
                 add("raw_fresh", fresh[0]), add("raw_put", put_w), add("raw_put_cpu", put_c)
                 add("raw_get", get_w), add("raw_get_cpu", get_c)
-                cold, resident = _raw_cold_get(raw_dir, size, shuffled)
+                cold, resident = raw_cold_get(raw_dir, size, shuffled)
                 add("raw_cold", cold), add("raw_resident", resident)
                 shutil.rmtree(raw_dir)
-                _fresh(tier_dir)
+                fresh_dir(tier_dir)
                 with DiskTier.open(tier_dir, capacity, durability=durability, config=config) as tier:
                     fresh, (put_w, put_c) = _tier_put_twice(tier, salt, size, keys, pages)
                     add("tier_fresh", fresh[0])
@@ -425,51 +232,52 @@ def run(sizes: tuple[int, ...] = SIZES, total_bytes: int = 512 << 20,
                 with DiskTier.open(tier_dir, capacity, durability=durability, config=config) as tier:
                     # evicted after the open: its verification child reads every page key, and
                     # LMDB's readahead around them would warm much of the file
-                    add("tier_resident", _drop_cache(tier_dir))
+                    add("tier_resident", drop_cache(tier_dir))
                     add("tier_cold", _tier_get(tier, salt, size, shuffled, passes=1)[0])
                 with DiskTier.open(tier_dir, capacity, durability=durability, config=config) as tier:
-                    _drop_cache(tier_dir)
+                    drop_cache(tier_dir)
                     add("tier_prefetch_cold", _tier_prefetch(tier, salt, size, chains))
-                add("dd_read", _dd_read(os.path.join(tier_dir, "data.mdb"), size, n))
-                add("random_pread", _random_pread(os.path.join(tier_dir, "data.mdb"), size, n))
-                add("chain_pread", _random_pread(os.path.join(tier_dir, "data.mdb"), size, n,
-                                                 PREFETCH_CHAIN_PAGES))
-                add("seq_pread", _seq_pread(os.path.join(tier_dir, "data.mdb"), size, n))
+                add("dd_read", dd_read(os.path.join(tier_dir, "data.mdb"), size, n))
+                add("random_pread", random_pread(os.path.join(tier_dir, "data.mdb"), size, n))
+                add("chain_pread", random_pread(os.path.join(tier_dir, "data.mdb"), size, n,
+                                                PREFETCH_CHAIN_PAGES))
+                add("seq_pread", seq_pread(os.path.join(tier_dir, "data.mdb"), size, n))
                 shutil.rmtree(tier_dir)
             med = {k: statistics.median(v) for k, v in m.items()}
-            rows.append(_row(f"put_fresh_{label}_{durability}_tier_vs_raw_lmdb", med["tier_fresh"], "GB/s",
-                             med["raw_fresh"]))
-            rows.append(_row(f"put_{label}_{durability}_tier_vs_raw_lmdb", med["tier_put"], "GB/s", med["raw_put"]))
-            rows.append(_row(f"put_{label}_{durability}_tier_vs_raw_lmdb_per_cpu_s", med["tier_put_cpu"],
-                             "GB/cpu-s", med["raw_put_cpu"]))
-            rows.append(_row(f"get_warm_{label}_tier_vs_raw_lmdb", med["tier_get"], "GB/s", med["raw_get"]))
-            rows.append(_row(f"get_warm_{label}_tier_vs_raw_lmdb_per_cpu_s", med["tier_get_cpu"], "GB/cpu-s",
-                             med["raw_get_cpu"]))
-            rows.append(_row(f"get_warm_{label}_tier_noverify_vs_raw_lmdb", med["tier_get_noverify"], "GB/s",
-                             med["raw_get"]))
-            rows.append(_row(f"get_warm_{label}_many_{config.readers}readers_vs_raw_lmdb", med["tier_many"],
-                             "GB/s", med["raw_get"]))
-            rows.append(_row(f"get_cold_{label}_tier_vs_raw_lmdb", med["tier_cold"], "GB/s", med["raw_cold"])
+            rows.append(result_row(f"put_fresh_{label}_{durability}_tier_vs_raw_lmdb", med["tier_fresh"], "GB/s",
+                                   med["raw_fresh"]))
+            rows.append(result_row(f"put_{label}_{durability}_tier_vs_raw_lmdb", med["tier_put"], "GB/s",
+                                   med["raw_put"]))
+            rows.append(result_row(f"put_{label}_{durability}_tier_vs_raw_lmdb_per_cpu_s", med["tier_put_cpu"],
+                                   "GB/cpu-s", med["raw_put_cpu"]))
+            rows.append(result_row(f"get_warm_{label}_tier_vs_raw_lmdb", med["tier_get"], "GB/s", med["raw_get"]))
+            rows.append(result_row(f"get_warm_{label}_tier_vs_raw_lmdb_per_cpu_s", med["tier_get_cpu"], "GB/cpu-s",
+                                   med["raw_get_cpu"]))
+            rows.append(result_row(f"get_warm_{label}_tier_noverify_vs_raw_lmdb", med["tier_get_noverify"], "GB/s",
+                                   med["raw_get"]))
+            rows.append(result_row(f"get_warm_{label}_many_{config.readers}readers_vs_raw_lmdb", med["tier_many"],
+                                   "GB/s", med["raw_get"]))
+            rows.append(result_row(f"get_cold_{label}_tier_vs_raw_lmdb", med["tier_cold"], "GB/s", med["raw_cold"])
                         | {"resident_after_drop": [round(med["tier_resident"], 3), round(med["raw_resident"], 3)]})
-            rows.append(_row(f"get_cold_{label}_tier_vs_dd_read", med["tier_cold"], "GB/s", med["dd_read"]))
-            rows.append(_row(f"get_cold_{label}_tier_vs_random_pread", med["tier_cold"], "GB/s",
-                             med["random_pread"]))
-            rows.append(_row(f"get_cold_{label}_prefetch_vs_dd_read", med["tier_prefetch_cold"], "GB/s",
-                             med["dd_read"]))
-            rows.append(_row(f"get_cold_{label}_prefetch_vs_seq_pread", med["tier_prefetch_cold"], "GB/s",
-                             med["seq_pread"]))
-            rows.append(_row(f"get_cold_{label}_seq_pread_vs_dd_read", med["seq_pread"], "GB/s", med["dd_read"]))
-            rows.append(_row(f"get_cold_{label}_prefetch_vs_chain_pread", med["tier_prefetch_cold"], "GB/s",
-                             med["chain_pread"]))
-            rows.append(_row(f"get_cold_{label}_chain_pread_vs_dd_read", med["chain_pread"], "GB/s",
-                             med["dd_read"]))
+            rows.append(result_row(f"get_cold_{label}_tier_vs_dd_read", med["tier_cold"], "GB/s", med["dd_read"]))
+            rows.append(result_row(f"get_cold_{label}_tier_vs_random_pread", med["tier_cold"], "GB/s",
+                                   med["random_pread"]))
+            rows.append(result_row(f"get_cold_{label}_prefetch_vs_dd_read", med["tier_prefetch_cold"], "GB/s",
+                                   med["dd_read"]))
+            rows.append(result_row(f"get_cold_{label}_prefetch_vs_seq_pread", med["tier_prefetch_cold"], "GB/s",
+                                   med["seq_pread"]))
+            rows.append(result_row(f"get_cold_{label}_seq_pread_vs_dd_read", med["seq_pread"], "GB/s", med["dd_read"]))
+            rows.append(result_row(f"get_cold_{label}_prefetch_vs_chain_pread", med["tier_prefetch_cold"], "GB/s",
+                                   med["chain_pread"]))
+            rows.append(result_row(f"get_cold_{label}_chain_pread_vs_dd_read", med["chain_pread"], "GB/s",
+                                   med["dd_read"]))
             dd_path = os.path.join(workdir, "dd.bin")
-            dd = _median(lambda: _dd(dd_path, size, n), lambda: None, repeats)
-            rows.append(_row(f"put_{label}_{durability}_tier_vs_dd_fdatasync", med["tier_put"], "GB/s", dd))
+            dd = _median(lambda: dd_write(dd_path, size, n), lambda: None, repeats)
+            rows.append(result_row(f"put_{label}_{durability}_tier_vs_dd_fdatasync", med["tier_put"], "GB/s", dd))
         if durabilities:
             rows += _durability_rows(workdir, salt, durabilities, total_bytes, repeats, config)
         if rebuild_records:
-            rows.append(_rebuild_row(os.path.join(workdir, "rebuild"), salt, rebuild_records, config))
+            rows.append(iter_meta_row(os.path.join(workdir, "rebuild"), salt, rebuild_records, config))
             rows.append(index_rebuild_row(os.path.join(workdir, "index-rebuild"), rebuild_records, config))
     finally:
         if own:
@@ -488,87 +296,13 @@ def _durability_rows(workdir: str, salt: bytes, modes: tuple[str, ...], total_by
     results: dict[str, list[float]] = {m: [] for m in modes}
     for _ in range(repeats):
         for mode in modes:
-            _fresh(path)
+            fresh_dir(path)
             with DiskTier.open(path, n * size + size, durability=mode, config=config) as tier:
                 results[mode].append(_tier_put(tier, salt, size, keys, pages)[0])
             shutil.rmtree(path)
     base = statistics.median(results["none"]) if "none" in results else None
-    return [_row(f"put_1024KiB_durability_{m}_vs_none", statistics.median(v), "GB/s", base)
+    return [result_row(f"put_1024KiB_durability_{m}_vs_none", statistics.median(v), "GB/s", base)
             for m, v in results.items()]
-
-
-def _rebuild_row(path: str, salt: bytes, n: int, config: DiskTierConfig) -> dict:
-    _fresh(path)
-    page = np.arange(64, dtype=np.uint8)  # 64-byte pages: the metadata is what is timed
-    tokens = np.arange(64, dtype=np.int32)
-    parent = None
-    t0 = time.perf_counter()
-    # the budget counts page bytes only; ~400 B of record + B-tree per page need map room
-    map_size = n * 1024 + (64 << 20)
-    with DiskTier.open(path, n * 64 + 64, map_size=map_size, config=config) as tier:
-        room = threading.Semaphore(config.max_queue_pages)
-        for i in range(n):
-            key = i.to_bytes(8, "big") + salt[:8]
-            room.acquire()
-            tier.put_async(salt, key, parent, tokens, page, lambda k, ok: room.release())
-            parent = key if i % 64 else None  # chains of 64 pages
-        tier.flush()
-    write_s = time.perf_counter() - t0
-    with DiskTier.open(path, n * 64 + 64, map_size=map_size, config=config) as tier:
-        t0 = time.perf_counter()
-        count = ntok = 0
-        for rec in tier.iter_meta():
-            count += 1
-            ntok += len(rec.tokens)
-        iter_s = time.perf_counter() - t0
-    shutil.rmtree(path)
-    if count != n:
-        raise RuntimeError(f"iter_meta returned {count} of {n} records")
-    row = _row(f"iter_meta_{n}_records", iter_s, "s", 10.0)
-    row["write_s"] = round(write_s, 2)
-    return row
-
-
-def index_rebuild_row(path: str, n: int, config: DiskTierConfig | None = None) -> dict:
-    """The daemon's whole startup rebuild for n pages: iter_meta, then the radix
-    index's restore_disk (which re-derives every key from its parent and tokens).
-    Real chained keys, 16-token pages of 64 bytes, sequences of 64 pages."""
-    from hicache.index.keys import page_keys
-    from hicache.index.radix import RadixIndex
-
-    config = config or DiskTierConfig()
-    _fresh(path)
-    salt = bytes(range(16))
-    ps, chain = 16, 64
-    page = np.arange(64, dtype=np.uint8)
-    map_size = n * 1024 + (64 << 20)
-    rng = np.random.default_rng(0)
-    with DiskTier.open(path, n * 64 + 64, map_size=map_size, config=config) as tier:
-        room = threading.Semaphore(config.max_queue_pages)
-        for _ in range(n // chain):
-            toks = rng.integers(0, 1 << 20, ps * chain, dtype=np.int32)
-            parent = None
-            for i, key in enumerate(page_keys(salt, toks, ps)):
-                room.acquire()
-                tier.put_async(salt, key, parent, toks[i * ps:(i + 1) * ps], page, lambda k, ok: room.release())
-                parent = key
-        tier.flush()
-    with DiskTier.open(path, n * 64 + 64, map_size=map_size, config=config) as tier:
-        t0 = time.perf_counter()
-        gc.disable()  # as the daemon's rebuild does (hicache/daemon/movers/disk_mover.py)
-        try:
-            records = [(r.key, r.parent_key if r.parent_key is not None else r.salt, r.tokens, r.last_access)
-                       for r in tier.iter_meta()]
-        finally:
-            gc.enable()
-        iter_s = time.perf_counter() - t0
-        index = RadixIndex(ps, salt)
-        restored = index.restore_disk(records)
-        total_s = time.perf_counter() - t0
-    shutil.rmtree(path)
-    if restored != (n // chain) * chain:
-        raise RuntimeError(f"restored {restored} of {n} pages")
-    return _row(f"index_rebuild_{restored}_pages", total_s, "s", 10.0) | {"iter_meta_s": round(iter_s, 2)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -576,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--total-mib", type=int, default=512, help="bytes written per case (MiB)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workdir", default=None)
-    ap.add_argument("--durability", default=DEFAULT_DURABILITY, choices=sorted(_SYNC))
+    ap.add_argument("--durability", default=DEFAULT_DURABILITY, choices=sorted(SYNC_FLAGS))
     ap.add_argument("--rebuild-records", type=int, default=1_000_000)
     ap.add_argument("--sizes-kib", default="16,64,256,1024,4096",
                     help="page sizes in KiB, comma-separated")
