@@ -11,7 +11,9 @@ Modules:
   native.py    The disk writer's put loop in C: one call writes a run of queued puts and batch parts.
   ops.py       The disk writer's queue entries (hicache/tiers/disk/writer.py): puts, deletions.
   queue.py     The disk writer's queue (hicache/tiers/disk/writer.py): any thread appends puts, batches.
+  recovery.py  The disk writer after a failed transaction: make room and retry, op by op, write faults.
   scan.py      The disk tier's records read whole at start-up.
   tier.py      The disk tier (L3): KV pages in one LMDB environment that survives restarts.
+  txn_ops.py   The disk writer's work inside its write transaction: puts (budgets, evict hook), deletions.
   writer.py    The disk tier's writer: the one thread that runs every LMDB write transaction of...
 """
