@@ -47,7 +47,7 @@ from typing import Any
 
 from hicache.kernels import native_build
 from hicache.rpc.protocol import Code
-from hicache.rpc.server import FRAMES_PER_TURN, HIGH_WATER_BYTES, TURN_S, Connection, RpcServer
+from hicache.rpc.connection import FRAMES_PER_TURN, HIGH_WATER_BYTES, TURN_S, Connection, ConnectionOwner
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ unavailable_reason = EXTENSION.unavailable_reason
 class NativeConnection(Connection):
     """A Connection whose socket is read, split and written by C (no asyncio transport)."""
 
-    def __init__(self, server: RpcServer, loop: asyncio.AbstractEventLoop, fd: int, mod: ModuleType) -> None:
+    def __init__(self, server: ConnectionOwner, loop: asyncio.AbstractEventLoop, fd: int, mod: ModuleType) -> None:
         super().__init__(server)
         self._loop = loop
         self._fd = fd
@@ -256,7 +256,7 @@ class NativeListener:
     """Accepts on a listening Unix socket (in Python: rare) and serves each connection
     with a NativeConnection."""
 
-    def __init__(self, server: RpcServer, loop: asyncio.AbstractEventLoop, sock: socket.socket,
+    def __init__(self, server: ConnectionOwner, loop: asyncio.AbstractEventLoop, sock: socket.socket,
                  mod: ModuleType) -> None:
         self._server, self._loop, self._sock, self._mod = server, loop, sock, mod
         sock.setblocking(False)

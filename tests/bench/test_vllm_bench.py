@@ -214,7 +214,8 @@ def test_rows_of_a_peer_without_step_times_say_not_exposed():
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_outputs_that_differ_are_refused(measured):
-    from hicache.bench.engines.vllm_bench import OutputsDiffer, check_outputs_equal
+    from hicache.bench.engines.vllm_bench import check_outputs_equal
+    from hicache.bench.engines.vllm_peers import OutputsDiffer
 
     _, m = measured
     check_outputs_equal(m)  # the real run: equal
@@ -374,7 +375,7 @@ def test_rows_of_the_concurrent_mode_are_medians_over_repeats_against_vllm_alone
 
 
 def test_concurrent_outputs_that_differ_are_refused():
-    from hicache.bench.engines.vllm_bench import OutputsDiffer
+    from hicache.bench.engines.vllm_peers import OutputsDiffer
     from hicache.bench.engines.vllm_steps import check_outputs
 
     runs = [_phase_run("none", 0, "reuse", 1.0, 0.02, 0.0), _phase_run("hicache", 0, "reuse", 1.0, 0.02, 0.0)]

@@ -32,7 +32,7 @@ def test_a_malformed_hint_is_refused_and_a_request_carrying_one_is_served_withou
     with pytest.raises(ValueError):
         RetainHint.from_transfer_params({"hicache": hint})
     import tests.integrations.vllm_required  # noqa: F401  (skips without vLLM; fails under CI)
-    from hicache.integrations.vllm.scheduler import request_hint
+    from hicache.integrations.vllm.requests import request_hint
     request = SimpleNamespace(request_id="r1", kv_transfer_params={"hicache": hint})
     assert request_hint(request) is None
     assert "hint ignored" in caplog.text

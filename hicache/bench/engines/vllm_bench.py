@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hicache.bench.engines.vllm_peers import PeerRun, bench_setup, lmcache_transfers, parse_compare, \
-    start_peer
+from hicache.bench.engines.vllm_peers import BASE, EQUAL_CPUS, OutputsDiffer, PeerRun, bench_setup, \
+    lmcache_transfers, parse_compare, start_peer
+from hicache.bench.engines.vllm_steps import run as run_steps
 from hicache.bench.engines.vllm_workload import conversations, poisson_gaps
 from hicache.bench.report import row
 from hicache.integrations.vllm_driver import run_in_process
@@ -36,16 +37,10 @@ from hicache.progress import Progress
 
 log = logging.getLogger(__name__)
 
-EQUAL_CPUS = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
-BASE = "none"
 STEP_COUNTER = "vllm:hicache_step_seconds"
 # Rates over the copy thread's CPU time: the copy's own speed, without its waits for a core
 # (other processes, the daemon) or the GIL, which the wall-time rate includes.
 CPU_RATE = ", copy thread's CPU time"
-
-
-class OutputsDiffer(Exception):
-    """A configuration's outputs are not vLLM alone's: its numbers measure something else."""
 
 
 @dataclass
@@ -278,8 +273,6 @@ def run(args: argparse.Namespace) -> list[dict]:
     if args.concurrency is not None:
         if args.arrivals != "turns" or getattr(args, "plot", None):
             raise SystemExit("--concurrency is a mode of its own: without --arrivals and --plot")
-        from hicache.bench.engines.vllm_steps import run as run_steps
-
         return run_steps(args)
     measured = measure(args)
     return rows(measured, kv_bytes_per_token(args), args.arrivals == "poisson", memcpy_gbps())

@@ -45,8 +45,15 @@ from hicache.daemon.serve.launcher import LocalDaemon
 log = logging.getLogger(__name__)
 
 PEERS = ("none", "hicache", "hicache-host", "lmcache", "lmcache-fs", "lmcache-chunk256")
+BASE = "none"  # the configuration every other is compared with (and must generate the same tokens as)
+# Every run gets the same CPU budget (vllm_bench.py's docstring says why).
+EQUAL_CPUS = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 INSTALL_HINT = "LMCache is not installed: run `bash scripts/install_lmcache.sh` (lmcache==0.5.6, CPU-only)"
 _TRANSFER = re.compile(r"(Stored|Retrieved) (\d+) tokens in ([0-9.eE+-]+) seconds")
+
+
+class OutputsDiffer(Exception):
+    """A configuration's outputs are not vLLM alone's: its numbers measure something else."""
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hicache.bench.engines.vllm_bench import BASE, EQUAL_CPUS, OutputsDiffer
-from hicache.bench.engines.vllm_peers import PeerRun, bench_setup, start_peer
+from hicache.bench.engines.vllm_peers import BASE, EQUAL_CPUS, OutputsDiffer, PeerRun, bench_setup, start_peer
 from hicache.bench.engines.vllm_placement import CpuHogs
 from hicache.bench.engines.vllm_steps_report import PhaseRun, rows, summary_table
 from hicache.bench.engines.vllm_workload import shared_prefix_prompts

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hicache.bench.engines.vllm_bench import BASE
+from hicache.bench.engines.vllm_peers import BASE
 from hicache.bench.report import row
 
 LABELS = {"none": "vLLM alone"}

@@ -29,7 +29,7 @@ from hicache.config import Config
 from hicache.daemon.serve.app import Daemon
 from hicache.index.keys import PackedKeys, page_keys
 from hicache.rpc.framing import ids_to_bytes, new_packer, pack_frame, unpack_body
-from hicache.rpc.server import Connection
+from hicache.rpc.connection import Connection
 
 
 def _per_call_us(fn: Callable[[], object], n: int) -> float:

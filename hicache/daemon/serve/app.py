@@ -44,7 +44,8 @@ from hicache.index import native_index
 from hicache.index.admission import AdmissionConfig, DiskAdmission, admission_capacity_pages
 from hicache.index.policy import make_policy
 from hicache.index.radix import Tier
-from hicache.rpc.server import Connection, RpcServer
+from hicache.rpc.connection import Connection
+from hicache.rpc.server import RpcServer
 from hicache.systemd.activation import listen_fds_with_names
 from hicache.systemd.sdnotify import Notifier, watchdog_loop
 from hicache.transfer.policy import WritePolicy

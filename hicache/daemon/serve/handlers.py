@@ -36,7 +36,7 @@ from hicache.index.radix import Tier
 from hicache.layout import KVLayout
 from hicache.rpc.framing import bytes_to_ids, ids_to_bytes
 from hicache.rpc.protocol import MAX_PREFILL_RATE, PROTOCOL_VERSION, Code, RpcError
-from hicache.rpc.server import Connection, WithFds
+from hicache.rpc.connection import Connection, WithFds
 
 if TYPE_CHECKING:
     from hicache.daemon.serve.context import DaemonContext

@@ -46,7 +46,7 @@ from hicache.rpc.protocol import Code, RpcError
 if TYPE_CHECKING:
     from hicache.daemon.serve.context import DaemonContext
     from hicache.daemon.core.service import NamespaceState
-    from hicache.rpc.server import Connection
+    from hicache.rpc.connection import Connection
     from hicache.tiers.disk.tier import DiskRecord, DiskTier
 
 log = logging.getLogger(__name__)

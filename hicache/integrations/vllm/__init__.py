@@ -10,6 +10,7 @@ Modules:
   layout.py     What a vLLM engine's KV looks like to hicache: its page layout and namespaces.
   lookups.py    A request's lookup on vLLM's scheduler thread, without a daemon round trip on the step.
   metadata.py   What the scheduler side tells the workers each step, what they tell it back.
+  requests.py   A vLLM request as the connector's scheduler side sees it: its state, and what its KV...
   saves.py      The scheduler's saves: host pages reserved for the blocks each step completes.
   scheduler.py  The scheduler side of the vLLM connector: every call to the daemon happens here.
   worker.py     The worker side of the vLLM connector: copies between vLLM's KV blocks and the arena.

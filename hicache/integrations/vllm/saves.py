@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING
 from hicache.client.asks import PENDING, Ask
 from hicache.client.client import HiCacheClient, PutPlan
 from hicache.integrations.vllm.metadata import HiCacheMeta, SaveSpec
+from hicache.integrations.vllm.requests import RequestState
 
 if TYPE_CHECKING:
     from hicache.integrations.vllm.events import KVEventBridge
-    from hicache.integrations.vllm.scheduler import _Req
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class PutAsk:
     """A request's pages [0, full) offered this step, keyed per rank; `asks` the puts in
     flight per rank (None: waited for, the answers in `plans`)."""
 
-    st: _Req
+    st: RequestState
     full: int
     start: int  # pages before it were offered by earlier puts of the request
     keys: dict[int, list[bytes]]
@@ -58,9 +58,9 @@ class Saves:
         self.null_block = null_block
         self.events: KVEventBridge | None = None
         self.asking: list[PutAsk] = []  # puts in flight, in the order sent
-        self.by_put: dict[int, tuple[_Req, int, PutPlan]] = {}  # put id -> (request, rank, plan) being copied
+        self.by_put: dict[int, tuple[RequestState, int, PutPlan]] = {}  # put id -> (request, rank, plan) being copied
 
-    def ask(self, st: _Req, computed_after: int) -> PutAsk | None:
+    def ask(self, st: RequestState, computed_after: int) -> PutAsk | None:
         """The full blocks this step completes beyond those offered, if any."""
         if computed_after // self.page_size <= st.saved_pages:  # most decode steps: no block completed
             return None
@@ -129,7 +129,7 @@ class Saves:
             st.save_retries += 1
             st.saved_pages = a.start
 
-    def drop(self, st: _Req) -> None:
+    def drop(self, st: RequestState) -> None:
         """The request's blocks are gone (preempted): its puts in flight copy nothing (what
         they reserve is given back when they are answered)."""
         for a in self.asking:

@@ -28,17 +28,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hicache.client.asks import wait_for_answers
 from hicache.client.client import HiCacheClient
 from hicache.client.deadlines import CallDeadlines
-from hicache.client.hints import RetainHint
 from hicache.integrations.request_keys import RequestKeys
 from hicache.integrations.vllm.layout import EngineShape
 from hicache.integrations.vllm.lookups import Lookup, Lookups, StepRate
 from hicache.integrations.vllm.metadata import HiCacheMeta, HiCacheWorkerMeta, LoadSpec
+from hicache.integrations.vllm.requests import RequestState, request_extras, request_hint
 from hicache.integrations.vllm.saves import PutAsk, Saves
 
 if TYPE_CHECKING:
@@ -55,52 +54,6 @@ FLUSH_ASKS = 8  # lookups sent in one write when a step starts many (a burst of 
 # waits at most that much longer for its first step.
 IDLE_WAIT_MIN_S = 0.001
 IDLE_WAIT_MAX_S = 0.05
-
-
-@dataclass(slots=True, eq=False)
-class _Req:
-    request: Any  # vllm Request: all_token_ids grows as it decodes
-    keys: dict[int, RequestKeys]  # per namespace rank (salts differ)
-    blocks: list[list[int]] = field(default_factory=list)  # per KV cache group
-    saved_pages: int = 0  # leading pages offered to the host tier (stored, or being stored)
-    save_retries: int = 0  # steps a save waited for the pages before a window-freed block to be stored
-    lookup: Lookup | None = None  # while vLLM has not scheduled it; then the pins of its load
-    pinned_at: float = 0.0
-    load: tuple[int, int] | None = None  # pages [start, end) the workers load this step
-    asking: int = 0  # puts sent, not answered
-    puts: int = 0  # puts answered whose copies are not reported
-    finished: bool = False  # vLLM finished it; kept while its saves run
-    announced: bool = False  # told the workers it waits for its saves (metadata `delayed`)
-    load_failed: bool = False  # an async load failed: vLLM recomputes it, we offer it nothing more
-    hint: RetainHint | None = None  # kv_transfer_params {"hicache": {...}}: pin or prioritize the prompt once stored
-
-
-def request_extras(request: Any) -> tuple[list[str], list[tuple[str, int, int]]] | None:
-    """What the request's KV depends on besides its token ids (see request_keys.py);
-    None when it cannot be keyed at all (prompt embeddings)."""
-    if getattr(request, "prompt_embeds", None) is not None:
-        return None
-    extras = []
-    lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        extras.append(f"lora={lora.lora_name}/{getattr(lora, 'lora_int_id', '')}/{getattr(lora, 'lora_path', '')}")
-    salt = getattr(request, "cache_salt", None)
-    if salt:
-        extras.append(f"cache_salt={salt}")
-    items = [(str(f.identifier), int(f.mm_position.offset), int(f.mm_position.length))
-             for f in (getattr(request, "mm_features", None) or [])]
-    return extras, items
-
-
-def request_hint(request: Any) -> RetainHint | None:
-    """The retention hint a request carries in kv_transfer_params (vLLM fills them from
-    SamplingParams.extra_args["kv_transfer_params"]); a malformed one is logged and
-    ignored: a cache hint never fails a request."""
-    try:
-        return RetainHint.from_transfer_params(getattr(request, "kv_transfer_params", None))
-    except ValueError as e:
-        log.warning("request %s: hicache hint ignored: %s", getattr(request, "request_id", "?"), e)
-        return None
 
 
 class SchedulerSide:
@@ -126,9 +79,9 @@ class SchedulerSide:
         self.rate = StepRate(prefill_tokens_per_s)
         self.lookups = Lookups(self.clients, self.page_size, self.rate)
         self.saves = Saves(self.clients, self.page_size, wait=shape.is_hybrid)
-        self.reqs: dict[str, _Req] = {}
+        self.reqs: dict[str, RequestState] = {}
         self.loads_next: list[tuple[str, int, int]] = []  # (request, pages [start, end)) for the next metadata
-        self.finishing: dict[str, _Req] = {}  # finished requests kept for their saves
+        self.finishing: dict[str, RequestState] = {}  # finished requests kept for their saves
         self._polled = False  # this step's answers were read (once a step: a recv per client)
         self._asked = 0  # lookups started this step
         self._idle_wait_s = IDLE_WAIT_MIN_S  # an empty step's wait for an answer (doubles while none comes)
@@ -153,7 +106,7 @@ class SchedulerSide:
         self.saves.null_block = block_id
 
     # -- requests -------------------------------------------------------------------------
-    def _state(self, request: Any) -> _Req | None:
+    def _state(self, request: Any) -> RequestState | None:
         st = self.reqs.get(request.request_id)
         if st is None:
             ex = request_extras(request)
@@ -161,10 +114,10 @@ class SchedulerSide:
                 return None
             keys = {r: RequestKeys(c.salt, self.page_size, extras=ex[0], items=ex[1])
                     for r, c in self.clients.items()}
-            st = self.reqs[request.request_id] = _Req(request, keys, hint=request_hint(request))
+            st = self.reqs[request.request_id] = RequestState(request, keys, hint=request_hint(request))
         return st
 
-    def _pin_prompt(self, st: _Req) -> None:
+    def _pin_prompt(self, st: RequestState) -> None:
         """The request finished and its saves are reported: pin (or prioritize) its prompt's
         stored pages as its hint asks. Posted after the puts' put_done, which the daemon
         handles first."""
@@ -178,7 +131,7 @@ class SchedulerSide:
         for r, c in self.clients.items():
             c.retain(st.hint, keys=st.keys[r].upto(tokens, n), wait=False)
 
-    def _release(self, st: _Req) -> None:
+    def _release(self, st: RequestState) -> None:
         if st.lookup is not None:
             self.lookups.release(st.lookup)
             st.lookup = None
