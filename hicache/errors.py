@@ -24,7 +24,7 @@ class DiskTierError(HiCacheError):
 
 class DiskTierDamaged(DiskTierError):
     """The environment's files are damaged, torn, foreign or of another format: an
-    owner may move them aside (disk_format.quarantine) and start with an empty tier."""
+    owner may move them aside (tiers/disk/env.py's quarantine) and start with an empty tier."""
 
 
 class ClientError(HiCacheError):

@@ -1,7 +1,7 @@
 """`hicache bench remote --backend mooncake`: the remote tier on Mooncake Store against
 raw Mooncake calls on the same master, and against the tier on Redis, in one run.
 
-- tier: the daemon's code path — records built and verified (remote_record), the
+- tier: the daemon's code path — records built and verified (tiers/remote/record.py), the
   MooncakeStore on the RemoteWorker's thread, its helper process moving them with
   zero-copy calls on the shared staging area (a copy in before a put, out after a get).
 - raw: what an integration without the tier does — `batch_put_from` /

@@ -2,7 +2,7 @@
 against plain redis-py on the same store, in one run.
 
 The tier's side runs the daemon's own code path: records built and verified
-(remote_record: header, tokens, copy + checksum), RedisStore pipelines (one MGET
+(tiers/remote/record.py: header, tokens, copy + checksum), RedisStore pipelines (one MGET
 per run of 16 pages, hash-tagged keys) on the RemoteWorker's thread, the result
 awaited from a second event loop as the daemon's loop does. The baseline is what
 an integration without the tier would do: redis-py asyncio on the caller's loop,
@@ -11,7 +11,7 @@ checksum, no copy into a destination), the same batch size. Lookup latency: the
 daemon's galloping probe of a 512-page continuation (10 EXISTS) through the
 worker, vs the same EXISTS pipelined by redis-py on the caller's loop. Signed
 put / get: the tier's path with records signed and verified under a cluster
-secret (remote_auth: HMAC-SHA256 over each record), against the unsigned tier.
+secret (tiers/remote/auth.py: HMAC-SHA256 over each record), against the unsigned tier.
 
 By default a 3-master Redis Cluster is started on loopback ports (redis-server
 must be installed); `--url` measures an existing store instead (its keys under

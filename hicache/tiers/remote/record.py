@@ -18,10 +18,10 @@ Layout (little-endian), then the page's tokens as int32, then the page bytes:
   carries one, and (reason "mac") unless it verifies under a secret this daemon
   holds. It is checked before the page is copied out. Without a secret, records
   are written unsigned and a MAC that is present is not checked.
-- The page checksum is the disk tier's (`disk_format.checksum`: XXH3-64 in
+- The page checksum is the disk tier's (`tiers/disk/format.py`'s `checksum`: XXH3-64 in
   checksum a, 0 in b, algo 3), computed over the page right before it is
   copied into the record and verified back to back with the copy out into
-  the arena (`disk_format.copy_verified`), while the bytes are in the cache. Records of older daemons (algo 1, sum64; algo 2,
+  the arena (`copy_verified` of tiers/disk/format.py), while the bytes are in the cache. Records of older daemons (algo 1, sum64; algo 2,
   crc32) are still verified and served: a store shared across a rolling
   upgrade keeps its pages. An older daemon refuses algo 3 as a "format" error
   (a miss), never serves it.
