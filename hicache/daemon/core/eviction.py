@@ -1,10 +1,10 @@
 """Where pages go when a tier needs room: the engine cycle's eviction side.
 
-CacheService (service.py) inherits this: alloc_host is the shared host budget the
-ingest protocol draws on (growing a namespace into another's slab when the arena is
-full: slab_reclaim.py; under tenant quotas, quotas.py chooses), evict_host and
-evict_disk drop a namespace's lowest-priority pages, flush and evict_tier are the
-admin calls (in steps, so the RPC handler lets the loop run between them), and
+TierEviction is mixed into CacheService (service.py). alloc_host is the shared host
+budget the ingest protocol draws on (growing a namespace into another's slab when the
+arena is full: slab_reclaim.py; under tenant quotas, quotas.py chooses); evict_host
+and evict_disk drop a namespace's lowest-priority pages; flush and evict_tier are the
+admin calls (in steps, so the RPC handler lets the loop run between them); and
 _apply_freed returns what the index freed to its owners: host slots to their page
 class, disk keys to the disk tier, device pages to their engine.
 """
@@ -12,7 +12,7 @@ class, disk keys to the disk tier, device pages to their engine.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,16 +23,18 @@ from hicache.index.node import Freed, Tier
 
 
 class TierEviction:
-    # Set by CacheService.__init__ (service.py says what each is).
-    host: HostTier
-    namespaces: dict[bytes, NamespaceState]
-    engines: dict[int, EngineRecord]
-    counters: Counters
-    emit: Callable[[dict], None]
-    quotas: Any
-    hybrid: Any
-    before_host_evict: Callable[[NamespaceState, int], None] | None
-    on_disk_freed: Callable[[NamespaceState, list[bytes]], None] | None
+    """CacheService's eviction side (see the module docstring)."""
+
+    if TYPE_CHECKING:  # CacheService's (service.py says what each is)
+        host: HostTier
+        namespaces: dict[bytes, NamespaceState]
+        engines: dict[int, EngineRecord]
+        counters: Counters
+        emit: Callable[[dict], None]
+        quotas: Any
+        hybrid: Any
+        before_host_evict: Callable[[NamespaceState, int], None] | None
+        on_disk_freed: Callable[[NamespaceState, list[bytes]], None] | None
 
     # -- the host budget and a namespace's evictions ---------------------------
     def alloc_host(self, ns: NamespaceState, n_pages: int) -> np.ndarray | None:
