@@ -4,7 +4,7 @@ Modules:
   bench/           Benchmarks behind `hicache bench NAME`.
   cli/             The `hicache` command line: `python -m hicache.cli` and the `hicache` entry point run...
   client/          hicache.client: the engine-side library (RPC connection, EngineCache).
-  config.py        Daemon configuration: embedded defaults < TOML file < HICACHE_* variables < flags.
+  config/          Daemon configuration: embedded defaults < TOML file < HICACHE_* variables < flags.
   cpu_list.py      CPU lists as Linux writes them (`0-3,8`, `cpuset` and `taskset -c` style).
   daemon/          The hicache daemon: one sub-package per concern, imports flowing downwards.
   data/            Package data: the systemd units, the benches' default trace and its licence.

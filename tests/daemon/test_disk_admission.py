@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from hicache.client.connection import RpcConnection
-from hicache.config import Config, ConfigError
+from hicache.config import Config
+from hicache.errors import ConfigError
 from tests.daemon.test_cycle import run_worker
 from tests.wait import wait_until
 

@@ -1,23 +1,20 @@
-"""Daemon configuration: embedded defaults < TOML file < HICACHE_* variables < flags.
-
-`hicache serve` must start with no config file at all, so every field has a
-default derived from the environment: the socket under `$XDG_RUNTIME_DIR`
-(or a private 0700 directory under /tmp), state under `$STATE_DIRECTORY`
-(systemd) or `$XDG_STATE_HOME/hicache`, and tier capacities sized from what
-this machine has free.
+"""Config: every setting of the daemon, its default and its check; load_config merges
+embedded defaults < TOML file < HICACHE_* variables < flags into one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import re
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hicache.config.defaults import (
+    MIN_DISK_CAPACITY, default_disk_capacity, default_host_capacity, default_socket_path, default_state_dir,
+)
+from hicache.config.quota_specs import QuotaSpec, check_quotas, parse_quota
+from hicache.config.sizes import format_size, parse_size
 from hicache.cpu_list import parse_cpu_list
 from hicache.errors import ConfigError
 
@@ -25,13 +22,6 @@ try:  # Python 3.11+
     import tomllib
 except ModuleNotFoundError:  # pragma: no cover - 3.10
     import tomli as tomllib  # type: ignore[no-redef]
-
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 LOAD_POLICIES = ("best_effort", "wait_complete", "timeout")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -41,224 +31,6 @@ DISK_ADMISSION = ("all", "reuse")  # hicache.index.admission.ADMISSION_MODES
 DISK_PLACEMENTS = ("inclusive", "non-inclusive", "exclusive")  # hicache/daemon/movers/disk_mover.py
 # Page ids travel as int32; engines' pools are far smaller, and the daemon sizes work by them.
 MAX_DEVICE_PAGES_LIMIT = 1 << 30
-QUOTA_TIERS = ("host", "disk")  # tenant quotas (hicache/daemon/core/quotas.py): the daemon's own tiers
-QUOTA_KEYS = ("model", "extra_key", "namespace", "tier", "min", "max")
-SALT_HEX_CHARS = 32
-
-
-def parse_size(value: str | int) -> int:
-    """`512MiB`, `4GiB`, `1.5G`, `1048576` -> bytes."""
-    if isinstance(value, bool):
-        raise ConfigError(f"not a size: {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"size must be >= 0, got {value}")
-        return value
-    m = _SIZE_RE.match(str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"not a size: {value!r} (use e.g. 512MiB, 4GiB, 1073741824)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def format_size(n: int) -> str:
-    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.1f}{unit}"
-    return f"{n}B"
-
-
-def private_socket_dir() -> Path:
-    """The socket's directory when there is no runtime directory: `$TMPDIR/hicache-<uid>`.
-    Any local user can create that name first, so the daemon serves there only when it is
-    a real directory of its own with mode 0700 (hicache/daemon/serve/app.py)."""
-    return Path(tempfile.gettempdir()) / f"hicache-{os.getuid()}"
-
-
-def default_socket_path() -> Path:
-    runtime = os.environ.get("RUNTIME_DIRECTORY") or os.environ.get("XDG_RUNTIME_DIR")
-    if runtime:
-        return Path(runtime.split(":")[0]) / "hicache.sock"
-    return private_socket_dir() / "hicache.sock"
-
-
-SERVICE_SOCKET = Path("/run/hicache/hicache.sock")  # where systemd/hicache.socket listens
-
-
-def admin_socket_path(explicit: str | None = None) -> str:
-    """The socket admin commands talk to: --socket, HICACHE_SOCKET_PATH, this user's
-    default, or the system service's when only that one exists."""
-    if explicit:
-        return explicit
-    if os.environ.get("HICACHE_SOCKET_PATH"):
-        return os.environ["HICACHE_SOCKET_PATH"]
-    mine = default_socket_path()
-    if not mine.exists() and SERVICE_SOCKET.exists():
-        return str(SERVICE_SOCKET)
-    return str(mine)
-
-
-def default_state_dir() -> Path:
-    state = os.environ.get("STATE_DIRECTORY")
-    if state:
-        return Path(state.split(":")[0])
-    xdg = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(xdg) / "hicache"
-
-
-def mem_available_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def default_host_capacity() -> int:
-    """A quarter of available memory, between 64 MiB and 64 GiB: the engines need the rest."""
-    return max(64 << 20, min(mem_available_bytes() // 4, 64 << 30))
-
-
-DEFAULT_DISK_CAPACITY = 4 << 30
-MIN_DISK_CAPACITY = 1 << 20  # an LMDB map smaller than this holds little beyond its own pages
-
-
-def default_disk_capacity(state_dir: Path) -> int:
-    """4 GiB or a tenth of the free space where state lives, whichever is smaller (at least
-    64 MiB). The capacity is allocated on disk at start (the LMDB file, see
-    hicache/daemon/movers/disk_startup.py), so a first run must not take a large share of a
-    disk nobody sized for it: 4 GiB holds ~60,000 pages of 64 KiB, more than a single
-    machine's engines reuse in the benches; a deployment sets --disk-capacity."""
-    probe = state_dir
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    return max(64 << 20, min(free // 10, DEFAULT_DISK_CAPACITY))
-
-
-@dataclass(frozen=True, slots=True)
-class Share:
-    """A part of a tier: bytes, or a fraction of its capacity (written `25%`)."""
-
-    nbytes: int = 0
-    fraction: float | None = None
-
-    def of(self, capacity: int) -> int:
-        return int(self.fraction * capacity) if self.fraction is not None else self.nbytes
-
-    def __str__(self) -> str:
-        return f"{self.fraction * 100:g}%" if self.fraction is not None else format_size(self.nbytes)
-
-
-def parse_share(value: str | int) -> Share:
-    """`25%` (of the tier's capacity), or a size: `2GiB`, `1048576`."""
-    if isinstance(value, float):  # 0.25 would read as 0 bytes
-        raise ConfigError(f"not a share: {value!r} (write a share of the tier as '25%', or a size)")
-    if isinstance(value, str) and value.strip().endswith("%"):
-        try:
-            pct = float(value.strip()[:-1])
-        except ValueError:
-            raise ConfigError(f"not a share: {value!r} (use e.g. 25% or 2GiB)") from None
-        if not 0 <= pct <= 100:
-            raise ConfigError(f"a share is between 0% and 100%, got {value!r}")
-        return Share(fraction=pct / 100)
-    return Share(nbytes=parse_size(value))
-
-
-@dataclass(frozen=True, slots=True)
-class QuotaSpec:
-    """One tenant's guaranteed minimum and maximum share of one tier.
-
-    The tenant is every namespace of `model`, only those with extra key `extra_key`
-    when it is given, or the one namespace whose salt is `namespace` (32 hex digits)."""
-
-    tier: str
-    min: Share = Share()
-    max: Share | None = None  # None: the whole tier
-    model: str = ""
-    extra_key: str | None = None
-    namespace: str = ""
-
-    def __post_init__(self) -> None:
-        if self.tier not in QUOTA_TIERS:
-            raise ConfigError(f"quota tier must be one of {QUOTA_TIERS}, got {self.tier!r}")
-        if bool(self.model) == bool(self.namespace):
-            raise ConfigError("a quota names its tenant by model (and optionally extra_key) or by namespace "
-                              "(a salt), not both and not neither")
-        if self.extra_key is not None and not self.model:
-            raise ConfigError("a quota's extra_key goes with its model")
-        if self.namespace and (len(self.namespace) != SALT_HEX_CHARS
-                               or any(c not in "0123456789abcdef" for c in self.namespace)):
-            raise ConfigError(f"a quota's namespace is a salt of {SALT_HEX_CHARS} lowercase hex digits "
-                              f"(as `hicache ls --json` shows), got {self.namespace!r}")
-
-    @property
-    def tenant(self) -> tuple[str, str | None, str]:
-        return (self.model, self.extra_key, self.namespace)
-
-    def describe(self) -> str:
-        if self.namespace:
-            return f"namespace={self.namespace[:16]}"
-        return f"model={self.model}" + ("" if self.extra_key is None else f" extra_key={self.extra_key}")
-
-    def bounds(self, capacity: int) -> tuple[int, int]:
-        """(min, max) in bytes of a tier of `capacity` bytes; ConfigError when min > max."""
-        lo = self.min.of(capacity)
-        hi = capacity if self.max is None else self.max.of(capacity)
-        if lo > hi:
-            what = f"max {self.max}" if self.max is not None else f"the tier's {format_size(capacity)}"
-            raise ConfigError(f"quota {self.describe()} on {self.tier}: min {self.min} is more than {what}")
-        return lo, min(hi, capacity)
-
-
-def parse_quota(value: str | dict) -> QuotaSpec:
-    """A quota from a TOML table or a `key=value,...` string (the flag and HICACHE_QUOTAS):
-    `model=llama,extra_key=tenant-a,tier=host,min=25%,max=50%`."""
-    if isinstance(value, str):
-        fields: dict[str, Any] = {}
-        for item in value.split(","):
-            key, eq, val = item.partition("=")
-            if not eq:
-                raise ConfigError(f"quota {value!r}: {item!r} is not key=value")
-            fields[key.strip()] = val.strip()
-    elif isinstance(value, dict):
-        fields = dict(value)
-    else:
-        raise ConfigError(f"a quota is a table or a key=value,... string, got {value!r}")
-    unknown = set(fields) - set(QUOTA_KEYS)
-    if unknown:
-        raise ConfigError(f"quota {value!r}: unknown keys {sorted(unknown)} (known: {', '.join(QUOTA_KEYS)})")
-    if "tier" not in fields:
-        raise ConfigError(f"quota {value!r}: no tier (host or disk)")
-    for key in ("model", "extra_key", "namespace", "tier"):
-        if key in fields and not isinstance(fields[key], str):
-            raise ConfigError(f"quota {value!r}: {key} must be a string")
-    return QuotaSpec(tier=fields["tier"], min=parse_share(fields.get("min", 0)),
-                     max=parse_share(fields["max"]) if fields.get("max") not in (None, "") else None,
-                     model=fields.get("model", ""), extra_key=fields.get("extra_key"),
-                     namespace=fields.get("namespace", "").lower())
-
-
-def check_quotas(quotas: tuple[QuotaSpec, ...], capacities: dict[str, int | None]) -> None:
-    """ConfigError unless every quota's min <= max and, per tier, the mins add up to at most its
-    capacity, one quota per tenant and tier, and the tier exists (`None`: disabled)."""
-    seen: set[tuple] = set()
-    mins = dict.fromkeys(capacities, 0)
-    for q in quotas:
-        cap = capacities.get(q.tier)
-        if cap is None:
-            raise ConfigError(f"quota {q.describe()} on {q.tier}: this daemon has no {q.tier} tier")
-        if (q.tenant, q.tier) in seen:
-            raise ConfigError(f"two quotas for {q.describe()} on {q.tier}")
-        seen.add((q.tenant, q.tier))
-        mins[q.tier] += q.bounds(cap)[0]
-    for tier, total in mins.items():
-        cap = capacities[tier]
-        if cap is not None and total > cap:
-            raise ConfigError(f"the {tier} quotas' minimums add up to {format_size(total)}, more than the "
-                              f"{tier} tier's {format_size(cap)}")
 
 
 @dataclass(frozen=True)
