@@ -43,9 +43,10 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from hicache.integrations.vllm_engine import counters, engine_kwargs
+from hicache.integrations.vllm_engine import counters, engine_kwargs, reset_prefix_cache
 
 RESULT = "HICACHE_RESULT "  # the line of stdout that carries the result
+RESET_TIMEOUT_S = 60.0  # between rounds: the last saves of a round finish well within it
 
 
 def run_in_process(spec: dict[str, Any], workdir: Path, name: str, env: dict[str, str] | None = None,
@@ -116,7 +117,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         if i and spec.get("socket") and spec.get("settle", True):
             settle_puts(spec["socket"])
         if i and spec.get("reset_between_rounds", True):
-            reset_prefix_cache(llm)
+            reset_prefix_cache(llm, RESET_TIMEOUT_S)
         if i in spec.get("pause_before_rounds", ()):
             _pause(Path(spec["pause_dir"]), i)
         # fault injection: the daemon dies (SIGKILL) or hangs (SIGSTOP) during a round, or wakes up
@@ -143,18 +144,6 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                        "prefill": [_engine_parts(o)[1] for o in outs], "wall_s": wall, "counters": counters()})
     hma = not llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
     return {"init_s": init_s, "rounds": rounds, "counters": counters(), "hybrid_kv_cache_manager": hma}
-
-
-def reset_prefix_cache(llm: Any, timeout_s: float = 60.0) -> None:
-    """Clear vLLM's own prefix cache. `generate` returns before the engine frees the blocks
-    of requests whose saves are still running (the connector delays their free), and a
-    reset while any block is held does nothing: try until it takes, or fail loudly (blocks
-    held this long are a connector that never reports its saves done)."""
-    deadline = time.monotonic() + timeout_s
-    while not llm.reset_prefix_cache(reset_connector=False):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"vLLM's prefix cache could not be reset in {timeout_s:g} s: blocks still held")
-        time.sleep(0.01)
 
 
 def settle_puts(socket: str, timeout_s: float = 30.0) -> None:

@@ -4,6 +4,8 @@ the step-by-step one (vllm_step_driver.py)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -48,3 +50,18 @@ def counters() -> dict[str, float]:
         if any(w in metric.name for w in ("prefix_cache", "prompt_tokens", "hicache")):
             out[metric.name] = sum(s.value for s in metric.samples if s.name.endswith("_total"))
     return out
+
+
+def reset_prefix_cache(engine: Any, timeout_s: float, step: Callable[[], Any] | None = None) -> None:
+    """Clear vLLM's own prefix cache (an LLM or an LLMEngine). vLLM refuses while any block is
+    held, and requests whose saves still run keep theirs after they finish (the connector
+    delays their free): try until it takes, stepping the engine in between when the caller
+    drives the steps (`step`; otherwise the engine core steps by itself), and fail loudly
+    past `timeout_s` (blocks held that long are a connector that never reports its saves)."""
+    deadline = time.monotonic() + timeout_s
+    while not engine.reset_prefix_cache(reset_connector=False):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"vLLM's prefix cache could not be reset in {timeout_s:g} s: blocks still held")
+        if step is not None:
+            step()
+        time.sleep(0.001 if step is not None else 0.01)

@@ -34,7 +34,7 @@ import traceback
 from typing import Any
 
 from hicache.integrations.vllm_call_clock import CallClock
-from hicache.integrations.vllm_engine import engine_kwargs
+from hicache.integrations.vllm_engine import engine_kwargs, reset_prefix_cache
 
 DRAIN_TIMEOUT_S = 60.0
 
@@ -89,7 +89,7 @@ class StepDriver:
         from vllm import SamplingParams
 
         if cmd.get("reset_prefix_cache"):
-            self._reset_prefix_cache()
+            reset_prefix_cache(self.engine, DRAIN_TIMEOUT_S, self.engine.step)
         params = SamplingParams(max_tokens=int(cmd["max_tokens"]), temperature=0.0, detokenize=False,
                                 ignore_eos=True)
         tag = cmd["tag"]
@@ -130,15 +130,6 @@ class StepDriver:
                     for i, (rid, p) in enumerate((f"{tag}-{i}", p) for i, p in enumerate(prompts))]
         return {"tag": tag, "requests": requests, "wall_s": last - t0, "add_s": add_s, "steps": steps,
                 "calls": calls, "drain": drained}
-
-    def _reset_prefix_cache(self) -> None:
-        """Empty vLLM's own prefix cache (it refuses while blocks are still in use)."""
-        deadline = time.monotonic() + DRAIN_TIMEOUT_S
-        while not self.engine.reset_prefix_cache(reset_connector=False):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM did not reset its prefix cache within {DRAIN_TIMEOUT_S:g} s")
-            self.engine.step()
-            time.sleep(0.001)
 
     def _drain(self) -> dict[str, float]:
         """Step until the scheduler holds nothing (asynchronous saves finished), then until the
