@@ -205,7 +205,8 @@ class SchedulerSide:
     # -- each step ------------------------------------------------------------------------
     def build_meta(self, so: Any) -> HiCacheMeta:
         meta = HiCacheMeta(preempted=bool(getattr(so, "preempted_req_ids", None)))
-        self.rate.step(int(getattr(so, "total_num_scheduled_tokens", 0) or 0))
+        scheduled = getattr(so, "total_num_scheduled_tokens", None)  # None: an output without the count
+        self.rate.step(int(scheduled or 0))
         self._poll()
         self._track_blocks(so)
         computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
@@ -232,7 +233,7 @@ class SchedulerSide:
         self._expire_pins()
         for c in self.clients.values():  # the step's lookups, puts and reports: one write
             c.flush()
-        if getattr(so, "total_num_scheduled_tokens", 1):
+        if scheduled != 0:  # the step computes (or does not say): nothing to wait for
             self._idle_wait_s = IDLE_WAIT_MIN_S
         elif wait_for_answers(self.clients.values(), self._idle_wait_s):  # an answer came, or none is owed
             self._idle_wait_s = IDLE_WAIT_MIN_S
